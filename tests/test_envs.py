@@ -1,0 +1,136 @@
+"""The toy world: checklist rewards on hand-worked episodes, a fuzzed step(), task files and traces."""
+import copy
+import json
+import random
+
+import pytest
+
+import envs
+from envs import DONE_TEXT, SHOPS, Task, ToolWorld, format_call, load_tasks, oracle_calls
+
+
+def hand_task(shop="delta"):
+    """A hand-written task: replace Ana's pear order (O002) with 4 mugs. Two checklist items."""
+    db = {"customers": {"C100": {"name": "Ana", "tier": "gold", "city": "Oslo"},
+                        "C200": {"name": "Ben", "tier": "bronze", "city": "Lima"}},
+          "orders": {"O001": {"customer": "C100", "item": "apple", "qty": 2, "status": "open"},
+                     "O002": {"customer": "C100", "item": "pear", "qty": 1, "status": "open"},
+                     "O003": {"customer": "C200", "item": "pear", "qty": 5, "status": "held"}}}
+    return Task("hand-0", shop, "swap", f"[{shop} shop] Replace Ana's pear order with 4 mug.", db,
+                {"name": "Ana", "item": "pear", "item2": "mug", "qty": 4},
+                [["removed", "orders", "O002"], ["added", "orders", "C100", "mug", 4]])
+
+
+def play(task, calls):
+    env = ToolWorld()
+    env.reset(task)
+    for name, args in calls:
+        env.step(format_call(name, args))
+    env.step(DONE_TEXT)
+    return env
+
+
+def test_perfect_partial_harmful_rewards():
+    t = hand_task("delta")  # find_customer, no commit
+    perfect = [("find_customer", {"name": "Ana"}), ("list_orders", {"customer_id": "C100"}),
+               ("cancel_order", {"order_id": "O002"}), ("add_order", {"customer_id": "C100", "item": "mug", "qty": 4})]
+    assert oracle_calls(t) == perfect
+    assert play(t, perfect).reward() == 1.0
+    assert play(t, perfect[:3]).reward() == 0.5                     # cancelled, never added: 1 of 2
+    assert play(t, perfect[:1]).reward() == 0.0
+    harmful = perfect + [("cancel_order", {"order_id": "O003"})]    # also cancels Ben's order
+    assert play(t, harmful).reward() == 0.5                         # (2 − 1 collateral) / 2
+    wrong_value = perfect[:3] + [("add_order", {"customer_id": "C100", "item": "mug", "qty": 3})]
+    assert play(t, wrong_value).reward() == 0.0                     # (1 − 1 unasked order) / 2
+
+
+def test_commit_shop_stages_until_commit():
+    t = hand_task("alder")  # find_customer, commit
+    calls = oracle_calls(t)
+    assert calls[-1] == ("commit", {})
+    assert play(t, calls[:-1]).reward() == 0.0                      # staged only
+    assert play(t, calls).reward() == 1.0
+    env = play(hand_task("delta"), [("commit", {})])
+    assert env.trace[0][2].startswith("Error: unknown tool")       # commit does not exist in delta
+
+
+def test_wrong_lookup_tool_is_an_error():
+    env = ToolWorld()
+    env.reset(hand_task("birch"))                                   # birch uses lookup_customer
+    assert env.step(format_call("find_customer", {"name": "Ana"})).observations == ["Error: unknown tool 'find_customer'"]
+    assert env.step(format_call("lookup_customer", {"name": "Ana"})).observations == ["C100"]
+
+
+def test_oracle_solves_every_generated_task():
+    train, test = envs.make_splits(seed=1, n_train=300, n_test=100)
+    for t in train + test:
+        assert play(t, oracle_calls(t)).reward() == 1.0, t.text
+
+
+def test_splits_disjoint_and_seeded():
+    a_train, a_test = envs.make_splits(seed=3, n_train=200, n_test=50)
+    b_train, _ = envs.make_splits(seed=3, n_train=200, n_test=50)
+    assert [t.text for t in a_train] == [t.text for t in b_train]
+    assert not {t.text for t in a_train} & {t.text for t in a_test}
+    assert {t.shop for t in a_train} == set(SHOPS) and len({t.schema for t in a_train}) >= 8
+
+
+def _random_action(rng):
+    names = [t["function"]["name"] for t in envs.TOOLS] + ["", "drop_table", "list_orders "]
+    junk = ["", "{", "}", "null", "[1,2]", '{"name": 3}', '{"name": "x", "arguments": []}', "<tool_call>",
+            "</tool_call>", "Task Completed", "\x00", "😀", '{"name": "commit", "arguments": {"a": 1}}']
+    values = [None, 0, -1, 10**30, 1.5, True, "", "C100", "O002", "O999", "Ana", "pear", "gold", "qty", "status",
+              "shipped", "9" * 50, [], {}, {"x": 1}, "tier", "city", "Oslo", "12"]
+    kind = rng.random()
+    if kind < 0.6:
+        keys = ["name", "customer_id", "order_id", "field", "value", "item", "qty", "extra"]
+        args = {k: rng.choice(values) for k in rng.sample(keys, rng.randint(0, 4))}
+        call = format_call(rng.choice(names), args)
+        if rng.random() < 0.2:
+            call = call[: rng.randint(0, len(call))]               # truncated
+        return call * rng.randint(1, 2)
+    if kind < 0.9:
+        return "".join(rng.choice(junk) for _ in range(rng.randint(1, 4)))
+    return "".join(chr(rng.randint(0, 0x2FFF)) for _ in range(rng.randint(0, 40)))
+
+
+def test_fuzz_step_never_raises_and_state_stays_consistent():
+    rng = random.Random(0)
+    env, t = ToolWorld(max_steps=10**9), hand_task("alder")
+    env.reset(t)
+    for i in range(12000):
+        if i % 400 == 0:
+            env.reset(hand_task(rng.choice(sorted(SHOPS))))
+        res = env.step(_random_action(rng))
+        assert isinstance(res.observations, list) and all(isinstance(o, str) for o in res.observations)
+        r = env.reward()
+        assert 0.0 <= r <= 1.0
+        for o in env.db["orders"].values():                         # invariants of the database
+            assert o["customer"] in env.db["customers"]
+            assert isinstance(o["qty"], int) and 1 <= o["qty"] <= 99
+            assert o["status"] in envs.STATUSES and o["item"] in envs.ITEMS
+        for c in env.db["customers"].values():
+            assert c["tier"] in envs.TIERS and c["city"] in envs.CITIES
+    assert env.task.db == hand_task(env.task.shop).db               # the task's initial state is never touched
+
+
+def test_tasks_jsonl_round_trip_and_errors(tmp_path):
+    train, _ = envs.make_splits(seed=0, n_train=20, n_test=1)
+    path = tmp_path / "tasks.jsonl"
+    envs.save_tasks(train, str(path))
+    assert [t.__dict__ for t in load_tasks(str(path))] == [t.__dict__ for t in train]
+    lines = path.read_text().splitlines()
+    bad = copy.deepcopy(json.loads(lines[2]))
+    del bad["checklist"]
+    for n, line in [(2, "{not json"), (3, json.dumps(bad)), (1, json.dumps({**json.loads(lines[0]), "shop": "zzz"}))]:
+        broken = list(lines)
+        broken[n - 1] = line
+        path.write_text("\n".join(broken) + "\n")
+        with pytest.raises(ValueError, match=f"tasks.jsonl:{n}:"):
+            load_tasks(str(path))
+
+
+def test_lite_trace_format():
+    env = play(hand_task("delta"), [("find_customer", {"name": "Ana"}), ("nope", {})])
+    assert envs.lite_trace(env.trace) == ('1. find_customer(name="Ana") -> C100\n'
+                                          "2. nope() -> Error: unknown tool 'nope'")

@@ -1,0 +1,119 @@
+"""Toy backbone (tokenizer, chat template, tiny pretraining) and rollout bookkeeping (ω, sampled log-probs)."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import envs
+import lopd
+import toy
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    """A tiny pretraining run (the smoke test of base pretraining), saved as an ordinary HF folder."""
+    torch.set_num_threads(1)
+    out = str(tmp_path_factory.mktemp("bb") / "toy")
+    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, hidden=32, layers=2, log=lambda *_: None)
+    return AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out), out
+
+
+def test_pretraining_smoke_saves_a_cached_hf_folder(backbone):
+    model, tok, out = backbone
+    meta = json.load(open(os.path.join(out, "toy_backbone.json")))
+    assert meta["steps"] == 60 and model.config.vocab_size == len(tok)
+    assert sum(p.numel() for p in model.parameters()) == meta["params"]
+    stamp = os.path.getmtime(os.path.join(out, "config.json"))
+    toy.build_backbone(out, log=lambda *_: None)                       # second call reuses the folder
+    assert os.path.getmtime(os.path.join(out, "config.json")) == stamp
+
+
+def test_tokenizer_round_trip(backbone):
+    _, tok, _ = backbone
+    for text in ['<tool_call>\n{"name": "find_customer", "arguments": {"name": "Ana"}}\n</tool_call>',
+                 "[cedar shop] Cancel Ana's pear order.", "C417 O082 x9 ünïcødé 😀 \t\n  end"]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    ids = tok("C417", add_special_tokens=False)["input_ids"]
+    assert [tok.decode([i]) for i in ids] == ["C", "4", "1", "7"]      # digits one by one, as in Qwen3
+    for t in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_response>"]:
+        assert len(tok(t, add_special_tokens=False)["input_ids"]) == 1
+    assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"
+
+
+def test_chat_template_renders_tool_calls_like_qwen3(backbone):
+    _, tok, _ = backbone
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "list_orders", "arguments": {"customer_id": "C1"}}}]},
+            {"role": "tool", "content": "O1 pear x1 open"}, {"role": "tool", "content": "second"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+                    '<tool_call>\n{"name": "list_orders", "arguments": {"customer_id": "C1"}}\n</tool_call>'
+                    "<|im_end|>\n<|im_start|>user\n<tool_response>\nO1 pear x1 open\n</tool_response>\n"
+                    "<tool_response>\nsecond\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # the assistant content written by format_call renders identically to a structured tool call
+    as_text = msgs[:2] + [{"role": "assistant", "content": envs.format_call("list_orders", {"customer_id": "C1"})}]
+    assert tok.apply_chat_template(as_text, tokenize=False) == tok.apply_chat_template(msgs[:3], tokenize=False)
+
+
+def _segments(ep):
+    """Split an episode into maximal runs of equal ω: [(ω, ids), ...]."""
+    segs = []
+    for i, m in zip(ep.ids, ep.mask):
+        if segs and segs[-1][0] == m:
+            segs[-1][1].append(i)
+        else:
+            segs.append((m, [i]))
+    return segs
+
+
+def test_rollout_omega_covers_exactly_the_sampled_tokens(backbone):
+    model, tok, _ = backbone
+    _, test = envs.make_splits(seed=0, n_train=10, n_test=12)
+    torch.manual_seed(0)
+    eps = lopd.rollout(model, tok, test, lopd.SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=5))
+    assert max(e.steps for e in eps) >= 2                               # multi-turn episodes occur
+    for ep in eps:
+        segs = _segments(ep)
+        env = envs.ToolWorld()
+        assert segs[0] == (0, lopd.prompt_ids(tok, env.reset(ep.task)))  # the prompt, unsampled
+        assert len(ep.ids) == len(ep.mask) == len(ep.logps) and ep.prompt_len == len(segs[0][1])
+        replies = [ids for m, ids in segs if m == 1]
+        observations = [ids for m, ids in segs[1:] if m == 0]
+        assert len(replies) == ep.steps and len(observations) in (ep.steps - 1, ep.steps - 2)
+        for k, reply in enumerate(replies):                            # replay: ω = 0 runs are the observations
+            text = tok.decode(reply).replace(tok.eos_token, "")
+            result = env.step(text)
+            if k < len(observations):
+                assert observations[k] == lopd.observation_ids(tok, result.observations)
+        assert env.reward() == ep.reward and envs.lite_trace(env.trace) == ep.trace
+
+
+def test_rescoring_recorded_ids_matches_sampling_logprobs(backbone):
+    model, tok, _ = backbone
+    _, test = envs.make_splits(seed=0, n_train=10, n_test=6)
+    torch.manual_seed(1)
+    eps = lopd.rollout(model, tok, test, lopd.SampleConfig(temperature=0.7, max_new_tokens=32, batch_size=6))
+    for ep in eps:
+        ids = torch.tensor([ep.ids])                                     # (1, T)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)  # (T-1, V)
+        again = logp.gather(-1, ids[0, 1:, None])[:, 0]                  # (T-1,)
+        omega = torch.tensor(ep.mask[1:], dtype=torch.bool)
+        recorded = torch.tensor(ep.logps[1:])
+        assert torch.allclose(again[omega], recorded[omega], atol=2e-4), (again[omega] - recorded[omega]).abs().max()
+        assert (recorded[~omega] == 0).all()
+
+
+def test_scripted_episode_uses_the_same_bookkeeping(backbone):
+    _, tok, _ = backbone
+    task = envs.make_splits(seed=2, n_train=1, n_test=1)[0][0]
+    ep = lopd.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task))
+    assert ep.reward == 1.0 and ep.steps == len(envs.oracle_calls(task)) + 1
+    rendered = tok.decode(ep.ids)
+    assert rendered.endswith("Task Completed<|im_end|>") and rendered.count("<tool_call>") == ep.tool_calls
+    sampled = tok.decode([i for i, m in zip(ep.ids, ep.mask) if m])
+    assert sampled.count("<|im_end|>") == ep.steps and "<tool_response>" not in sampled
