@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+import inject
+import losses
 from envs import DONE_TEXT, ToolWorld, format_call, lite_trace
 
 
@@ -236,3 +238,155 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
             progress.update(len(chunk))
     model.train(was_training)
     return episodes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Algorithm 1, step 3: retrieve J experiences and compose c_φ; the teacher acting behind its latent prompt
+# ----------------------------------------------------------------------------------------------------------------
+def experience_text(entry: dict) -> str:
+    """m_j as the encoder reads it: the bank entry's task description followed by its trace (A.3)."""
+    return entry["task"] + "\n" + entry["trace"]
+
+
+def retrieve(retriever, tasks, n_ret: int):
+    """Ret(x) for each task (eq. 16), never the task's own entries: B lists of J bank entries."""
+    return retriever.retrieve([t.task_id for t in tasks], [t.text for t in tasks], n_ret=n_ret, exclude_self=True)
+
+
+def compose(composer, tasks, experiences, chunk: int = 32):
+    """c_φ for each task (eqs. 4-7): experiences B lists of J entries -> latents (B, J·K, d)."""
+    out = []
+    for i in range(0, len(tasks), chunk):
+        out.append(composer([t.text for t in tasks[i:i + chunk]],
+                            [[experience_text(e) for e in es] for es in experiences[i:i + chunk]]))
+    return torch.cat(out, 0)                                                  # (B, J·K, d)
+
+
+@torch.no_grad()
+def teacher_rollout(composer, tokenizer, tasks, latents, cfg: SampleConfig, make_env=ToolWorld, tools=None,
+                    enable_thinking=False, progress=None):
+    """The frozen base θ̄ acting behind its latent prompt ("base + composer"): LoRA off (A.4), latents injected."""
+    n = latents.shape[1]
+    starts = [inject.latent_prompt_ids(tokenizer, make_env().reset(t), n, tools=tools,
+                                       enable_thinking=enable_thinking)[1] for t in tasks]
+    prompt_fn = inject.latent_prompt_fn(n, tools=tools, enable_thinking=enable_thinking)
+    embed_fn = inject.make_embed_fn(composer.peft, latents, starts)
+    with composer.adapter_disabled():
+        return rollout(composer.peft, tokenizer, tasks, cfg, make_env, tools, prompt_fn, embed_fn, progress)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Algorithm 1: one LOPD iteration
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class LOPDConfig:
+    n_ret: int = 3             # J
+    top_m: int = 20            # M (eq. 9)
+    margin: float = 0.05       # m (eq. 13)
+    anchor: float = 0.2        # λ (eq. 13)
+    dual_lr: float = 0.5       # η_β (eq. 13)
+    delta_per: str = "trajectory"   # Δ normalisation (eq. 12)
+    micro_batch: int = 8       # rollouts per forward/backward
+    clip: float = 1.0          # gradient clipping, student and composer each
+    freeze_composer: bool = False
+
+
+def pack(prefixes, conts, pad_id, device):
+    """Left-pad prefixes to a common length P and right-pad continuations to Tc, so that column P + t holds
+    continuation token t in every row. Returns ids (B, P+Tc), attention mask, position ids, P, left-pad sizes."""
+    P, Tc = max(len(p) for p in prefixes), max(len(c) for c in conts)
+    ids = torch.full((len(conts), P + Tc), pad_id, dtype=torch.long)            # (B, P+Tc)
+    att = torch.zeros_like(ids)                                                  # (B, P+Tc)
+    for i, (p, c) in enumerate(zip(prefixes, conts)):
+        ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
+        att[i, P - len(p):P + len(c)] = 1
+    pos = (att.cumsum(1) - 1).clamp(min=0)                                       # (B, P+Tc) true positions
+    pad = torch.tensor([P - len(p) for p in prefixes])                           # (B,)
+    return ids.to(device), att.to(device), pos.to(device), P, pad.to(device)
+
+
+def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools=None):
+    """Algorithm 1, step 4: both models score the SAME sampled continuation (never re-tokenized, eq. 8).
+
+    The student sees its own prompt; the teacher θ̄ (LoRA off) sees the latent prompt with c_φ injected.
+    Returns aligned student and teacher logits (B, Tc, V), continuation ids and ω (B, Tc)."""
+    device = latents.device
+    conts = [e.ids[e.prompt_len:] for e in eps]
+    ids_s, att_s, pos_s, P_s, _ = pack([e.ids[:e.prompt_len] for e in eps], conts, tokenizer.pad_token_id, device)
+    prompts = [inject.latent_prompt_ids(tokenizer, make_env().reset(e.task), latents.shape[1], tools=tools)
+               for e in eps]
+    ids_t, att_t, pos_t, P_t, pad_t = pack([p for p, _ in prompts], conts, tokenizer.pad_token_id, device)
+    starts = torch.tensor([s for _, s in prompts], device=device) + pad_t       # (B,) span starts after padding
+    Tc = ids_s.shape[1] - P_s
+    logits_s = student(input_ids=ids_s, attention_mask=att_s, position_ids=pos_s).logits   # (B, P_s+Tc, V)
+    embeds = inject.embed_with_latents(composer.peft, ids_t, latents, starts)             # (B, P_t+Tc, d)
+    with composer.adapter_disabled():
+        logits_t = composer.peft(inputs_embeds=embeds, attention_mask=att_t, position_ids=pos_t).logits
+    # logits at column P-1+t predict continuation token t
+    omega = torch.zeros((len(eps), Tc), device=device)                                    # (B, Tc)
+    for i, e in enumerate(eps):
+        omega[i, :len(conts[i])] = torch.tensor(e.mask[e.prompt_len:], dtype=torch.float)
+    return logits_s[:, P_s - 1:P_s - 1 + Tc], logits_t[:, P_t - 1:P_t - 1 + Tc], ids_s[:, P_s:], omega
+
+
+@torch.no_grad()
+def anchor_cache(composer, retriever, tasks, n_ret: int, chunk: int = 32) -> dict:
+    """c_φ0 per task from the cold-started composer, computed once (Algorithm 1: "cache c_φ0 per task")."""
+    cache = {}
+    for i in range(0, len(tasks), chunk):
+        part = tasks[i:i + chunk]
+        c0 = compose(composer, part, retrieve(retriever, part, n_ret))          # (b, J·K, d)
+        cache.update({t.task_id: c for t, c in zip(part, c0.cpu())})
+    return cache
+
+
+def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, opts, cfg: LOPDConfig,
+              sample_cfg: SampleConfig, make_env=ToolWorld, tools=None):
+    """One iteration of Algorithm 1 on `tasks`. opts = (student optimizer, composer optimizer or None).
+    Returns (β, metrics, episodes); a non-finite loss skips the update and β, and says so in the metrics."""
+    # 1-2. on-policy student rollouts from the task alone (eq. 1); r_i from the verifier, A_i = 2 r_i − 1 later
+    eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
+    rewards = torch.tensor([e.reward for e in eps])                                       # (B,)
+    # 3. retrieve J experiences per task (eq. 16)
+    exps = retrieve(retriever, tasks, cfg.n_ret)
+    n_tokens, n_traj = sum(sum(e.mask) for e in eps), len(eps)                            # whole-batch normalisers
+    student.train()
+    totals, finite = {}, True
+    for i in range(0, len(eps), cfg.micro_batch):
+        mb = slice(i, i + cfg.micro_batch)
+        with torch.set_grad_enabled(not cfg.freeze_composer):
+            latents = compose(composer, tasks[mb], exps[mb])                              # (b, J·K, d) c_φ
+        c0 = torch.stack([c0_cache[t.task_id] for t in tasks[mb]]).to(latents)           # (b, J·K, d) sg[c_φ0]
+        # 4. the teacher re-scores exactly the student's ids behind c_φ; the student behind its own prompt
+        ls, lt, ids, omega = student_teacher_logits(student, composer, tokenizer, eps[mb], latents, make_env, tools)
+        # 5. eq. (13) at fixed β: one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor)
+        loss, m = losses.lopd_objective(ls, lt, ids, omega, rewards[mb].to(ls.device), beta, cfg.margin,
+                                        None if cfg.freeze_composer else latents, c0, cfg.anchor, cfg.top_m,
+                                        n_tokens, cfg.delta_per, n_traj)
+        finite &= bool(torch.isfinite(loss))
+        if finite:
+            loss.backward()
+        for k, v in m.items():                                                            # micro-batch parts add
+            totals[k] = totals.get(k, 0.0) + v
+    student.eval()
+    # 6. AdamW steps, gradients clipped per model; 7. the dual step β ← [β + η_β (m − Δ)]₊
+    finite = finite and _step(opts, student, composer, cfg.clip)
+    if finite:
+        beta = losses.dual_step(beta, totals["privilege/delta"], cfg.margin, cfg.dual_lr)
+    metrics = {"reward/student": rewards.mean().item(), **totals, "dual/beta": beta, "skipped": int(not finite),
+               "tokens": n_tokens, **{"behaviour/" + k: v for k, v in summarize(eps).items() if k != "reward"}}
+    return beta, metrics, eps
+
+
+def _step(opts, student, composer, clip: float) -> bool:
+    """Clip and step each optimizer; if any gradient is non-finite, drop all gradients and return False."""
+    groups = [(opts[0], list(student.parameters()))]
+    if opts[1] is not None:
+        groups.append((opts[1], composer.trainable_parameters()))
+    norms = [torch.nn.utils.clip_grad_norm_(params, clip) for _, params in groups]
+    ok = all(bool(torch.isfinite(n)) for n in norms)
+    for opt, _ in groups:
+        if ok:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ok

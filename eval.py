@@ -1,0 +1,112 @@
+"""Evaluation on held-out tasks: vanilla, base + composer, and the LOPD student alone (paper §4, B.3, B.4, §4.4).
+
+    python eval.py --run runs/toy                    # the three rows, results.md and results.json in the run
+    python eval.py --run runs/toy --inspect-latents  # also: the LM-head projection of each latent token (§4.4)
+
+Rows (Table 3):
+- vanilla          the base model θ̄, task only;
+- base + composer  θ̄ acting behind latents composed from J retrieved training experiences (the teacher);
+- LOPD student     the trained student θ alone: no retrieval, no composer, no latent context.
+Each row reports mean reward, full-pass rate and the behaviour counts of Table 3 (interaction steps, tool calls per
+step, first-step length, repeated tool calls, reward per tool call).
+
+Deviation: the paper evaluates on EnvScaler's 200 held-out tasks, BFCL-v3 and ACEBench; the toy world's held-out
+split stands in for the first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+import envs
+import lopd
+
+COLUMNS = [("reward", "reward"), ("full_pass", "full pass"), ("steps", "steps"), ("calls_per_step", "calls/step"),
+           ("first_len", "1st-step len"), ("repeated_calls", "repeated calls"), ("reward_per_call", "reward/call")]
+PAPER_TABLE3 = {  # EnvScaler, Qwen3-4B (Table 3)
+    "vanilla": {"reward": 0.486, "steps": 11.12, "calls_per_step": 3.50, "repeated_calls": 8.89,
+                "reward_per_call": 0.038},
+    "base + composer": {"reward": 0.631, "steps": 16.31, "calls_per_step": 1.21, "repeated_calls": 4.49},
+    "LOPD student": {"reward": 0.637, "steps": 17.04, "calls_per_step": 1.11, "repeated_calls": 5.25,
+                     "reward_per_call": 0.050},
+}
+
+
+def _bar(n, desc):
+    return tqdm(total=n, desc=desc, leave=False)
+
+
+def eval_vanilla(composer, tok, tasks, cfg, make_env, tools=envs.TOOLS):
+    """θ̄ on the task alone. The composer's LoRA lives in the same backbone, so it is switched off (A.4)."""
+    with composer.adapter_disabled(), _bar(len(tasks), "eval vanilla") as bar:
+        return lopd.rollout(composer.peft, tok, tasks, cfg, make_env, tools, progress=bar)
+
+
+def eval_teacher(composer, retriever, tok, tasks, cfg, make_env, n_ret, tools=envs.TOOLS):
+    """θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own."""
+    with torch.no_grad():
+        latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, n_ret))    # (B, J·K, d)
+    with _bar(len(tasks), "eval base + composer") as bar:
+        return lopd.teacher_rollout(composer, tok, tasks, latents, cfg, make_env, tools, progress=bar)
+
+
+def eval_student(student, tok, tasks, cfg, make_env, tools=envs.TOOLS):
+    with _bar(len(tasks), "eval student") as bar:
+        return lopd.rollout(student, tok, tasks, cfg, make_env, tools, progress=bar)
+
+
+def markdown_table(rows: dict, paper=PAPER_TABLE3) -> str:
+    """rows: name -> summary dict. Paper values (Table 3) in brackets where the paper has them."""
+    head = "| row | " + " | ".join(c for _, c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS) + "\n"
+    lines = []
+    for name, m in rows.items():
+        cells = []
+        for key, _ in COLUMNS:
+            ref = paper.get(name, {}).get(key)
+            cells.append(f"{m[key]:.3f}" + (f" ({ref})" if ref is not None else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def write_results(out: str, rows: dict, extra: dict | None = None):
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"rows": rows, **(extra or {})}, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n")
+        f.write(markdown_table(rows))
+
+
+def inspect_latents(composer, tok, latents, top: int = 5):
+    """§4.4: project each latent token through the LM head and print its nearest vocabulary tokens."""
+    head = composer.backbone.get_output_embeddings()
+    with torch.no_grad():
+        logits = head(latents.to(head.weight.dtype))                               # (n, V)
+    for k, row in enumerate(logits):
+        ids = row.topk(top).indices.tolist()
+        print(f"latent {k:3d}: " + "  ".join(repr(tok.decode([i])) for i in ids))
+
+
+def main():
+    import train  # the run's settings and loaders live in the entry script
+    p = argparse.ArgumentParser(description="Evaluate a run on held-out tasks.")
+    p.add_argument("--run", required=True, help="run folder written by train.py (holds args.json)")
+    p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
+    p.add_argument("--inspect-latents", action="store_true", help="print the LM-head projection of latents (§4.4)")
+    a = p.parse_args()
+    if not os.path.isfile(os.path.join(a.run, "args.json")):
+        p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
+    args = train.Args(**json.load(open(os.path.join(a.run, "args.json"))))
+    rows, latents = train.final_eval(args, a.n_test, a.temperature)
+    print(markdown_table(rows))
+    if a.inspect_latents:
+        inspect_latents(*latents)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,519 @@
+"""The command line: the whole LOPD pipeline, from a backbone to a trained student (paper §4.1, A.2, B.2).
+
+    python train.py                              # toy world, toy backbone, CPU, a few minutes
+    python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
+
+Stages, each cached in --out (a rerun skips what is finished):
+  1. backbone      build or reuse the toy backbone (toy.py), or load --model
+  2. base rollouts the base model on the training tasks (lopd.rollout)
+  3. bank          successful rollouts -> experience bank + FAISS index + cached query embeddings (retrieval.py)
+  4. cold start    composer φ0 by eq. (14) on the bank's own trajectories (composer.py)
+  5. joint         LOPD iterations, Algorithm 1 (lopd.py)
+  6. evaluation    vanilla / base + composer / LOPD student on held-out tasks (eval.py)
+
+Defaults follow B.2 and the official code (DESIGN.md §6) except where the toy needs its own; `TOY_DEFAULTS` lists
+each such value and why. A flag given on the command line always wins.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import envs
+import inject
+import lopd
+import retrieval
+from composer import Composer, ComposerConfig, cold_start_batch, cold_start_loss
+
+
+@dataclass
+class Args:
+    """Every setting of a run. Fields left at None take the paper default, or the toy default for the toy model."""
+    model: str = ""
+    """HF causal-LM id or local folder; empty = build (or reuse) the offline toy backbone in OUT/backbone"""
+    tasks: str = ""
+    """folder with train.jsonl and test.jsonl (envs.py task format); empty = generate the toy world's splits"""
+    out: str = "runs/toy"
+    """run folder: every stage's output, checkpoints, metrics.jsonl"""
+    seed: int = 0
+    """seeds random, numpy and torch (and the toy world's tasks)"""
+    device: str = "auto"
+    """auto | cpu | cuda | mps"""
+    dtype: str = "auto"
+    """auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16"""
+    n_train: int = 1000
+    """generated training tasks (toy world)"""
+    n_test: int = 200
+    """generated held-out tasks (toy world; the paper's EnvScaler test split has 200)"""
+    bank_rollouts: int = 2
+    """base-model rollouts per training task when building the experience bank"""
+    bank_threshold: float = 1.0
+    """reward a rollout needs to enter the bank (A.3: successful rollouts only)"""
+    n_ret: int = 3
+    """J, experiences retrieved per task (B.2: 3)"""
+    latents: int = None
+    """K, latent tokens per experience (paper 32)"""
+    cold_steps: int = None
+    """cold-start steps of the composer (eq. 14)"""
+    cold_lr: float = None
+    """cold-start learning rate (paper 1e-5)"""
+    cold_batch: int = 8
+    """cold-start batch size (A.2: 8)"""
+    cold_clip: float = 3.0
+    """cold-start gradient clipping (A.2: 3.0)"""
+    steps: int = None
+    """joint LOPD iterations"""
+    rollouts_per_step: int = 32
+    """student rollouts per LOPD iteration (B.1: 32)"""
+    micro_batch: int = 8
+    """rollouts per forward/backward inside an iteration (normalised by the iteration's token count)"""
+    lr: float = None
+    """student learning rate (paper 1e-5)"""
+    composer_lr: float = None
+    """composer learning rate during joint training (paper 1e-5)"""
+    clip: float = 1.0
+    """gradient clipping during joint training (B.1: 1.0)"""
+    margin: float = 0.05
+    """m, the privileged margin (eq. 13; B.2: 0.05)"""
+    top_m: int = 20
+    """M, teacher top-M support of the distillation KL (eq. 9; B.2: 20)"""
+    anchor: float = 0.2
+    """λ, weight of the latent anchor ||c_φ − sg c_φ0||² (B.2: 0.2)"""
+    dual_lr: float = 0.5
+    """η_β, step size of the dual variable β (B.2: 0.5)"""
+    delta_per: str = "trajectory"
+    """Δ normalisation: trajectory (eq. 12) | token"""
+    freeze_composer: bool = False
+    """keep the composer at its cold start φ0 during joint training (Figure 3 ablation)"""
+    temperature: float = 0.7
+    """sampling temperature for rollouts (B.2: 0.7)"""
+    top_p: float = 0.95
+    """nucleus sampling (B.2: 0.95)"""
+    top_k: int = 20
+    """top-k sampling (B.2: 20)"""
+    max_new_tokens: int = None
+    """token budget of one reply"""
+    max_env_steps: int = None
+    """environment steps per episode (paper 30)"""
+    eval_every: int = 0
+    """evaluate the student (and the teacher) on held-out tasks every N iterations (0 = only at the end)"""
+    save_every: int = 10
+    """write a checkpoint every N iterations"""
+    resume: bool = False
+    """continue from OUT/ckpt if present"""
+    enable_thinking: bool = False
+    """Qwen3 thinking mode in the chat template"""
+
+
+# Where the toy world needs its own value, and why. Real models take PAPER_DEFAULTS.
+TOY_DEFAULTS = {
+    "latents": 8,          # K = 8: 24 latent positions instead of 96 keep the teacher's CPU forward cheap
+    "cold_steps": 300,     # the toy bank is small; 300 steps of 8 cover it several times
+    "cold_lr": 1e-3,       # a 0.5 M-parameter model trained from scratch needs a far larger step than 1e-5
+    "steps": 60,
+    "lr": 1e-4,            # ditto for the student
+    "composer_lr": 1e-4,
+    "max_new_tokens": 64,
+    "max_env_steps": 8,    # toy procedures take 3-6 steps
+}
+PAPER_DEFAULTS = {"latents": 32, "cold_steps": 500, "cold_lr": 1e-5, "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
+                  "max_new_tokens": 1024, "max_env_steps": 30}
+
+
+def parse_args(argv=None) -> Args:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    doc = _field_docs()
+    for f in dataclasses.fields(Args):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", help=doc[f.name])
+        else:
+            typ = {"int": int, "float": float, "str": str}[str(f.type)]
+            p.add_argument(flag, type=typ, default=f.default, help=doc[f.name] + f" (default: {f.default})")
+    args = Args(**vars(p.parse_args(argv)))
+    defaults = TOY_DEFAULTS if is_toy(args) else PAPER_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    _check(p, args)
+    return args
+
+
+def is_toy(args: Args) -> bool:
+    """The toy backbone: no --model, or a folder that toy.py wrote (it holds toy_backbone.json)."""
+    return not args.model or os.path.isfile(os.path.join(args.model, "toy_backbone.json"))
+
+
+def _field_docs():
+    """Each Args field's docstring (the string under it), used as its --help text."""
+    import ast
+    import inspect
+    body = ast.parse(inspect.getsource(Args)).body[0].body
+    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
+
+
+def _check(p, a: Args):
+    if a.device not in ("auto", "cpu", "cuda", "mps"):
+        p.error(f"--device must be auto, cpu, cuda or mps, not {a.device!r}")
+    if a.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        p.error(f"--dtype must be auto, float32, bfloat16 or float16, not {a.dtype!r}")
+    if a.delta_per not in ("trajectory", "token"):
+        p.error(f"--delta-per must be trajectory or token, not {a.delta_per!r}")
+    if a.model and not os.path.isdir(a.model) and (a.model.startswith((".", "/")) or a.model.count("/") != 1):
+        p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
+    if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
+        p.error(f"--tasks {a.tasks!r}: expected a folder holding train.jsonl and test.jsonl")
+    for name in ("n_ret", "latents", "rollouts_per_step", "micro_batch", "top_m", "steps"):
+        if getattr(a, name) < (0 if name == "steps" else 1):
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plumbing: seed, device, logging
+# ----------------------------------------------------------------------------------------------------------------
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def pick_device(device: str, dtype: str):
+    """Device cuda -> mps -> cpu, dtype bf16 on CUDA else fp32, chosen here only; printed with the reason."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        why = "auto: first of cuda, mps, cpu that is available"
+    else:
+        why = "--device"
+    if dtype == "auto":
+        dtype, dwhy = ("bfloat16", "auto: bf16 on CUDA") if device == "cuda" else ("float32", "auto: fp32 off CUDA")
+    else:
+        dwhy = "--dtype"
+    print(f"device {device} ({why}); dtype {dtype} ({dwhy})")
+    return torch.device(device), getattr(torch, dtype)
+
+
+class Log:
+    """One line per event on stdout, and the same record appended to OUT/metrics.jsonl."""
+
+    def __init__(self, out: str):
+        self.path = os.path.join(out, "metrics.jsonl")
+
+    def __call__(self, stage: str, **metrics):
+        rec = {"stage": stage, **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        tqdm.write(stage + "  " + "  ".join(f"{k} {v}" for k, v in rec.items() if k != "stage"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stages 1-3: backbone, tasks, base rollouts, experience bank
+# ----------------------------------------------------------------------------------------------------------------
+def load_backbone(args: Args, device, dtype):
+    """The base model θ̄ and its tokenizer: --model, or the toy backbone built (once) into OUT/backbone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import toy
+    path = args.model or toy.build_backbone(os.path.join(args.out, "backbone"), seed=args.seed)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+        print(f"tokenizer has no pad token: using eos {tok.eos_token!r} as pad (and as the latent placeholder)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model.requires_grad_(False).eval()
+    return model, tok
+
+
+def load_splits(args: Args):
+    """Training and held-out tasks: --tasks folder, or the toy world's seeded splits (saved to OUT/tasks)."""
+    if args.tasks:
+        return (envs.load_tasks(os.path.join(args.tasks, "train.jsonl")),
+                envs.load_tasks(os.path.join(args.tasks, "test.jsonl")))
+    train, test = envs.make_splits(args.seed, args.n_train, args.n_test)
+    os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
+    for name, tasks in (("train", train), ("test", test)):
+        envs.save_tasks(tasks, os.path.join(args.out, "tasks", name + ".jsonl"))
+    return train, test
+
+
+def env_factory(args: Args):
+    """The environment the run uses: the toy backbone reads the short system prompt, real models A.5's."""
+    prompt = envs.TOY_SYSTEM_PROMPT if is_toy(args) else envs.AGENTIC_SYSTEM_PROMPT
+    return lambda: envs.ToolWorld(system_prompt=prompt, max_steps=args.max_env_steps)
+
+
+def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
+    return lopd.SampleConfig(temperature=args.temperature if temperature is None else temperature,
+                             top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens)
+
+
+def episode_record(ep: lopd.Episode) -> dict:
+    keep = ("ids", "mask", "logps", "prompt_len", "reward", "steps", "tool_calls", "repeated_calls", "first_len",
+            "errors", "trace")
+    return {"task_id": ep.task.task_id, **{k: getattr(ep, k) for k in keep}}
+
+
+def episode_from_record(rec: dict, task) -> lopd.Episode:
+    return lopd.Episode(task, **{k: v for k, v in rec.items() if k != "task_id"})
+
+
+def write_jsonl(path: str, rows):
+    """Write rows atomically: a temp file in the same folder, then os.replace."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def base_rollouts(args, model, tok, train, log):
+    """Stage 2: args.bank_rollouts rollouts of the base model per training task (cached)."""
+    path = os.path.join(args.out, "base_rollouts.jsonl")
+    by_id = {t.task_id: t for t in train}
+    if os.path.exists(path):
+        return [episode_from_record(r, by_id[r["task_id"]]) for r in map(json.loads, open(path))]
+    t0 = time.time()
+    tasks = [t for t in train for _ in range(args.bank_rollouts)]
+    with tqdm(total=len(tasks), desc="base rollouts", leave=False) as bar:
+        eps = lopd.rollout(model, tok, tasks, sample_config(args), env_factory(args), envs.TOOLS, progress=bar)
+    write_jsonl(path, [episode_record(e) for e in eps])
+    log("base_rollouts", n=len(eps), seconds=round(time.time() - t0, 1), **lopd.summarize(eps))
+    return eps
+
+
+def build_retriever(args, model, tok, episodes, train, test, log):
+    """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
+    path = os.path.join(args.out, "bank")
+    if os.path.exists(os.path.join(path, "meta.json")):
+        return retrieval.Retriever.load(path)
+    cands = [retrieval.make_entry(e.task.task_id, e.task.text, e.trace, e.reward,
+                                  {"shop": e.task.shop, "schema": e.task.schema, "episode": i})
+             for i, e in enumerate(episodes)]
+    bank = retrieval.build_bank(cands, args.bank_threshold)
+    # toy default embedder: the backbone's own final hidden states, mean-pooled (no second model to ship)
+    embedder = retrieval.Embedder.from_model(model, tok, pooling="mean")
+    ret = retrieval.Retriever(bank, embedder)
+    ret.cache_queries([t.task_id for t in train + test], [t.text for t in train + test])
+    ret.save(path)
+    queries = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "shop": t.shop} for t in test]
+    log("bank", entries=len(bank), tasks_covered=len({e["task_id"] for e in bank}),
+        recall3_schema=retrieval.recall_at_k(ret, queries, 3, lambda q, e: q["schema"] == e["meta"]["schema"]),
+        recall3_shop=retrieval.recall_at_k(ret, queries, 3, lambda q, e: q["shop"] == e["meta"]["shop"]))
+    return ret
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 4: cold start of the composer (A.2, eq. 14)
+# ----------------------------------------------------------------------------------------------------------------
+def schema_balanced_sampler(bank, rng: random.Random):
+    """Draw bank entries with every schema (task family) equally likely, then uniformly within it.
+
+    DESIGN.md §7: with a plain uniform draw the cold start learns only the families the base already solves
+    often. Entries without a schema (real environments) form one family."""
+    groups = {}
+    for e in bank:
+        groups.setdefault(e.get("meta", {}).get("schema", ""), []).append(e)
+    keys = sorted(groups)
+    return lambda n: [rng.choice(groups[rng.choice(keys)]) for _ in range(n)]
+
+
+def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entries, make_env):
+    """One eq. (14) loss: each entry's own successful episode, behind latents composed from J OTHER entries."""
+    tasks = [tasks_by_id[e["task_id"]] for e in entries]
+    latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, args.n_ret))      # (B, J·K, d)
+    eps = [episodes[e["meta"]["episode"]] for e in entries]
+    ids, att, omega, starts = cold_start_batch(tok, [make_env().reset(t) for t in tasks], eps,
+                                               latents.shape[1], tools=envs.TOOLS)
+    dev = latents.device
+    return cold_start_loss(composer, ids.to(dev), att.to(dev), omega.to(dev), starts.to(dev), latents)
+
+
+def cold_start(args, model, tok, retriever, episodes, train, log) -> Composer:
+    """Stage 4: φ0. The backbone stays frozen; only the LoRA ψ and the QFormer χ learn (cached in OUT/composer0)."""
+    path = os.path.join(args.out, "composer0")
+    if os.path.exists(os.path.join(path, "composer.json")):
+        return Composer.load(path, model, tok)
+    composer = Composer(model, tok, ComposerConfig(n_latents=args.latents))
+    opt = torch.optim.AdamW(composer.trainable_parameters(), lr=args.cold_lr)
+    draw = schema_balanced_sampler(retriever.bank, random.Random(args.seed))
+    tasks_by_id = {t.task_id: t for t in train}
+    t0 = time.time()
+    for step in tqdm(range(args.cold_steps), desc="cold start", leave=False):
+        loss = cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, draw(args.cold_batch),
+                               env_factory(args))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(composer.trainable_parameters(), args.cold_clip)
+        opt.step()
+        if step % 50 == 0 or step == args.cold_steps - 1:
+            log("cold_start", step=step, **{"loss/init": loss.item()})
+    composer.save(path)
+    log("cold_start_done", seconds=round(time.time() - t0, 1))
+    return composer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 5: joint LOPD training (Algorithm 1), checkpoints and resume
+# ----------------------------------------------------------------------------------------------------------------
+def lopd_config(args: Args) -> lopd.LOPDConfig:
+    return lopd.LOPDConfig(n_ret=args.n_ret, top_m=args.top_m, margin=args.margin, anchor=args.anchor,
+                           dual_lr=args.dual_lr, delta_per=args.delta_per, micro_batch=args.micro_batch,
+                           clip=args.clip, freeze_composer=args.freeze_composer)
+
+
+def make_optimizers(args, student, composer):
+    """AdamW for θ, and for φ unless the composer is frozen (B.1: AdamW, lr 1e-5, clip 1.0)."""
+    opt_s = torch.optim.AdamW(student.parameters(), lr=args.lr)
+    opt_c = None if args.freeze_composer else torch.optim.AdamW(composer.trainable_parameters(), lr=args.composer_lr)
+    return opt_s, opt_c
+
+
+def rng_state(task_rng: random.Random) -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "tasks": task_rng.getstate()}
+
+
+def set_rng_state(state: dict, task_rng: random.Random):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    task_rng.setstate(state["tasks"])
+
+
+def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng):
+    """OUT/ckpt: the student as an HF folder, the composer, optimizer states, β, step, RNG states.
+    Written to OUT/ckpt.tmp and swapped in with os.replace, so a kill leaves the previous checkpoint whole."""
+    final, tmp = os.path.join(args.out, "ckpt"), os.path.join(args.out, "ckpt.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    student.save_pretrained(os.path.join(tmp, "student"))
+    composer.save(os.path.join(tmp, "composer"))
+    torch.save({"opt_s": opts[0].state_dict(), "opt_c": opts[1].state_dict() if opts[1] else None, "beta": beta,
+                "step": step, "generations": gens, "rng": rng_state(task_rng)}, os.path.join(tmp, "state.pt"))
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(args, student, composer, opts, task_rng):
+    """Restore what save_checkpoint wrote into the live objects; returns (β, step, generations)."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    path = os.path.join(args.out, "ckpt")
+    saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "student"), dtype=student.dtype)
+    student.load_state_dict(saved.state_dict())
+    cpath = os.path.join(path, "composer")
+    set_peft_model_state_dict(composer.peft, load_peft_weights(os.path.join(cpath, "composer")), "composer")
+    composer.qformer.load_state_dict(load_file(os.path.join(cpath, "qformer.safetensors")))
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    opts[0].load_state_dict(state["opt_s"])
+    if opts[1] is not None:
+        opts[1].load_state_dict(state["opt_c"])
+    set_rng_state(state["rng"], task_rng)
+    return state["beta"], state["step"], state["generations"]
+
+
+def joint_training(run):
+    """Stage 5: args.steps iterations of Algorithm 1. Returns the trained student θ."""
+    args, composer, student, log = run["args"], run["composer"], run["student"], run["log"]
+    cfg, scfg, make_env = lopd_config(args), sample_config(args), env_factory(args)
+    c0 = lopd.anchor_cache(composer, run["retriever"], run["train"], args.n_ret)
+    opts = make_optimizers(args, student, composer)
+    task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
+    gens = len(run["episodes"])      # the bank's rollouts count towards the generation budget (honest budgets)
+    if args.resume and os.path.exists(os.path.join(args.out, "ckpt", "state.pt")):
+        beta, start, gens = load_checkpoint(args, student, composer, opts, task_rng)
+        print(f"resumed from {args.out}/ckpt at step {start}")
+    for step in tqdm(range(start, args.steps), desc="LOPD", initial=start, total=args.steps, leave=False):
+        tasks = task_rng.sample(run["train"], args.rollouts_per_step)
+        t0 = time.time()
+        beta, m, _ = lopd.lopd_step(student, composer, run["tok"], tasks, run["retriever"], c0, beta, opts, cfg,
+                                     scfg, make_env, envs.TOOLS)
+        gens += len(tasks)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            m.update(drift_eval(args, composer, student, run))
+        log("lopd", step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            save_checkpoint(args, student, composer, opts, beta, step + 1, gens, task_rng)
+    return student
+
+
+def drift_eval(args, composer, student, run, n: int = 50) -> dict:
+    """reward/teacher (base + composer) and reward/eval (student) on the first n held-out tasks."""
+    rows = evaluate(args, composer, student, run["retriever"], run["tok"], run["test"][:n],
+                    which=("base + composer", "LOPD student"))
+    return {"reward/teacher": rows["base + composer"]["reward"], "reward/eval": rows["LOPD student"]["reward"]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stage 6: evaluation, and the whole pipeline
+# ----------------------------------------------------------------------------------------------------------------
+def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
+             which=("vanilla", "base + composer", "LOPD student")) -> dict:
+    """The rows of Table 3 on held-out tasks, each from the same seed; the training RNG streams are restored."""
+    import eval as ev
+    cfg, make_env, rows = sample_config(args, temperature), env_factory(args), {}
+    saved = rng_state(random.Random())
+    for name, run in (("vanilla", lambda: ev.eval_vanilla(composer, tok, tasks, cfg, make_env)),
+                      ("base + composer", lambda: ev.eval_teacher(composer, retriever, tok, tasks, cfg, make_env,
+                                                                  args.n_ret)),
+                      ("LOPD student", lambda: ev.eval_student(student, tok, tasks, cfg, make_env))):
+        if name not in which or (name == "LOPD student" and student is None):
+            continue
+        seed_everything(args.seed + 1)
+        rows[name] = lopd.summarize(run())
+    set_rng_state(saved, random.Random())
+    return rows
+
+
+def prepare(args: Args):
+    """Stages 1-4 (each cached in OUT): returns the pieces the joint stage and evaluation need."""
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "args.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=1)
+    seed_everything(args.seed)
+    device, dtype = pick_device(args.device, args.dtype)
+    log = Log(args.out)
+    model, tok = load_backbone(args, device, dtype)
+    student = copy.deepcopy(model)            # θ starts from θ̄; the composer's LoRA goes into `model` only
+    train_tasks, test_tasks = load_splits(args)
+    episodes = base_rollouts(args, model, tok, train_tasks, log)
+    retriever = build_retriever(args, model, tok, episodes, train_tasks, test_tasks, log)
+    composer = cold_start(args, model, tok, retriever, episodes, train_tasks, log)
+    return dict(args=args, log=log, tok=tok, student=student, composer=composer, retriever=retriever,
+                episodes=episodes, train=train_tasks, test=test_tasks)
+
+
+def main(argv=None):
+    t0 = time.time()
+    run = prepare(parse_args(argv))
+    args = run["args"]
+    student = None
+    if args.steps > 0:
+        student = joint_training(run)
+    rows = evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"])
+    import eval as ev
+    ev.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)})
+    print("\n" + ev.markdown_table(rows))
+    print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
+
+
+if __name__ == "__main__":
+    main()
