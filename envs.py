@@ -9,15 +9,17 @@ implements. The toy world is also a real (easy) environment for a real Qwen3: th
 
 The world
 ---------
-- A shop database: customers (id, name, tier, city) and orders (id, customer, item, qty, status), with random
-  ids such as C417 / O082.
+- A shop database: customers (random id such as C417, account code such as A52, tier) and orders (random id such
+  as O082, customer, item code such as K7, qty, status).
 - Six shops ("variants", DESIGN.md §5). Each shop has two conventions that the task text never states:
     * which lookup tool finds a customer (`find_customer`, `lookup_customer` or `search_customer`; the other two
       answer "unknown tool");
     * whether modifications are staged until `commit()` (commit shops) or applied at once.
   A successful trajectory of another task in the SAME shop shows both conventions; one from another shop misleads.
-- Ten schemas (multi-step procedures: look up an id, list orders, update, cancel, add ...). The task text states
-  the goal ("[cedar] Cancel Ana's pear order."), not the procedure. Tasks of one schema are "similar tasks".
+- Ten schemas (multi-step procedures: look up the customer id, find an order, update, cancel, add ...). The task
+  text states the goal ("[cedar shop] Cancel an order: item K7, account A52."), not the procedure. Tasks of one
+  schema are "similar tasks". Entities are codes (A52, K7) rather than names so that a 0.5 M-parameter model can
+  copy them into its calls (it cannot learn to copy "Ana" into {"name": "Ana"} in a minute of training).
 - Reward in [0, 1] (EnvScaler-style checklist): the fraction of required final-state changes present in the
   committed state, minus one item for each collateral change to a record the task did not ask to change.
 - Actions use the Qwen3 format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; several calls in one
@@ -28,7 +30,7 @@ The world
 Deviations from the paper
 -------------------------
 1. EnvScaler's 2,349 tasks are replaced by this generated world (see DESIGN.md §5 and §7 for why the variants).
-2. The step cap is 8 for the toy world (paper: 30 environment steps); oracle procedures take 3 to 6 steps.
+2. The step cap is 10 for the toy world (paper: 30 environment steps); oracle procedures take 2 to 6 calls.
 """
 from __future__ import annotations
 
@@ -69,11 +71,8 @@ SHOPS = {  # shop -> (lookup tool, staged-until-commit?) ; every combination occ
     "flint": ("search_customer", False),
 }
 LOOKUP_TOOLS = ("find_customer", "lookup_customer", "search_customer")
-NAMES = ("Ana", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Max", "Noor",
-         "Otto", "Pia", "Raj", "Sol", "Tess", "Uma")
-ITEMS = ("apple", "pear", "plum", "lamp", "desk", "chair", "mug", "book", "pen", "bag")
+ITEMS = tuple(f"K{i}" for i in range(10))        # item codes (SKUs)
 TIERS = ("bronze", "silver", "gold")
-CITIES = ("Oslo", "Lima", "Rome", "Kyiv", "Pune", "Doha")
 STATUSES = ("open", "held", "shipped")
 
 # Tool schemas in the JSON-schema form that `apply_chat_template(tools=...)` takes. The union over shops is listed,
@@ -84,15 +83,16 @@ def _tool(tool_name, desc, **params):
             "parameters": {"type": "object", "properties": props, "required": list(params)}}}
 
 TOOLS = [
-    *[_tool(t, "Find a customer's id by name (only one of the three lookup tools works in a given shop).",
-            name=("string", "customer name")) for t in LOOKUP_TOOLS],
+    *[_tool(t, "Find a customer's id from the account code (only one of the three lookup tools works in a shop).",
+            account=("string", "account code, e.g. A52")) for t in LOOKUP_TOOLS],
     _tool("get_customer", "Read a customer's record.", customer_id=("string", "customer id")),
-    _tool("list_orders", "List a customer's orders.", customer_id=("string", "customer id")),
-    _tool("update_customer", "Set a customer field (tier or city).", customer_id=("string", "customer id"),
-          field=("string", "tier or city"), value=("string", "new value")),
-    _tool("update_order", "Set an order field (qty: integer, status: open/held/shipped).",
-          order_id=("string", "order id"), field=("string", "qty or status"), value=("string", "new value")),
-    _tool("add_order", "Add an order.", customer_id=("string", "customer id"), item=("string", "item"),
+    _tool("find_order", "Find a customer's order of an item.", customer_id=("string", "customer id"),
+          item=("string", "item code, e.g. K7")),
+    _tool("update_customer", "Set a customer's tier.", customer_id=("string", "customer id"),
+          field=("string", "tier"), value=("string", "bronze, silver or gold")),
+    _tool("update_order", "Set an order's status.", order_id=("string", "order id"),
+          field=("string", "status"), value=("string", "open, held or shipped")),
+    _tool("add_order", "Add an order.", customer_id=("string", "customer id"), item=("string", "item code"),
           qty=("integer", "quantity")),
     _tool("cancel_order", "Cancel (remove) an order.", order_id=("string", "order id")),
     _tool("commit", "Apply staged changes (shops that stage changes)."),
@@ -109,116 +109,117 @@ class Task:
     schema: str
     text: str
     db: dict          # {"customers": {id: {...}}, "orders": {id: {...}}}
-    goal: dict        # the schema's parameters: name, item, value, ...
+    goal: dict        # the schema's parameters: account, item, ...
     checklist: list   # required changes: ["set", table, id, field, value] / ["removed", "orders", id] /
                       # ["added", "orders", customer_id, item, qty]
 
 
-def _rid(rng: random.Random, prefix: str, used: set) -> str:
+def _rid(rng: random.Random, prefix: str, used: set, digits: int = 3) -> str:
     while True:
-        rid = f"{prefix}{rng.randrange(1000):03d}"
+        rid = f"{prefix}{rng.randrange(10 ** digits):0{digits}d}"
         if rid not in used:
             used.add(rid)
             return rid
 
 
 def _random_db(rng: random.Random):
+    """Four customers (random id C###, account A##, tier), each with one to three orders (id O###, item K#)."""
     used: set = set()
     customers, orders = {}, {}
-    for name in rng.sample(NAMES, 4):
+    for _ in range(4):
         cid = _rid(rng, "C", used)
-        customers[cid] = {"name": name, "tier": rng.choice(TIERS), "city": rng.choice(CITIES)}
+        customers[cid] = {"account": _rid(rng, "A", used, 2), "tier": rng.choice(TIERS)}
         for item in rng.sample(ITEMS, rng.randint(1, 3)):
             orders[_rid(rng, "O", used)] = {"customer": cid, "item": item, "qty": rng.randint(1, 9),
-                                            "status": rng.choice(("open", "held"))}
+                                            "status": rng.choice(STATUSES[:2])}
     return {"customers": customers, "orders": orders}
 
 
-def _other(rng, choices, current):
-    return rng.choice([c for c in choices if c != current])
-
-
-# Each schema: (goal text template, builder). A builder picks the target records and values from the database and
-# returns (goal, checklist). Templates state WHAT must hold, never which tools to call.
-def _pick_order(rng, db):
-    oid = rng.choice(sorted(db["orders"]))
-    order = db["orders"][oid]
-    return oid, order, db["customers"][order["customer"]]["name"]
-
-
-def _s_tier(rng, db):
+# Each schema: (goal text template, builder). A builder picks the target records from the database, adjusts their
+# initial values so that the change is a real change, and returns (goal, checklist). Templates state WHAT must
+# hold, never which tools to call. Values that a call must carry (account, item codes) appear in the text.
+def _customer(rng, db):
     cid = rng.choice(sorted(db["customers"]))
-    c = db["customers"][cid]
-    v = _other(rng, TIERS, c["tier"])
-    return {"name": c["name"], "value": v}, [["set", "customers", cid, "tier", v]]
+    return cid, db["customers"][cid]["account"]
 
 
-def _s_city(rng, db):
-    cid = rng.choice(sorted(db["customers"]))
-    c = db["customers"][cid]
-    v = _other(rng, CITIES, c["city"])
-    return {"name": c["name"], "value": v}, [["set", "customers", cid, "city", v]]
+def _order(rng, db, cid, skip=()):
+    oid = rng.choice(sorted(o for o, row in db["orders"].items() if row["customer"] == cid and o not in skip))
+    return oid, db["orders"][oid]["item"]
 
 
-def _s_order(rng, db):
-    cid = rng.choice(sorted(db["customers"]))
-    owned = {o["item"] for o in db["orders"].values() if o["customer"] == cid}
-    item, qty = rng.choice([i for i in ITEMS if i not in owned]), rng.randint(1, 9)
-    return ({"name": db["customers"][cid]["name"], "item": item, "qty": qty},
-            [["added", "orders", cid, item, qty]])
-
-
-def _s_cancel(rng, db):
-    oid, o, name = _pick_order(rng, db)
-    return {"name": name, "item": o["item"]}, [["removed", "orders", oid]]
-
-
-def _s_qty(rng, db):
-    oid, o, name = _pick_order(rng, db)
-    v = _other(rng, range(1, 10), o["qty"])
-    return {"name": name, "item": o["item"], "qty": v}, [["set", "orders", oid, "qty", v]]
-
-
-def _s_status(status):
+def _s_tier(value):
     def build(rng, db):
-        oid, o, name = _pick_order(rng, db)
-        o["status"] = "open"  # the target order starts open so that the change is a real change
-        return {"name": name, "item": o["item"]}, [["set", "orders", oid, "status", status]]
+        cid, acc = _customer(rng, db)
+        db["customers"][cid]["tier"] = "silver"
+        return {"account": acc}, [["set", "customers", cid, "tier", value]]
     return build
 
 
+def _s_status(value, start):
+    def build(rng, db):
+        cid, acc = _customer(rng, db)
+        oid, item = _order(rng, db, cid)
+        db["orders"][oid]["status"] = start
+        return {"account": acc, "item": item}, [["set", "orders", oid, "status", value]]
+    return build
+
+
+def _s_order(rng, db):
+    cid, acc = _customer(rng, db)
+    owned = {o["item"] for o in db["orders"].values() if o["customer"] == cid}
+    item = rng.choice([i for i in ITEMS if i not in owned])
+    return {"account": acc, "item2": item}, [["added", "orders", cid, item, 1]]
+
+
+def _s_cancel(rng, db):
+    cid, acc = _customer(rng, db)
+    oid, item = _order(rng, db, cid)
+    return {"account": acc, "item": item}, [["removed", "orders", oid]]
+
+
 def _s_swap(rng, db):
-    oid, o, name = _pick_order(rng, db)
-    owned = {x["item"] for x in db["orders"].values() if x["customer"] == o["customer"]}
-    item2, qty = rng.choice([i for i in ITEMS if i not in owned]), rng.randint(1, 9)
-    return ({"name": name, "item": o["item"], "item2": item2, "qty": qty},
-            [["removed", "orders", oid], ["added", "orders", o["customer"], item2, qty]])
+    goal, check = _s_cancel(rng, db)
+    cid = db["orders"][check[0][2]]["customer"]
+    owned = {o["item"] for o in db["orders"].values() if o["customer"] == cid}
+    item2 = rng.choice([i for i in ITEMS if i not in owned])
+    return {**goal, "item2": item2}, [*check, ["added", "orders", cid, item2, 1]]
 
 
-def _s_upgrade_order(rng, db):
-    goal, check = _s_order(rng, db)
-    cid = check[0][2]
+def _s_vip(rng, db):
+    goal, check = _s_status("shipped", "open")(rng, db)
+    cid = db["orders"][check[0][2]]["customer"]
     db["customers"][cid]["tier"] = "silver"
     return goal, [["set", "customers", cid, "tier", "gold"], *check]
 
 
-def _s_ship_qty(rng, db):
-    goal, check = _s_qty(rng, db)
-    db["orders"][check[0][2]]["status"] = "open"
-    return goal, [*check, ["set", "orders", check[0][2], "status", "shipped"]]
+def _s_split(rng, db):
+    cid, acc = _customer(rng, db)
+    while sum(o["customer"] == cid for o in db["orders"].values()) < 2:
+        db["orders"][_rid(rng, "O", set(db["orders"]) | set(db["customers"]))] = {
+            "customer": cid, "item": rng.choice([i for i in ITEMS if i not in
+                                                 {o["item"] for o in db["orders"].values() if o["customer"] == cid}]),
+            "qty": 1, "status": "open"}
+    o1, i1 = _order(rng, db, cid)
+    o2, i2 = _order(rng, db, cid, skip=(o1,))
+    db["orders"][o1]["status"], db["orders"][o2]["status"] = "open", "open"
+    return ({"account": acc, "item": i1, "item2": i2},
+            [["set", "orders", o1, "status", "shipped"], ["set", "orders", o2, "status", "held"]])
 
 
+# Every task ends with the values a call must carry, the account last: "<goal>: item K7, account A52." A tiny model
+# copies a value most easily from a fixed distance; a pretrained one does not care.
 SCHEMAS = {
-    "tier": ("Set {name}'s tier to {value}.", _s_tier),
-    "city": ("{name} moved to {value}. Update the customer record.", _s_city),
-    "order": ("Place an order of {qty} {item} for {name}.", _s_order),
-    "cancel": ("Cancel {name}'s {item} order.", _s_cancel),
-    "qty": ("Change the quantity of {name}'s {item} order to {qty}.", _s_qty),
-    "ship": ("Mark {name}'s {item} order as shipped.", _s_status("shipped")),
-    "hold": ("Put {name}'s {item} order on hold.", _s_status("held")),
-    "swap": ("Replace {name}'s {item} order with {qty} {item2}.", _s_swap),
-    "upgrade": ("Upgrade {name} to gold and place an order of {qty} {item}.", _s_upgrade_order),
-    "rush": ("Set {name}'s {item} order to quantity {qty} and mark it shipped.", _s_ship_qty),
+    "upgrade": ("Upgrade the customer to gold: account {account}.", _s_tier("gold")),
+    "downgrade": ("Downgrade the customer to bronze: account {account}.", _s_tier("bronze")),
+    "order": ("Place a new order: item {item2}, account {account}.", _s_order),
+    "cancel": ("Cancel an order: item {item}, account {account}.", _s_cancel),
+    "ship": ("Ship an order: item {item}, account {account}.", _s_status("shipped", "open")),
+    "hold": ("Put an order on hold: item {item}, account {account}.", _s_status("held", "open")),
+    "reopen": ("Reopen an order: item {item}, account {account}.", _s_status("open", "held")),
+    "swap": ("Replace an order with a new item: item {item}, new item {item2}, account {account}.", _s_swap),
+    "vip": ("Upgrade the customer to gold and ship an order: item {item}, account {account}.", _s_vip),
+    "split": ("Ship one order and hold another: ship {item}, hold {item2}, account {account}.", _s_split),
 }
 
 
@@ -332,7 +333,7 @@ class ToolWorld:
         r = env.reward()                # checklist reward of the current committed state, in [0, 1]
     """
     system_prompt: str = TOY_SYSTEM_PROMPT
-    max_steps: int = 8
+    max_steps: int = 10
     task: Task | None = None
     db: dict = field(default_factory=dict)
     staged: list = field(default_factory=list)
@@ -376,39 +377,38 @@ class ToolWorld:
             return f"Error: unexpected argument '{sorted(set(args) - set(params))[0]}'"
         return getattr(self, "_t_" + ("lookup" if name in LOOKUP_TOOLS else name))(**args)
 
-    def _t_lookup(self, name):
-        ids = [cid for cid, c in self.db["customers"].items() if c["name"] == name]
-        return ids[0] if ids else f"Error: no customer named {name}"
+    def _t_lookup(self, account):
+        ids = [cid for cid, c in self.db["customers"].items() if c["account"] == account]
+        return ids[0] if ids else f"Error: no account {account}"
 
     def _t_get_customer(self, customer_id):
         c = self.db["customers"].get(customer_id)
-        return f"{c['name']} {c['tier']} {c['city']}" if c else f"Error: no customer {customer_id}"
+        return f"{c['account']} {c['tier']}" if c else f"Error: no customer {customer_id}"
 
-    def _t_list_orders(self, customer_id):
+    def _t_find_order(self, customer_id, item):
         if customer_id not in self.db["customers"]:
             return f"Error: no customer {customer_id}"
-        rows = [f"{oid} {o['item']} x{o['qty']} {o['status']}" for oid, o in sorted(self.db["orders"].items())
-                if o["customer"] == customer_id]
-        return "; ".join(rows) or "no orders"
+        ids = [oid for oid, o in sorted(self.db["orders"].items()) if o["customer"] == customer_id
+               and o["item"] == item]
+        return ids[0] if ids else f"Error: no {item} order"
 
     def _t_update_customer(self, customer_id, field, value):
         if customer_id not in self.db["customers"]:
             return f"Error: no customer {customer_id}"
-        allowed = {"tier": TIERS, "city": CITIES}.get(field)
-        if allowed is None or value not in allowed:
-            return f"Error: invalid {field} value" if allowed else f"Error: unknown field '{field}'"
-        return self._apply(("set", "customers", customer_id, field, value))
+        if field != "tier":
+            return f"Error: unknown field '{field}'"
+        if value not in TIERS:
+            return "Error: invalid tier"
+        return self._apply(("set", "customers", customer_id, "tier", value))
 
     def _t_update_order(self, order_id, field, value):
         if order_id not in self.db["orders"]:
             return f"Error: no order {order_id}"
-        if field == "qty":
-            if not value.isdigit() or not 1 <= int(value) <= 99:
-                return "Error: qty must be an integer from 1 to 99"
-            return self._apply(("set", "orders", order_id, "qty", int(value)))
-        if field == "status" and value in STATUSES:
-            return self._apply(("set", "orders", order_id, "status", value))
-        return f"Error: invalid {field} value" if field == "status" else f"Error: unknown field '{field}'"
+        if field != "status":
+            return f"Error: unknown field '{field}'"
+        if value not in STATUSES:
+            return "Error: invalid status"
+        return self._apply(("set", "orders", order_id, "status", value))
 
     def _t_add_order(self, customer_id, item, qty):
         if customer_id not in self.db["customers"]:
@@ -487,31 +487,29 @@ def checklist_reward(task: Task, db: dict) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 # Oracle procedures and the observation-lite trace (A.3)
 # ----------------------------------------------------------------------------------------------------------------
-def oracle_calls(task: Task, db: dict | None = None) -> list[tuple[str, dict]]:
+def oracle_calls(task: Task) -> list[tuple[str, dict]]:
     """The intended procedure as a list of tool calls (ids read from the initial database)."""
-    db = db or task.db
-    g, s = task.goal, task.schema
+    db, g, s = task.db, task.goal, task.schema
     lookup, staged = SHOPS[task.shop]
-    cid = next(c for c, row in db["customers"].items() if row["name"] == g["name"])
-    calls = [(lookup, {"name": g["name"]})]
-    oid = next((o for o, row in sorted(db["orders"].items()) if row["customer"] == cid
-                and row["item"] == g.get("item")), None)
-    if s in ("cancel", "qty", "ship", "hold", "swap", "rush"):
-        calls.append(("list_orders", {"customer_id": cid}))
-    edit = lambda f, v: ("update_order", {"order_id": oid, "field": f, "value": str(v)})  # noqa: E731
-    calls += {
-        "tier": lambda: [("update_customer", {"customer_id": cid, "field": "tier", "value": g["value"]})],
-        "city": lambda: [("update_customer", {"customer_id": cid, "field": "city", "value": g["value"]})],
-        "order": lambda: [("add_order", {"customer_id": cid, "item": g["item"], "qty": g["qty"]})],
-        "cancel": lambda: [("cancel_order", {"order_id": oid})],
-        "qty": lambda: [edit("qty", g["qty"])],
-        "ship": lambda: [edit("status", "shipped")],
-        "hold": lambda: [edit("status", "held")],
-        "swap": lambda: [("cancel_order", {"order_id": oid}),
-                         ("add_order", {"customer_id": cid, "item": g["item2"], "qty": g["qty"]})],
-        "upgrade": lambda: [("update_customer", {"customer_id": cid, "field": "tier", "value": "gold"}),
-                            ("add_order", {"customer_id": cid, "item": g["item"], "qty": g["qty"]})],
-        "rush": lambda: [edit("qty", g["qty"]), edit("status", "shipped")],
+    cid = next(c for c, row in db["customers"].items() if row["account"] == g["account"])
+    oid = lambda item: next(o for o, r in sorted(db["orders"].items())                       # noqa: E731
+                            if r["customer"] == cid and r["item"] == item)
+    find = lambda item: ("find_order", {"customer_id": cid, "item": item})                     # noqa: E731
+    status = lambda item, v: ("update_order", {"order_id": oid(item), "field": "status", "value": v})  # noqa: E731
+    tier = lambda v: ("update_customer", {"customer_id": cid, "field": "tier", "value": v})   # noqa: E731
+    add = ("add_order", {"customer_id": cid, "item": g.get("item2"), "qty": 1})
+    calls = [(lookup, {"account": g["account"]})] + {
+        "upgrade": lambda: [tier("gold")],
+        "downgrade": lambda: [tier("bronze")],
+        "order": lambda: [add],
+        "cancel": lambda: [find(g["item"]), ("cancel_order", {"order_id": oid(g["item"])})],
+        "ship": lambda: [find(g["item"]), status(g["item"], "shipped")],
+        "hold": lambda: [find(g["item"]), status(g["item"], "held")],
+        "reopen": lambda: [find(g["item"]), status(g["item"], "open")],
+        "swap": lambda: [find(g["item"]), ("cancel_order", {"order_id": oid(g["item"])}), add],
+        "vip": lambda: [tier("gold"), find(g["item"]), status(g["item"], "shipped")],
+        "split": lambda: [find(g["item"]), status(g["item"], "shipped"), find(g["item2"]),
+                          status(g["item2"], "held")],
     }[s]()
     if staged:
         calls.append(("commit", {}))
@@ -530,8 +528,9 @@ def lite_trace(trace: list) -> str:
 def _demo():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=0, help="task seed")
+    p.add_argument("--schema", default=None, choices=sorted(SCHEMAS), help="task family (default: random)")
     args = p.parse_args()
-    task = make_task(random.Random(args.seed), "demo")
+    task = make_task(random.Random(args.seed), "demo", schema=args.schema)
     env = ToolWorld()
     print(env.reset(task))
     for name, a in oracle_calls(task):

@@ -369,8 +369,10 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
         for k, v in m.items():                                                            # micro-batch parts add
             totals[k] = totals.get(k, 0.0) + v
     student.eval()
+    # the parts add up over micro-batches; the total is rebuilt so that β·m is counted once
+    totals["loss/total"] = totals["loss/distill"] + beta * (cfg.margin - totals["privilege/delta"]) + totals["loss/anchor"]
     # 6. AdamW steps, gradients clipped per model; 7. the dual step β ← [β + η_β (m − Δ)]₊
-    finite = finite and _step(opts, student, composer, cfg.clip)
+    finite = _step(opts, student, composer, cfg.clip, finite)
     if finite:
         beta = losses.dual_step(beta, totals["privilege/delta"], cfg.margin, cfg.dual_lr)
     metrics = {"reward/student": rewards.mean().item(), **totals, "dual/beta": beta, "skipped": int(not finite),
@@ -378,13 +380,14 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
     return beta, metrics, eps
 
 
-def _step(opts, student, composer, clip: float) -> bool:
-    """Clip and step each optimizer; if any gradient is non-finite, drop all gradients and return False."""
+def _step(opts, student, composer, clip: float, ok: bool = True) -> bool:
+    """Clip and step each optimizer. If the loss (ok=False) or any gradient is non-finite, drop all gradients
+    (also those of micro-batches that did finish) and return False."""
     groups = [(opts[0], list(student.parameters()))]
     if opts[1] is not None:
         groups.append((opts[1], composer.trainable_parameters()))
     norms = [torch.nn.utils.clip_grad_norm_(params, clip) for _, params in groups]
-    ok = all(bool(torch.isfinite(n)) for n in norms)
+    ok = ok and all(bool(torch.isfinite(n)) for n in norms)
     for opt, _ in groups:
         if ok:
             opt.step()

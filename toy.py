@@ -10,11 +10,11 @@ Everything is saved with `save_pretrained`, so `--model that_folder` works like 
     python toy.py --out runs/toy-backbone     # build (or reuse) the backbone, print its vanilla reward
 
 How the demonstrations are imperfect (the base policy learns these mistakes):
-1. the lookup tool is the shop's own only half the time; after the "unknown tool" error the demonstration
-   retries with the right tool 40% of the time and otherwise stops;
-2. commit shops: the final `commit()` is omitted 40% of the time;
-3. "rush": the status change is forgotten half the time; "swap": the new order is forgotten 40% of the time;
-4. "upgrade" and "rush" are under-demonstrated (a third as many demonstrations as the other schemas).
+1. the lookup tool is another shop's 35% of the time; after the "unknown tool" error the demonstration retries
+   with the right tool 60% of the time and otherwise stops;
+2. commit shops: the final `commit()` is omitted 30% of the time;
+3. "split": the second order is forgotten half the time; "swap": the new order is forgotten 40% of the time;
+4. "vip" and "split" are under-demonstrated (a third as many demonstrations as the other schemas).
 
 Deviation from the paper: none in method; this backbone is our substitute for a pretrained model.
 """
@@ -38,7 +38,10 @@ from lopd import scripted_episode
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE with Qwen2/3's pre-tokenizer (digits split one by one) and ChatML tokens
 # ----------------------------------------------------------------------------------------------------------------
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+# Qwen2/3's split pattern with one change: a word never carries the character before it (Qwen: `[^\r\n\p{L}\p{N}]?\p{L}+`).
+# " Lea" in a task and "Lea" inside a JSON string are then the same token, which a 0.5 M-parameter model can copy;
+# a pretrained model learns that mapping, a tiny one trained for a minute does not.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
               r"|\s+(?!\S)|\s+")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]                      # special: skipped by decode(skip=True)
 ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -86,7 +89,9 @@ def build_tokenizer(corpus, vocab_size: int = 640) -> PreTrainedTokenizerFast:
 # ----------------------------------------------------------------------------------------------------------------
 # Model: a tiny Qwen3
 # ----------------------------------------------------------------------------------------------------------------
-def toy_config(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4) -> Qwen3Config:
+def toy_config(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 2) -> Qwen3Config:
+    """A tiny Qwen3. Few wide heads matter: with head_dim 64 the model learns to copy ids within ~300 SFT steps,
+    with head_dim 24 it had not after 800."""
     return Qwen3Config(
         vocab_size=len(tokenizer),          # decode() drops ids >= len(tokenizer): keep them equal (DESIGN.md §4)
         hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
@@ -98,22 +103,22 @@ def toy_config(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4) ->
 # ----------------------------------------------------------------------------------------------------------------
 # Imperfect demonstrations (see the module docstring)
 # ----------------------------------------------------------------------------------------------------------------
-DEMO_WEIGHT = {"upgrade": 1 / 3, "rush": 1 / 3}
+DEMO_WEIGHT = {"vip": 1 / 3, "split": 1 / 3}
 
 
 def demo_calls(task, rng: random.Random):
     """The oracle procedure with the mistakes listed in the module docstring. Returns a list of tool calls."""
     calls = oracle_calls(task)
     lookup, staged = SHOPS[task.shop]
-    if rng.random() < 0.5:                                     # 1. wrong lookup tool ...
+    if rng.random() < 0.35:                                    # 1. wrong lookup tool ...
         wrong = rng.choice([t for t in LOOKUP_TOOLS if t != lookup])
-        if rng.random() >= 0.4:
+        if rng.random() >= 0.6:
             return [(wrong, calls[0][1])]                      # ... then stop
         calls = [(wrong, calls[0][1])] + calls                 # ... then retry with the right one
-    if staged and rng.random() < 0.4:                          # 2. forget commit
+    if staged and rng.random() < 0.3:                          # 2. forget commit
         calls = calls[:-1]
-    if task.schema == "rush" and rng.random() < 0.5:           # 3. forget one required change
-        calls = [c for c in calls if c[1].get("field") != "status"]
+    if task.schema == "split" and rng.random() < 0.5:          # 3. forget one required change
+        calls = [c for c in calls if c[1].get("value") != "held" and c[1].get("item") != task.goal["item2"]]
     if task.schema == "swap" and rng.random() < 0.4:
         calls = [c for c in calls if c[0] != "add_order"]
     return calls
@@ -193,8 +198,8 @@ def pretrain(model, tokenizer, episodes, steps: int, batch: int, lr: float, seed
 # ----------------------------------------------------------------------------------------------------------------
 # Build or reuse the backbone folder
 # ----------------------------------------------------------------------------------------------------------------
-def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 300, batch: int = 16,
-                   lr: float = 3e-3, hidden: int = 96, layers: int = 4, log=print) -> str:
+def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 500, batch: int = 16,
+                   lr: float = 1e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print) -> str:
     """Train the toy backbone into `out` (an ordinary HF folder) unless it is already there. Returns `out`."""
     if os.path.exists(os.path.join(out, "toy_backbone.json")):
         log(f"toy backbone: reusing {out}")
@@ -204,7 +209,7 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 30
     torch.manual_seed(seed)
     tasks = demo_tasks(n_demos, seed + 1)
     tokenizer = build_tokenizer(corpus_texts(tasks, seed + 1))
-    model = Qwen3ForCausalLM(toy_config(tokenizer, hidden, layers))
+    model = Qwen3ForCausalLM(toy_config(tokenizer, hidden, layers, heads))
     n_params = sum(p.numel() for p in model.parameters())
     log(f"toy backbone: {n_params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, {len(tasks)} demonstrations")
     pretrain(model, tokenizer, demo_episodes(tokenizer, tasks, seed + 1), steps, batch, lr, seed, log)
@@ -228,7 +233,7 @@ def main():
     p = argparse.ArgumentParser(description="Build the toy backbone and report its vanilla reward.")
     p.add_argument("--out", default="runs/toy-backbone", help="folder for the HF model and tokenizer")
     p.add_argument("--seed", type=int, default=0, help="seed for demonstrations, init and training")
-    p.add_argument("--steps", type=int, default=300, help="SFT steps")
+    p.add_argument("--steps", type=int, default=500, help="SFT steps")
     p.add_argument("--n-eval", type=int, default=200, help="held-out tasks to evaluate")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -62,6 +62,9 @@ class Args:
     """reward a rollout needs to enter the bank (A.3: successful rollouts only)"""
     n_ret: int = 3
     """J, experiences retrieved per task (B.2: 3)"""
+    embedder: str = "minilm"
+    """retrieval encoder f_ret: minilm (offline, shipped in a PyPI package) | backbone | any HF encoder id or folder
+(paper: Qwen3-Embedding-8B)"""
     latents: int = None
     """K, latent tokens per experience (paper 32)"""
     cold_steps: int = None
@@ -114,6 +117,10 @@ class Args:
     """continue from OUT/ckpt if present"""
     enable_thinking: bool = False
     """Qwen3 thinking mode in the chat template"""
+    ablations: bool = False
+    """run the paper's ablation table instead: vanilla, base + composer, LOPD m=0.05, m=0, frozen composer"""
+    seeds: int = 3
+    """seeds for --ablations (seed, seed+1, ...); each row is reported as mean ± std"""
 
 
 # Where the toy world needs its own value, and why. Real models take PAPER_DEFAULTS.
@@ -125,7 +132,7 @@ TOY_DEFAULTS = {
     "lr": 1e-4,            # ditto for the student
     "composer_lr": 1e-4,
     "max_new_tokens": 64,
-    "max_env_steps": 8,    # toy procedures take 3-6 steps
+    "max_env_steps": 10,   # toy procedures take 2-6 calls (+ commit + "Task Completed")
 }
 PAPER_DEFAULTS = {"latents": 32, "cold_steps": 500, "cold_lr": 1e-5, "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
                   "max_new_tokens": 1024, "max_env_steps": 30}
@@ -291,6 +298,16 @@ def base_rollouts(args, model, tok, train, log):
     return eps
 
 
+def make_embedder(name: str, model, tok) -> retrieval.Embedder:
+    """f_ret: MiniLM (mean pooling), the backbone itself (mean pooling), or any HF encoder (last-token pooling,
+    as Qwen3-Embedding)."""
+    if name == "minilm":
+        return retrieval.Embedder(retrieval.minilm_path(), pooling="mean")
+    if name == "backbone":
+        return retrieval.Embedder.from_model(model, tok, pooling="mean")
+    return retrieval.Embedder(name, pooling="last")
+
+
 def build_retriever(args, model, tok, episodes, train, test, log):
     """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
     path = os.path.join(args.out, "bank")
@@ -300,15 +317,11 @@ def build_retriever(args, model, tok, episodes, train, test, log):
                                   {"shop": e.task.shop, "schema": e.task.schema, "episode": i})
              for i, e in enumerate(episodes)]
     bank = retrieval.build_bank(cands, args.bank_threshold)
-    # toy default embedder: the backbone's own final hidden states, mean-pooled (no second model to ship)
-    embedder = retrieval.Embedder.from_model(model, tok, pooling="mean")
+    embedder = make_embedder(args.embedder, model, tok)
     ret = retrieval.Retriever(bank, embedder)
     ret.cache_queries([t.task_id for t in train + test], [t.text for t in train + test])
     ret.save(path)
-    queries = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "shop": t.shop} for t in test]
-    log("bank", entries=len(bank), tasks_covered=len({e["task_id"] for e in bank}),
-        recall3_schema=retrieval.recall_at_k(ret, queries, 3, lambda q, e: q["schema"] == e["meta"]["schema"]),
-        recall3_shop=retrieval.recall_at_k(ret, queries, 3, lambda q, e: q["shop"] == e["meta"]["shop"]))
+    log("bank", entries=len(bank), tasks_covered=len({e["task_id"] for e in bank}), **bank_recall(ret, test))
     return ret
 
 
@@ -325,6 +338,21 @@ def schema_balanced_sampler(bank, rng: random.Random):
         groups.setdefault(e.get("meta", {}).get("schema", ""), []).append(e)
     keys = sorted(groups)
     return lambda n: [rng.choice(groups[rng.choice(keys)]) for _ in range(n)]
+
+
+def bank_recall(ret, test) -> dict:
+    """recall@3 of same-schema and of same-shop entries for held-out tasks; also over the tasks whose schema has
+    at least 3 bank entries (elsewhere 1.0 is out of reach)."""
+    counts = {}
+    for e in ret.bank:
+        counts[e["meta"]["schema"]] = counts.get(e["meta"]["schema"], 0) + 1
+    qs = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "shop": t.shop} for t in test]
+    covered = [q for q in qs if counts.get(q["schema"], 0) >= 3]
+    schema = lambda q, e: q["schema"] == e["meta"]["schema"]                  # noqa: E731
+    return {"recall3_schema": retrieval.recall_at_k(ret, qs, 3, schema),
+            "recall3_schema_covered": retrieval.recall_at_k(ret, covered, 3, schema) if covered else 0.0,
+            "recall3_shop": retrieval.recall_at_k(ret, qs, 3, lambda q, e: q["shop"] == e["meta"]["shop"]),
+            "schemas_in_bank": len(counts)}
 
 
 def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entries, make_env):
@@ -394,34 +422,40 @@ def set_rng_state(state: dict, task_rng: random.Random):
 
 
 def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng):
-    """OUT/ckpt: the student as an HF folder, the composer, optimizer states, β, step, RNG states.
-    Written to OUT/ckpt.tmp and swapped in with os.replace, so a kill leaves the previous checkpoint whole."""
-    final, tmp = os.path.join(args.out, "ckpt"), os.path.join(args.out, "ckpt.tmp")
+    """OUT/ckpt/step-NNNNNN: the student as an HF folder, the composer, optimizer states, β, step, RNG states.
+    Written under a temporary name and renamed, then OUT/ckpt/LATEST (a one-line file, replaced atomically) points
+    to it; older steps are deleted last. A kill at any moment leaves LATEST naming a complete checkpoint."""
+    root = os.path.join(args.out, "ckpt")
+    name, tmp = f"step-{step:06d}", os.path.join(root, f".tmp-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
     student.save_pretrained(os.path.join(tmp, "student"))
     composer.save(os.path.join(tmp, "composer"))
     torch.save({"opt_s": opts[0].state_dict(), "opt_c": opts[1].state_dict() if opts[1] else None, "beta": beta,
                 "step": step, "generations": gens, "rng": rng_state(task_rng)}, os.path.join(tmp, "state.pt"))
-    old = final + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    os.replace(tmp, os.path.join(root, name))
+    with open(os.path.join(root, "LATEST.tmp"), "w") as f:
+        f.write(name + "\n")
+    os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))
+    for old in os.listdir(root):
+        if old.startswith("step-") and old != name:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
-def load_checkpoint(args, student, composer, opts, task_rng):
+def latest_checkpoint(out: str):
+    """The folder OUT/ckpt/LATEST names, or None."""
+    pointer = os.path.join(out, "ckpt", "LATEST")
+    if not os.path.isfile(pointer):
+        return None
+    return os.path.join(out, "ckpt", open(pointer).read().strip())
+
+
+def load_checkpoint(path, student, composer, opts, task_rng):
     """Restore what save_checkpoint wrote into the live objects; returns (β, step, generations)."""
-    from peft import set_peft_model_state_dict
-    from peft.utils import load_peft_weights
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    path = os.path.join(args.out, "ckpt")
     saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "student"), dtype=student.dtype)
     student.load_state_dict(saved.state_dict())
-    cpath = os.path.join(path, "composer")
-    set_peft_model_state_dict(composer.peft, load_peft_weights(os.path.join(cpath, "composer")), "composer")
-    composer.qformer.load_state_dict(load_file(os.path.join(cpath, "qformer.safetensors")))
+    reset_composer(composer, os.path.join(path, "composer"))
     state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
     opts[0].load_state_dict(state["opt_s"])
     if opts[1] is not None:
@@ -438,9 +472,11 @@ def joint_training(run):
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
     gens = len(run["episodes"])      # the bank's rollouts count towards the generation budget (honest budgets)
-    if args.resume and os.path.exists(os.path.join(args.out, "ckpt", "state.pt")):
-        beta, start, gens = load_checkpoint(args, student, composer, opts, task_rng)
-        print(f"resumed from {args.out}/ckpt at step {start}")
+    seed_everything(args.seed + 3)   # the joint stage's randomness does not depend on which stages were cached
+    ckpt = latest_checkpoint(args.out) if args.resume else None
+    if ckpt:
+        beta, start, gens = load_checkpoint(ckpt, student, composer, opts, task_rng)
+        print(f"resumed from {ckpt} at step {start}")
     for step in tqdm(range(start, args.steps), desc="LOPD", initial=start, total=args.steps, leave=False):
         tasks = task_rng.sample(run["train"], args.rollouts_per_step)
         t0 = time.time()
@@ -483,6 +519,26 @@ def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
     return rows
 
 
+def final_eval(args: Args, n_test: int = 0, temperature=None):
+    """eval.py's entry: rebuild the run's pieces from OUT (all stages cached), load the latest checkpoint's student
+    and composer, evaluate. Returns (rows, (composer, tokenizer, latents of the first held-out task))."""
+    import eval as ev
+    run = prepare(args)
+    student = None
+    ckpt = latest_checkpoint(args.out)
+    if ckpt:
+        from transformers import AutoModelForCausalLM
+        student = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "student"), dtype=run["student"].dtype)
+        student.to(run["student"].device)
+        reset_composer(run["composer"], os.path.join(ckpt, "composer"))
+    tasks = run["test"][:n_test] if n_test else run["test"]
+    rows = evaluate(args, run["composer"], student, run["retriever"], run["tok"], tasks, temperature)
+    ev.write_results(args.out, rows)
+    with torch.no_grad():
+        latents = lopd.compose(run["composer"], tasks[:1], lopd.retrieve(run["retriever"], tasks[:1], args.n_ret))
+    return rows, (run["composer"], run["tok"], latents[0])
+
+
 def prepare(args: Args):
     """Stages 1-4 (each cached in OUT): returns the pieces the joint stage and evaluation need."""
     os.makedirs(args.out, exist_ok=True)
@@ -492,7 +548,7 @@ def prepare(args: Args):
     device, dtype = pick_device(args.device, args.dtype)
     log = Log(args.out)
     model, tok = load_backbone(args, device, dtype)
-    student = copy.deepcopy(model)            # θ starts from θ̄; the composer's LoRA goes into `model` only
+    student = copy.deepcopy(model).requires_grad_(True)   # θ starts from θ̄; the composer's LoRA goes into `model`
     train_tasks, test_tasks = load_splits(args)
     episodes = base_rollouts(args, model, tok, train_tasks, log)
     retriever = build_retriever(args, model, tok, episodes, train_tasks, test_tasks, log)
@@ -501,10 +557,62 @@ def prepare(args: Args):
                 episodes=episodes, train=train_tasks, test=test_tasks)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The paper's ablation table at toy scale (Table 3 rows and Figure 3)
+# ----------------------------------------------------------------------------------------------------------------
+VARIANTS = {"LOPD (m = 0.05)": {}, "LOPD (m = 0)": {"margin": 0.0}, "frozen composer": {"freeze_composer": True}}
+PAPER_ROWS = {"vanilla": 0.486, "base + composer": 0.631, "LOPD (m = 0.05)": 0.637, "LOPD (m = 0)": 0.551,
+              "frozen composer": 0.573}
+
+
+def reset_composer(composer, path: str):
+    """Put the composer back to the weights saved in `path` (φ0 before each variant)."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    from safetensors.torch import load_file
+    set_peft_model_state_dict(composer.peft, load_peft_weights(os.path.join(path, "composer")), "composer")
+    composer.qformer.load_state_dict(load_file(os.path.join(path, "qformer.safetensors")))
+
+
+def ablation_seed(args: Args) -> dict:
+    """One seed of the table: shared stages 1-4, then each variant's joint stage from the same θ̄ and φ0."""
+    run = prepare(args)
+    rows = {k: v["reward"] for k, v in evaluate(args, run["composer"], None, run["retriever"], run["tok"],
+                                                run["test"], which=("vanilla", "base + composer")).items()}
+    base_student = run["student"]
+    for name, change in VARIANTS.items():
+        vargs = dataclasses.replace(args, out=os.path.join(args.out, name.replace(" ", "").replace("=", "")
+                                                            .replace("(", "_").replace(")", "")), **change)
+        os.makedirs(vargs.out, exist_ok=True)
+        reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+        student = joint_training({**run, "args": vargs, "student": copy.deepcopy(base_student), "log": Log(vargs.out)})
+        ev = evaluate(vargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
+                      which=("base + composer", "LOPD student"))
+        rows[name], rows[name + " / teacher"] = ev["LOPD student"]["reward"], ev["base + composer"]["reward"]
+    return rows
+
+
+def ablations(args: Args):
+    """`python train.py --ablations`: every row for args.seeds seeds, mean ± std beside the paper's numbers."""
+    per_seed = [ablation_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))
+                for i in range(args.seeds)]
+    lines = ["| row | reward (mean ± std over %d seeds) | paper (EnvScaler, Qwen3-4B) |" % args.seeds, "|---|---|---|"]
+    for name in per_seed[0]:
+        vals = np.array([r[name] for r in per_seed])
+        lines.append(f"| {name} | {vals.mean():.3f} ± {vals.std():.3f} | {PAPER_ROWS.get(name, '')} |")
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "ablations.md"), "w") as f:
+        f.write(table)
+    json.dump(per_seed, open(os.path.join(args.out, "ablations.json"), "w"), indent=1)
+    print("\n" + table)
+
+
 def main(argv=None):
     t0 = time.time()
-    run = prepare(parse_args(argv))
-    args = run["args"]
+    args = parse_args(argv)
+    if args.ablations:
+        return ablations(args)
+    run = prepare(args)
     student = None
     if args.steps > 0:
         student = joint_training(run)

@@ -10,15 +10,15 @@ from envs import DONE_TEXT, SHOPS, Task, ToolWorld, format_call, load_tasks, ora
 
 
 def hand_task(shop="delta"):
-    """A hand-written task: replace Ana's pear order (O002) with 4 mugs. Two checklist items."""
-    db = {"customers": {"C100": {"name": "Ana", "tier": "gold", "city": "Oslo"},
-                        "C200": {"name": "Ben", "tier": "bronze", "city": "Lima"}},
-          "orders": {"O001": {"customer": "C100", "item": "apple", "qty": 2, "status": "open"},
-                     "O002": {"customer": "C100", "item": "pear", "qty": 1, "status": "open"},
-                     "O003": {"customer": "C200", "item": "pear", "qty": 5, "status": "held"}}}
-    return Task("hand-0", shop, "swap", f"[{shop} shop] Replace Ana's pear order with 4 mug.", db,
-                {"name": "Ana", "item": "pear", "item2": "mug", "qty": 4},
-                [["removed", "orders", "O002"], ["added", "orders", "C100", "mug", 4]])
+    """A hand-written task: replace account A10's K2 order (O002) with a K5 order. Two checklist items."""
+    db = {"customers": {"C100": {"account": "A10", "tier": "gold"},
+                        "C200": {"account": "A20", "tier": "bronze"}},
+          "orders": {"O001": {"customer": "C100", "item": "K1", "qty": 2, "status": "open"},
+                     "O002": {"customer": "C100", "item": "K2", "qty": 1, "status": "open"},
+                     "O003": {"customer": "C200", "item": "K2", "qty": 5, "status": "held"}}}
+    return Task("hand-0", shop, "swap", f"[{shop} shop] Replace an order with a new item: item K2, new item K5, account A10.", db,
+                {"account": "A10", "item": "K2", "item2": "K5"},
+                [["removed", "orders", "O002"], ["added", "orders", "C100", "K5", 1]])
 
 
 def play(task, calls):
@@ -32,16 +32,18 @@ def play(task, calls):
 
 def test_perfect_partial_harmful_rewards():
     t = hand_task("delta")  # find_customer, no commit
-    perfect = [("find_customer", {"name": "Ana"}), ("list_orders", {"customer_id": "C100"}),
-               ("cancel_order", {"order_id": "O002"}), ("add_order", {"customer_id": "C100", "item": "mug", "qty": 4})]
+    perfect = [("find_customer", {"account": "A10"}), ("find_order", {"customer_id": "C100", "item": "K2"}),
+               ("cancel_order", {"order_id": "O002"}), ("add_order", {"customer_id": "C100", "item": "K5", "qty": 1})]
     assert oracle_calls(t) == perfect
     assert play(t, perfect).reward() == 1.0
     assert play(t, perfect[:3]).reward() == 0.5                     # cancelled, never added: 1 of 2
     assert play(t, perfect[:1]).reward() == 0.0
-    harmful = perfect + [("cancel_order", {"order_id": "O003"})]    # also cancels Ben's order
+    harmful = perfect + [("cancel_order", {"order_id": "O003"})]    # also cancels A20's order
     assert play(t, harmful).reward() == 0.5                         # (2 − 1 collateral) / 2
-    wrong_value = perfect[:3] + [("add_order", {"customer_id": "C100", "item": "mug", "qty": 3})]
+    wrong_value = perfect[:3] + [("add_order", {"customer_id": "C100", "item": "K5", "qty": 3})]
     assert play(t, wrong_value).reward() == 0.0                     # (1 − 1 unasked order) / 2
+    tier_change = perfect + [("update_customer", {"customer_id": "C200", "field": "tier", "value": "gold"})]
+    assert play(t, tier_change).reward() == 0.5
 
 
 def test_commit_shop_stages_until_commit():
@@ -57,8 +59,9 @@ def test_commit_shop_stages_until_commit():
 def test_wrong_lookup_tool_is_an_error():
     env = ToolWorld()
     env.reset(hand_task("birch"))                                   # birch uses lookup_customer
-    assert env.step(format_call("find_customer", {"name": "Ana"})).observations == ["Error: unknown tool 'find_customer'"]
-    assert env.step(format_call("lookup_customer", {"name": "Ana"})).observations == ["C100"]
+    assert env.step(format_call("find_customer", {"account": "A10"})).observations == [
+        "Error: unknown tool 'find_customer'"]
+    assert env.step(format_call("lookup_customer", {"account": "A10"})).observations == ["C100"]
 
 
 def test_oracle_solves_every_generated_task():
@@ -76,14 +79,14 @@ def test_splits_disjoint_and_seeded():
 
 
 def _random_action(rng):
-    names = [t["function"]["name"] for t in envs.TOOLS] + ["", "drop_table", "list_orders "]
+    names = [t["function"]["name"] for t in envs.TOOLS] + ["", "drop_table", "find_order "]
     junk = ["", "{", "}", "null", "[1,2]", '{"name": 3}', '{"name": "x", "arguments": []}', "<tool_call>",
             "</tool_call>", "Task Completed", "\x00", "😀", '{"name": "commit", "arguments": {"a": 1}}']
-    values = [None, 0, -1, 10**30, 1.5, True, "", "C100", "O002", "O999", "Ana", "pear", "gold", "qty", "status",
-              "shipped", "9" * 50, [], {}, {"x": 1}, "tier", "city", "Oslo", "12"]
+    values = [None, 0, -1, 10**30, 1.5, True, "", "C100", "O002", "O999", "A10", "K2", "gold", "qty", "status",
+              "shipped", "9" * 50, [], {}, {"x": 1}, "tier", "held", "K5", "12", 3, 1]
     kind = rng.random()
     if kind < 0.6:
-        keys = ["name", "customer_id", "order_id", "field", "value", "item", "qty", "extra"]
+        keys = ["account", "customer_id", "order_id", "field", "value", "item", "qty", "extra"]
         args = {k: rng.choice(values) for k in rng.sample(keys, rng.randint(0, 4))}
         call = format_call(rng.choice(names), args)
         if rng.random() < 0.2:
@@ -110,7 +113,7 @@ def test_fuzz_step_never_raises_and_state_stays_consistent():
             assert isinstance(o["qty"], int) and 1 <= o["qty"] <= 99
             assert o["status"] in envs.STATUSES and o["item"] in envs.ITEMS
         for c in env.db["customers"].values():
-            assert c["tier"] in envs.TIERS and c["city"] in envs.CITIES
+            assert c["tier"] in envs.TIERS and c["account"].startswith("A")
     assert env.task.db == hand_task(env.task.shop).db               # the task's initial state is never touched
 
 
@@ -131,6 +134,6 @@ def test_tasks_jsonl_round_trip_and_errors(tmp_path):
 
 
 def test_lite_trace_format():
-    env = play(hand_task("delta"), [("find_customer", {"name": "Ana"}), ("nope", {})])
-    assert envs.lite_trace(env.trace) == ('1. find_customer(name="Ana") -> C100\n'
+    env = play(hand_task("delta"), [("find_customer", {"account": "A10"}), ("nope", {})])
+    assert envs.lite_trace(env.trace) == ('1. find_customer(account="A10") -> C100\n'
                                           "2. nope() -> Error: unknown tool 'nope'")

@@ -16,7 +16,8 @@ def backbone(tmp_path_factory):
     """A tiny pretraining run (the smoke test of base pretraining), saved as an ordinary HF folder."""
     torch.set_num_threads(1)
     out = str(tmp_path_factory.mktemp("bb") / "toy")
-    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, hidden=32, layers=2, log=lambda *_: None)
+    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, lr=3e-3, hidden=32, layers=2,
+                       log=lambda *_: None)
     return AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out), out
 
 

@@ -1,0 +1,317 @@
+"""Tests for lopd.py's training step (Algorithm 1): `pack` alignment, where gradients go, micro-batching, the dual
+variable β, and the non-finite skip.
+
+Run: python -m pytest tests/test_lopd.py -q
+Offline: a tiny toy backbone (toy.build_backbone, hidden 32, 2 layers), a composer with K = 2 latents and one
+QFormer layer, and a bank of eight scripted (oracle) episodes; fp32 on CPU, one thread.
+"""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import envs  # noqa: E402
+import inject  # noqa: E402
+import lopd  # noqa: E402
+import losses  # noqa: E402
+import retrieval  # noqa: E402
+import toy  # noqa: E402
+from composer import Composer, ComposerConfig  # noqa: E402
+
+J = 2                                           # experiences per task; K = 2 latents each -> 4 latent positions
+CFG = ComposerConfig(n_latents=2, n_layers=1)
+SAMPLE = lopd.SampleConfig(temperature=1.0, max_new_tokens=16, batch_size=8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread; restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The backbone folder, its tokenizer, train tasks, and a retriever over eight scripted episodes.
+
+    Query vectors of every task are cached before any composer exists (as train.py does), so later retrieval never
+    embeds through a backbone that carries the composer's LoRA."""
+    out = str(tmp_path_factory.mktemp("bb") / "toy")
+    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, lr=3e-3, hidden=32, layers=2,
+                       log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(out).eval()
+    train, _ = envs.make_splits(seed=0, n_train=14, n_test=1)
+    entries = []
+    for i, task in enumerate(train[:8]):
+        ep = lopd.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task))
+        entries.append(retrieval.make_entry(task.task_id, task.text, ep.trace, ep.reward,
+                                            {"schema": task.schema, "shop": task.shop, "episode": i}))
+    ret = retrieval.Retriever(entries, retrieval.Embedder.from_model(base, tok, pooling="mean"))
+    ret.cache_queries([t.task_id for t in train], [t.text for t in train])
+    return dict(path=out, tok=tok, train=train, retriever=ret)
+
+
+def make_models(world, seed=0):
+    """(student, composer): the student is a copy of θ̄ taken BEFORE the composer's LoRA goes into θ̄ (train.py).
+
+    LoRA B starts at zero, which would make "LoRA on" and "LoRA off" indistinguishable; it gets small values."""
+    base = AutoModelForCausalLM.from_pretrained(world["path"]).eval()
+    student = copy.deepcopy(base)                # trainable; Composer freezes θ̄'s own weights below
+    torch.manual_seed(seed)
+    comp = Composer(base, world["tok"], CFG)
+    with torch.no_grad():
+        for n, p in comp.peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return student, comp
+
+
+def backbone_params(comp):
+    return {n: p for n, p in comp.peft.named_parameters() if "lora_" not in n}
+
+
+def snapshot(named):
+    return {n: p.detach().clone() for n, p in named}
+
+
+def record_grads(opt, store):
+    """Wrap opt.step so that each parameter's gradient (after clipping) is copied into store[id(p)] first."""
+    step = opt.step
+
+    def wrapped(*args, **kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                store[id(p)] = None if p.grad is None else p.grad.detach().clone()
+        return step(*args, **kwargs)
+
+    opt.step = wrapped
+    return opt
+
+
+def setup_step(world, seed=0, tasks=None, lr=1e-3, freeze=False, perturb_c0=0.0):
+    """Models, optimizers (grad-recording), and the c_φ0 cache for one lopd_step on `tasks`."""
+    student, comp = make_models(world, seed)
+    tasks = tasks or world["train"][6:10]        # two bank tasks (self-excluded) and two tasks outside the bank
+    c0 = lopd.anchor_cache(comp, world["retriever"], tasks, J)
+    if perturb_c0:                               # c_φ ≠ c_φ0 so that the anchor term is not zero
+        g = torch.Generator().manual_seed(seed)
+        c0 = {k: v + perturb_c0 * torch.randn(v.shape, generator=g) for k, v in c0.items()}
+    grads = {}
+    opt_s = record_grads(torch.optim.AdamW(student.parameters(), lr=lr), grads)
+    opt_c = None if freeze else record_grads(torch.optim.AdamW(comp.trainable_parameters(), lr=lr), grads)
+    return student, comp, tasks, c0, (opt_s, opt_c), grads
+
+
+def run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=0, **cfg):
+    cfg = lopd.LOPDConfig(**{"n_ret": J, "top_m": 5, "micro_batch": 3, **cfg})
+    torch.manual_seed(rng_seed)
+    return lopd.lopd_step(student, comp, world["tok"], tasks, world["retriever"], c0, beta, opts, cfg, SAMPLE,
+                          envs.ToolWorld, envs.TOOLS)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 1. pack and the aligned logits of student and teacher
+# ------------------------------------------------------------------------------------------------------------
+def test_pack_puts_continuation_token_t_in_column_P_plus_t():
+    prefixes, conts = [[1, 2, 3], [4], [5, 6]], [[7], [8, 9, 10], [11, 12]]
+    ids, att, pos, P, pad = lopd.pack(prefixes, conts, 0, "cpu")
+    assert P == 3 and ids.shape == (3, 6) and pad.tolist() == [0, 2, 1]
+    assert ids.tolist() == [[1, 2, 3, 7, 0, 0], [0, 0, 4, 8, 9, 10], [0, 5, 6, 11, 12, 0]]
+    assert att.tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0]]
+    for i in range(3):                                   # real tokens keep their unpadded positions 0, 1, ...
+        assert pos[i][att[i].bool()].tolist() == list(range(len(prefixes[i]) + len(conts[i])))
+
+
+def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
+    """Batched, padded scoring = each episode scored alone, at every continuation position, for both models."""
+    tok, student, comp = world["tok"], *make_models(world)
+    tasks = [world["train"][i] for i in (0, 3, 5, 9)]
+    eps = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t), envs.TOOLS) for t in tasks]
+    eps[1].ids, eps[1].mask = eps[1].ids[:eps[1].prompt_len + 7], eps[1].mask[:eps[1].prompt_len + 7]  # short
+    assert len({e.prompt_len for e in eps}) > 1 and len({len(e.ids) - e.prompt_len for e in eps}) == 4
+    with torch.no_grad():
+        latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))    # (B, J·K, d)
+        ls, lt, ids, omega = lopd.student_teacher_logits(student, comp, tok, eps, latents, envs.ToolWorld,
+                                                         envs.TOOLS)
+        for i, e in enumerate(eps):
+            cont = e.ids[e.prompt_len:]
+            n = len(cont)
+            assert ids[i, :n].tolist() == cont and omega[i, :n].tolist() == e.mask[e.prompt_len:]
+            assert omega[i, n:].sum() == 0                                              # padding is never supervised
+            # student: ep.ids alone; logits at t predict t+1
+            alone_s = student(input_ids=torch.tensor([e.ids])).logits[0]                # (T, V)
+            torch.testing.assert_close(ls[i, :n], alone_s[e.prompt_len - 1:-1], atol=1e-5, rtol=0)
+            # teacher: latent prompt + the same continuation, latents injected, LoRA off
+            prompt, start = inject.latent_prompt_ids(tok, envs.ToolWorld().reset(e.task), latents.shape[1],
+                                                     tools=envs.TOOLS)
+            row = torch.tensor([prompt + cont])                                         # (1, T')
+            embeds = inject.embed_with_latents(comp.peft, row, latents[i:i + 1], [start])  # (1, T', d)
+            with comp.adapter_disabled():
+                alone_t = comp.peft(inputs_embeds=embeds, attention_mask=torch.ones_like(row)).logits[0]
+            torch.testing.assert_close(lt[i, :n], alone_t[len(prompt) - 1:-1], atol=1e-5, rtol=0)
+            # the check can tell LoRA on from LoRA off (the adapter is not a no-op here)
+            with_lora = comp.peft(inputs_embeds=embeds, attention_mask=torch.ones_like(row)).logits[0]
+            assert (with_lora[len(prompt) - 1:-1] - alone_t[len(prompt) - 1:-1]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 2. where the gradients of one lopd_step go
+# ------------------------------------------------------------------------------------------------------------
+def test_lopd_step_updates_student_and_composer_never_the_backbone(world):
+    student, comp, tasks, c0, opts, grads = setup_step(world, perturb_c0=0.05)
+    frozen = snapshot(backbone_params(comp).items())
+    s_before = snapshot(student.named_parameters())
+    c_before = [p.detach().clone() for p in comp.trainable_parameters()]
+    assert all(s.data_ptr() != b.data_ptr() for s, b in zip(student.parameters(), backbone_params(comp).values()))
+    beta, m, eps = run_step(world, student, comp, tasks, c0, opts)    # 4 rollouts, micro-batches of 3 and 1
+    assert m["skipped"] == 0 and len(eps) == 4 and all(sum(e.mask) > 0 for e in eps)
+    # θ: every student tensor got a finite gradient, the whole gradient is non-zero, and the weights moved
+    g_s = [grads[id(p)] for p in student.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in g_s)
+    assert sum(g.abs().sum() for g in g_s) > 0
+    moved = [not torch.equal(p, s_before[n]) for n, p in student.named_parameters()]
+    assert all(moved)
+    # φ: the QFormer and the encoder LoRA both got gradient (through the teacher's p_T and the anchor), and moved
+    named_c = [(n, p) for n, p in comp.named_parameters() if p.requires_grad]
+    assert all(grads[id(p)] is not None and torch.isfinite(grads[id(p)]).all() for _, p in named_c)
+    assert grads[id(comp.qformer.queries)].abs().sum() > 0
+    assert sum(grads[id(p)].abs().sum() for n, p in named_c if "lora_A" in n) > 0
+    assert sum(grads[id(p)].abs().sum() for n, p in named_c if "lora_B" in n) > 0
+    assert all(not torch.equal(p, b) for p, b in zip(comp.trainable_parameters(), c_before))
+    # θ̄: bit-identical, no gradient, not trainable
+    for n, p in backbone_params(comp).items():
+        assert torch.equal(p, frozen[n]), n
+        assert not p.requires_grad and p.grad is None, n
+
+
+def test_frozen_composer_stays_bit_identical(world):
+    student, comp, tasks, c0, opts, grads = setup_step(world, freeze=True, perturb_c0=0.05)
+    c_before = snapshot(comp.named_parameters())
+    s_before = snapshot(student.named_parameters())
+    _, m, _ = run_step(world, student, comp, tasks, c0, opts, freeze_composer=True)
+    assert m["skipped"] == 0 and m["loss/anchor"] == 0.0
+    for n, p in comp.named_parameters():
+        assert torch.equal(p, c_before[n]) and p.grad is None, n
+    assert any(not torch.equal(p, s_before[n]) for n, p in student.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 3. micro-batching: micro_batch=2 sums to the same metrics and gradients as one batch of 4
+# ------------------------------------------------------------------------------------------------------------
+def test_micro_batches_sum_to_the_whole_batch(world):
+    """Same seed -> the same rollouts (checked); the metrics add up and the clipped gradients agree."""
+    results = []
+    for mb in (2, 4):
+        student, comp, tasks, c0, opts, grads = setup_step(world, seed=1, perturb_c0=0.05)
+        beta, m, eps = run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=7, micro_batch=mb)
+        g = [grads[id(p)] for p in list(student.parameters()) + comp.trainable_parameters()]
+        results.append((beta, m, [e.ids for e in eps], g))
+    (b2, m2, ids2, g2), (b4, m4, ids4, g4) = results
+    assert ids2 == ids4                                   # identical rollouts: the comparison is fair
+    assert m2["loss/anchor"] > 0                          # the anchor term is exercised
+    for k in ("loss/distill", "privilege/delta", "loss/anchor"):
+        assert m2[k] == pytest.approx(m4[k], rel=1e-5, abs=1e-7), k
+    assert b2 == pytest.approx(b4, rel=1e-6, abs=1e-9)
+    for a, b in zip(g2, g4):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 4. β dynamics (eq. 13): β ← max(0, β + η_β (m − Δ)) with the Δ lopd_step measures
+# ------------------------------------------------------------------------------------------------------------
+def test_dual_step_rises_below_margin_and_stays_zero_above():
+    """Repeated dual_step calls, the loop's semantics: Δ < m raises β by η(m − Δ) each step; Δ ≫ m holds β at 0."""
+    beta, seq = 0.0, []
+    for _ in range(4):
+        beta = losses.dual_step(beta, 0.01, 0.05, 0.5)
+        seq.append(beta)
+    assert seq == pytest.approx([0.02, 0.04, 0.06, 0.08])
+    beta, seq = 0.05, []
+    for _ in range(4):
+        beta = losses.dual_step(beta, 2.0, 0.05, 0.5)
+        seq.append(beta)
+    assert seq == [0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("margin", [100.0, -100.0])
+def test_lopd_step_feeds_its_delta_to_the_dual_step(world, margin):
+    """Real Δ from real rollouts; the margin is put far above (β must rise every step) or far below (β -> 0) any Δ
+    the tiny model can reach. Checks the exact update from the Δ that lopd_step reports."""
+    student, comp, tasks, c0, opts, _ = setup_step(world, seed=2, tasks=world["train"][6:9])
+    beta, betas = (0.0 if margin > 0 else 0.4), []
+    for k in range(2):
+        new, m, _ = run_step(world, student, comp, tasks, c0, opts, beta=beta, rng_seed=k, margin=margin,
+                             dual_lr=0.01, micro_batch=2)
+        assert m["skipped"] == 0 and abs(m["privilege/delta"]) < abs(margin) / 2
+        assert new == losses.dual_step(beta, m["privilege/delta"], margin, 0.01) == m["dual/beta"]
+        beta = new
+        betas.append(beta)
+    if margin > 0:
+        assert 0 < betas[0] < betas[1]
+    else:
+        assert betas == [0.0, 0.0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 5. a non-finite loss or gradient skips the update
+# ------------------------------------------------------------------------------------------------------------
+def _params(student, comp):
+    return [p.detach().clone() for p in list(student.parameters()) + comp.trainable_parameters()]
+
+
+def test_nan_loss_skips_the_update(world, monkeypatch):
+    real = losses.lopd_objective
+
+    def nan_objective(*args, **kwargs):
+        loss, m = real(*args, **kwargs)
+        return loss * float("nan"), m                     # NaN, still attached to the graph
+
+    monkeypatch.setattr(losses, "lopd_objective", nan_objective)
+    student, comp, tasks, c0, opts, grads = setup_step(world)
+    before = _params(student, comp)
+    beta, m, _ = run_step(world, student, comp, tasks, c0, opts, beta=0.3)
+    assert m["skipped"] == 1 and beta == 0.3 and m["dual/beta"] == 0.3
+    assert not grads and all(not o.state for o in opts)   # no optimizer step happened
+    for a, p in zip(before, list(student.parameters()) + comp.trainable_parameters()):
+        assert torch.equal(a, p) and p.grad is None
+
+
+def test_nan_gradient_with_finite_loss_skips_and_drops_gradients(world, monkeypatch):
+    """A finite loss whose gradient is NaN: `_step` sees the non-finite norm, steps nothing, drops all gradients."""
+    real = losses.lopd_objective
+
+    def nan_grad_objective(student_logits, *args, **kwargs):
+        loss, m = real(student_logits, *args, **kwargs)
+        return loss + (student_logits * 0).abs().pow(0.5).sum(), m   # value + 0, d/dx √|0·x| = NaN
+
+    monkeypatch.setattr(losses, "lopd_objective", nan_grad_objective)
+    student, comp, tasks, c0, opts, grads = setup_step(world)
+    before = _params(student, comp)
+    beta, m, _ = run_step(world, student, comp, tasks, c0, opts, beta=0.3)
+    assert m["skipped"] == 1 and beta == 0.3 and torch.isfinite(torch.tensor(m["loss/total"]))
+    for a, p in zip(before, list(student.parameters()) + comp.trainable_parameters()):
+        assert torch.equal(a, p) and p.grad is None
+
+
+def test_skipped_step_leaves_no_stale_gradients(world, monkeypatch):
+    real, calls = losses.lopd_objective, []
+
+    def second_is_nan(*args, **kwargs):
+        loss, m = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 2 else loss), m
+
+    monkeypatch.setattr(losses, "lopd_objective", second_is_nan)
+    student, comp, tasks, c0, opts, _ = setup_step(world)
+    beta, m, _ = run_step(world, student, comp, tasks, c0, opts, beta=0.3, micro_batch=2)
+    assert len(calls) == 2 and m["skipped"] == 1 and beta == 0.3
+    stale = [p for p in list(student.parameters()) + comp.trainable_parameters()
+             if p.grad is not None and p.grad.abs().sum() > 0]
+    assert not stale, f"{len(stale)} parameters keep gradients from the skipped iteration"

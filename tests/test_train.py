@@ -1,0 +1,216 @@
+"""Smoke, determinism, resume and bad-input tests of the command-line pipeline (train.py, eval.py) in subprocesses.
+
+Run: python -m pytest tests/test_train.py -q      (under a minute on 2 idle CPU cores)
+A tiny toy backbone folder is built once (it holds toy_backbone.json, so train.py applies TOY_DEFAULTS to it).
+The runs that must be separate processes (two seeded runs, one SIGKILLed and resumed, eval.py) are real
+`python train.py ...` commands at tiny size: 30 training tasks, 2 cold-start steps, 3 LOPD steps; independent
+ones are started together to use both cores. Bad-input cases call `train.main(argv)` in-process.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import toy  # noqa: E402
+import train  # noqa: E402
+
+STEPS = 3
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+LOPD_KEYS = {"reward/student", "loss/distill", "privilege/delta", "dual/beta", "loss/anchor"}
+
+
+def train_cmd(model, out, *extra):
+    return [sys.executable, "train.py", "--model", str(model), "--out", str(out), "--n-train", "30", "--n-test", "6",
+            "--bank-threshold", "0.0", "--cold-steps", "2", "--steps", str(STEPS), "--rollouts-per-step", "4",
+            "--micro-batch", "2", "--latents", "2", "--save-every", "1", "--max-new-tokens", "32", *extra]
+
+
+def start(cmd, logs):
+    """Start cmd with stdout and stderr going to files logs.out / logs.err (pipes that nobody reads while another
+    run is polled could fill up and stall the process)."""
+    with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=err)
+    proc.logs = str(logs)
+    return proc
+
+
+def finish(proc, timeout=180, ok=True):
+    """Wait for a started process; with ok, fail with its stderr tail unless it exited 0. -> (rc, stdout, stderr)"""
+    proc.wait(timeout=timeout)
+    out, err = read(f"{proc.logs}.out"), read(f"{proc.logs}.err")
+    if ok:
+        assert proc.returncode == 0, f"{' '.join(proc.args)}\nexit {proc.returncode}\n{err[-3000:]}"
+    return proc.returncode, out, err
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def records(run, stage=None):
+    rows = [json.loads(line) for line in read(os.path.join(run, "metrics.jsonl")).splitlines()]
+    return [r for r in rows if stage is None or r["stage"] == stage]
+
+
+def untimed(rec):
+    return {k: v for k, v in rec.items() if k != "seconds"}
+
+
+def kill_after_first_checkpoint(proc, out, timeout=180):
+    """SIGKILL `proc` as soon as OUT/ckpt/LATEST exists (replaced atomically). -> checkpoint step."""
+    latest = os.path.join(out, "ckpt", "LATEST")
+    t0 = time.time()
+    while not os.path.exists(latest):
+        assert proc.poll() is None, f"run ended before its first checkpoint:\n{read(proc.logs + '.err')[-3000:]}"
+        assert time.time() - t0 < timeout, "no checkpoint within the timeout"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    return torch.load(os.path.join(train.latest_checkpoint(out), "state.pt"), weights_only=False)["step"]
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = str(tmp_path_factory.mktemp("bb") / "toy")
+    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, lr=3e-3, hidden=32, layers=2,
+                       log=lambda *_: None)
+    torch.set_num_threads(n)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(backbone, tmp_path_factory):
+    """a, b: two uninterrupted runs with the same seed; c: the same run SIGKILLed after its first checkpoint, then
+    resumed with --resume (its cached stages, backbone excepted, come from the killed run)."""
+    root = tmp_path_factory.mktemp("runs")
+    a, b, c = (str(root / name) for name in "abc")
+    procs = [start(train_cmd(backbone, out), out + "-log") for out in (a, b, c)]
+    killed_at = kill_after_first_checkpoint(procs[2], c)
+    finish(procs[0])
+    finish(procs[1])
+    _, resumed_log, _ = finish(start(train_cmd(backbone, c, "--resume"), c + "-resume-log"))
+    return dict(a=a, b=b, c=c, killed_at=killed_at, resumed_log=resumed_log)
+
+
+# ------------------------------------------------------------------------------------------------------------
+def test_smoke_run_writes_results_and_one_record_per_step(runs):
+    a = runs["a"]
+    result = json.loads(read(os.path.join(a, "results.json")))
+    assert list(result["rows"]) == ["vanilla", "base + composer", "LOPD student"]
+    table = read(os.path.join(a, "results.md"))
+    for row in ("| vanilla |", "| base + composer |", "| LOPD student |"):
+        assert row in table
+    lopd = records(a, "lopd")
+    assert [r["step"] for r in lopd] == list(range(STEPS))
+    for r in lopd:
+        assert LOPD_KEYS <= set(r) and r["skipped"] == 0, r
+    assert {r["stage"] for r in records(a)} >= {"base_rollouts", "bank", "cold_start", "cold_start_done", "lopd"}
+
+
+def test_eval_script_on_a_finished_run(runs, tmp_path):
+    rc, out, err = finish(start([sys.executable, "eval.py", "--run", runs["a"], "--n-test", "4"], tmp_path / "eval"),
+                          ok=False)
+    assert rc == 0, err[-3000:]
+    for row in ("vanilla", "base + composer", "LOPD student"):
+        assert f"| {row} |" in out
+
+
+def test_same_seed_gives_identical_metrics(runs):
+    a, b = records(runs["a"]), records(runs["b"])
+    assert len(a) == len(b) and len(records(runs["a"], "lopd")) == STEPS
+    for ra, rb in zip(a, b):
+        assert untimed(ra) == untimed(rb)
+
+
+def test_sigkill_then_resume_matches_the_uninterrupted_run(runs):
+    assert 1 <= runs["killed_at"] < STEPS, "the kill must land after a checkpoint and before the run's end"
+    assert f"at step {runs['killed_at']}" in runs["resumed_log"]
+    # steps after the checkpoint may have been logged twice (before the kill, and again after resuming): the
+    # resumed run's record, the last one, is the one that counts
+    last = {r["step"]: untimed(r) for r in records(runs["c"], "lopd")}
+    want = {r["step"]: untimed(r) for r in records(runs["a"], "lopd")}
+    assert last == want
+    # the resumed process reused the cached stages (base rollouts, bank, composer φ0) instead of redoing them
+    stages = [r["stage"] for r in records(runs["c"])]
+    assert stages.count("base_rollouts") == stages.count("bank") == stages.count("cold_start_done") == 1
+
+
+def test_checkpoint_is_whole_and_loadable(runs, backbone):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from composer import Composer
+    a = runs["a"]
+    assert sorted(os.listdir(os.path.join(a, "ckpt"))) == ["LATEST", f"step-{STEPS:06d}"]   # no temp left
+    ckpt = train.latest_checkpoint(a)
+    assert sorted(os.listdir(ckpt)) == ["composer", "state.pt", "student"]
+    state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
+    assert state["step"] == STEPS
+    assert state["beta"] == pytest.approx(records(a, "lopd")[-1]["dual/beta"], abs=1e-5)
+    assert {"python", "numpy", "torch", "tasks"} <= set(state["rng"])
+    student = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "student"))
+    tok = AutoTokenizer.from_pretrained(backbone)
+    assert student.config.vocab_size == len(tok)
+    comp = Composer.load(os.path.join(ckpt, "composer"), AutoModelForCausalLM.from_pretrained(backbone), tok)
+    assert comp.cfg.n_latents == 2
+    with torch.no_grad():
+        c = comp(["[alder shop] x"], [["a", "b", "c"]])                  # (1, J·K, d)
+    assert c.shape == (1, 3 * 2, student.config.hidden_size) and torch.isfinite(c).all()
+
+
+def test_joint_training_changes_the_student(runs, backbone):
+    from safetensors.torch import load_file
+    base = load_file(os.path.join(backbone, "model.safetensors"))
+    trained = load_file(os.path.join(train.latest_checkpoint(runs["a"]), "student", "model.safetensors"))
+    assert any(not torch.equal(base[k], trained[k]) for k in base)
+
+
+# In-process from here: `train.main(argv)` is exactly what the command line runs, without paying a new interpreter's
+# ~5 s of imports per case.
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_frozen_composer_run(runs, backbone, tmp_path, one_thread):
+    out = tmp_path / "frozen"
+    out.mkdir()
+    for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):   # reuse run a's cached stages
+        subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / name)], check=True)
+    train.main(train_cmd(backbone, out, "--freeze-composer", "--steps", "1")[2:])
+    lopd = records(str(out), "lopd")
+    assert len(lopd) == 1 and lopd[0]["loss/anchor"] == 0.0
+
+
+@pytest.mark.parametrize("flag, value, named", [("--model", "/nonexistent/folder", "/nonexistent/folder"),
+                                                ("--device", "tpu", "--device")])
+def test_bad_flag_exits_nonzero_naming_it(tmp_path, capsys, flag, value, named):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--out", str(tmp_path / "run"), flag, value])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert named in err and value in err, err
+
+
+def test_bad_task_line_fails_naming_file_and_line(backbone, tmp_path, one_thread):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    good = json.dumps({"task_id": "t0", "shop": "alder", "schema": "cancel", "text": "x", "db": {}, "goal": {},
+                       "checklist": []})
+    (tasks / "train.jsonl").write_text(good + "\n{not json\n")
+    (tasks / "test.jsonl").write_text(good + "\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl:2"):
+        train.main(train_cmd(backbone, tmp_path / "run", "--tasks", str(tasks))[2:])
