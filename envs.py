@@ -9,15 +9,15 @@ implements. The toy world is also a real (easy) environment for a real Qwen3: th
 
 The world
 ---------
-- A shop database: customers (random id such as C417, account code such as A52, tier) and orders (random id such
-  as O082, customer, item code such as K7, qty, status).
+- A shop database: customers (random id such as C41, account code such as A52, tier) and orders (random id such
+  as O08, customer, item code such as K7, qty, status).
 - Six shops ("variants", DESIGN.md §5). Each shop has two conventions that the task text never states:
     * which lookup tool finds a customer (`find_customer`, `lookup_customer` or `search_customer`; the other two
       answer "unknown tool");
     * whether modifications are staged until `commit()` (commit shops) or applied at once.
   A successful trajectory of another task in the SAME shop shows both conventions; one from another shop misleads.
 - Ten schemas (multi-step procedures: look up the customer id, find an order, update, cancel, add ...). The task
-  text states the goal ("[cedar shop] Cancel an order: item K7, account A52."), not the procedure. Tasks of one
+  text states the goal ("Cancel an order: item K7, account A52. Shop: cedar."), not the procedure. Tasks of one
   schema are "similar tasks". Entities are codes (A52, K7) rather than names so that a 0.5 M-parameter model can
   copy them into its calls (it cannot learn to copy "Ana" into {"name": "Ana"} in a minute of training).
 - Reward in [0, 1] (EnvScaler-style checklist): the fraction of required final-state changes present in the
@@ -114,7 +114,7 @@ class Task:
                       # ["added", "orders", customer_id, item, qty]
 
 
-def _rid(rng: random.Random, prefix: str, used: set, digits: int = 3) -> str:
+def _rid(rng: random.Random, prefix: str, used: set, digits: int) -> str:
     while True:
         rid = f"{prefix}{rng.randrange(10 ** digits):0{digits}d}"
         if rid not in used:
@@ -127,10 +127,10 @@ def _random_db(rng: random.Random):
     used: set = set()
     customers, orders = {}, {}
     for _ in range(4):
-        cid = _rid(rng, "C", used)
+        cid = _rid(rng, "C", used, 2)
         customers[cid] = {"account": _rid(rng, "A", used, 2), "tier": rng.choice(TIERS)}
         for item in rng.sample(ITEMS, rng.randint(1, 3)):
-            orders[_rid(rng, "O", used)] = {"customer": cid, "item": item, "qty": rng.randint(1, 9),
+            orders[_rid(rng, "O", used, 2)] = {"customer": cid, "item": item, "qty": rng.randint(1, 9),
                                             "status": rng.choice(STATUSES[:2])}
     return {"customers": customers, "orders": orders}
 
@@ -196,7 +196,7 @@ def _s_vip(rng, db):
 def _s_split(rng, db):
     cid, acc = _customer(rng, db)
     while sum(o["customer"] == cid for o in db["orders"].values()) < 2:
-        db["orders"][_rid(rng, "O", set(db["orders"]) | set(db["customers"]))] = {
+        db["orders"][_rid(rng, "O", set(db["orders"]) | set(db["customers"]), 2)] = {
             "customer": cid, "item": rng.choice([i for i in ITEMS if i not in
                                                  {o["item"] for o in db["orders"].values() if o["customer"] == cid}]),
             "qty": 1, "status": "open"}
@@ -207,8 +207,8 @@ def _s_split(rng, db):
             [["set", "orders", o1, "status", "shipped"], ["set", "orders", o2, "status", "held"]])
 
 
-# Every task ends with the values a call must carry, the account last: "<goal>: item K7, account A52." A tiny model
-# copies a value most easily from a fixed distance; a pretrained one does not care.
+# Every task ends with the values a call must carry, then the shop: "<goal>: item K7, account A52. Shop: cedar."
+# A tiny model reads a token most easily at a fixed distance from where it is needed; a pretrained one does not care.
 SCHEMAS = {
     "upgrade": ("Upgrade the customer to gold: account {account}.", _s_tier("gold")),
     "downgrade": ("Downgrade the customer to bronze: account {account}.", _s_tier("bronze")),
@@ -229,7 +229,7 @@ def make_task(rng: random.Random, task_id: str, shop: str | None = None, schema:
     db = _random_db(rng)
     template, build = SCHEMAS[schema]
     goal, checklist = build(rng, db)
-    text = f"[{shop} shop] " + template.format(**goal)
+    text = template.format(**goal) + f" Shop: {shop}."
     return Task(task_id, shop, schema, text, db, goal, checklist)
 
 
@@ -445,8 +445,8 @@ class ToolWorld:
         if kind == "removed":
             self.db[table].pop(change[2], None)
             return "Cancelled"
-        used = set(self.db["orders"]) | set(self.db["customers"])
-        oid = next(f"O{n:03d}" for n in range(1000) if f"O{n:03d}" not in used)
+        used = set(self.db["orders"]) | set(self.task.db["orders"])     # never reuse an id, even a cancelled one
+        oid = next(f"O{n:02d}" for n in range(100) if f"O{n:02d}" not in used)
         self.db["orders"][oid] = {"customer": change[2], "item": change[3], "qty": change[4], "status": "open"}
         return f"Added {oid}"
 

@@ -128,10 +128,12 @@ def _finish(ep: Episode, env: ToolWorld):
     ep.done, ep.reward, ep.trace = True, env.reward(), lite_trace(env.trace)
 
 
-def scripted_episode(tokenizer, env: ToolWorld, task, calls, tools=None) -> Episode:
-    """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one."""
+def scripted_episode(tokenizer, env: ToolWorld, task, calls, tools=None, prompt_fn=None) -> Episode:
+    """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one.
+    prompt_fn(tokenizer, messages) -> ids overrides the prompt, as in `rollout`."""
     ep = Episode(task)
-    ep.add(prompt_ids(tokenizer, env.reset(task), tools), sampled=False)
+    msgs = env.reset(task)
+    ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else prompt_ids(tokenizer, msgs, tools), sampled=False)
     ep.prompt_len = len(ep.ids)
     for reply in [format_call(n, a) for n, a in calls] + [DONE_TEXT]:
         ids = reply_ids(tokenizer, reply)
@@ -305,28 +307,44 @@ def pack(prefixes, conts, pad_id, device):
     return ids.to(device), att.to(device), pos.to(device), P, pad.to(device)
 
 
-def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools=None):
-    """Algorithm 1, step 4: both models score the SAME sampled continuation (never re-tokenized, eq. 8).
-
-    The student sees its own prompt; the teacher θ̄ (LoRA off) sees the latent prompt with c_φ injected.
-    Returns aligned student and teacher logits (B, Tc, V), continuation ids and ω (B, Tc)."""
-    device = latents.device
+def continuation(eps, device):
+    """The sampled part of each episode (everything after its prompt): ids list per row and ω (B, Tc)."""
     conts = [e.ids[e.prompt_len:] for e in eps]
-    ids_s, att_s, pos_s, P_s, _ = pack([e.ids[:e.prompt_len] for e in eps], conts, tokenizer.pad_token_id, device)
-    prompts = [inject.latent_prompt_ids(tokenizer, make_env().reset(e.task), latents.shape[1], tools=tools)
-               for e in eps]
-    ids_t, att_t, pos_t, P_t, pad_t = pack([p for p, _ in prompts], conts, tokenizer.pad_token_id, device)
-    starts = torch.tensor([s for _, s in prompts], device=device) + pad_t       # (B,) span starts after padding
-    Tc = ids_s.shape[1] - P_s
-    logits_s = student(input_ids=ids_s, attention_mask=att_s, position_ids=pos_s).logits   # (B, P_s+Tc, V)
-    embeds = inject.embed_with_latents(composer.peft, ids_t, latents, starts)             # (B, P_t+Tc, d)
-    with composer.adapter_disabled():
-        logits_t = composer.peft(inputs_embeds=embeds, attention_mask=att_t, position_ids=pos_t).logits
-    # logits at column P-1+t predict continuation token t
-    omega = torch.zeros((len(eps), Tc), device=device)                                    # (B, Tc)
+    omega = torch.zeros((len(eps), max(len(c) for c in conts)), device=device)            # (B, Tc)
     for i, e in enumerate(eps):
         omega[i, :len(conts[i])] = torch.tensor(e.mask[e.prompt_len:], dtype=torch.float)
-    return logits_s[:, P_s - 1:P_s - 1 + Tc], logits_t[:, P_t - 1:P_t - 1 + Tc], ids_s[:, P_s:], omega
+    return conts, omega
+
+
+def student_logits(student, tokenizer, eps, device):
+    """π_θ^S on the sampled continuation behind the student's own prompt (eq. 8): (B, Tc, V), ids (B, Tc), ω."""
+    conts, omega = continuation(eps, device)
+    ids, att, pos, P, _ = pack([e.ids[:e.prompt_len] for e in eps], conts, tokenizer.pad_token_id, device)
+    logits = student(input_ids=ids, attention_mask=att, position_ids=pos).logits          # (B, P+Tc, V)
+    Tc = omega.shape[1]
+    return logits[:, P - 1:P - 1 + Tc], ids[:, P:], omega     # logits at column P-1+t predict token t
+
+
+def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None):
+    """π_θ̄,φ^T on the SAME continuation ids behind the latent prompt with c_φ injected, LoRA off (eqs. 7-8, A.4).
+    Nothing is re-tokenized: the prompt changes, the continuation ids are the sampled ones. -> (B, Tc, V)."""
+    device = latents.device
+    conts, omega = continuation(eps, device)
+    prompts = [inject.latent_prompt_ids(tokenizer, make_env().reset(e.task), latents.shape[1], tools=tools)
+               for e in eps]
+    ids, att, pos, P, pad = pack([p for p, _ in prompts], conts, tokenizer.pad_token_id, device)
+    starts = torch.tensor([s for _, s in prompts], device=device) + pad                  # (B,) after left padding
+    embeds = inject.embed_with_latents(composer.peft, ids, latents, starts)                # (B, P+Tc, d)
+    with composer.adapter_disabled():
+        logits = composer.peft(inputs_embeds=embeds, attention_mask=att, position_ids=pos).logits
+    return logits[:, P - 1:P - 1 + omega.shape[1]]                                        # (B, Tc, V)
+
+
+def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools=None):
+    """Algorithm 1, step 4: both models score the SAME sampled continuation (never re-tokenized, eq. 8).
+    Returns aligned student and teacher logits (B, Tc, V), continuation ids and ω (B, Tc)."""
+    ls, ids, omega = student_logits(student, tokenizer, eps, latents.device)
+    return ls, teacher_logits(composer, tokenizer, eps, latents, make_env, tools), ids, omega
 
 
 @torch.no_grad()

@@ -15,6 +15,8 @@ How the demonstrations are imperfect (the base policy learns these mistakes):
 2. commit shops: the final `commit()` is omitted 30% of the time;
 3. "split": the second order is forgotten half the time; "swap": the new order is forgotten 40% of the time;
 4. "vip" and "split" are under-demonstrated (a third as many demonstrations as the other schemas).
+Half of the demonstrations carry the teacher's A.5 latent framing around an empty placeholder span (see
+`demo_episodes`), so that the framing alone does not derail the frozen teacher.
 
 Deviation from the paper: none in method; this backbone is our substitute for a pretrained model.
 """
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shutil
@@ -32,6 +33,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+import inject
 from envs import DONE_TEXT, LOOKUP_TOOLS, SHOPS, ToolWorld, format_call, make_splits, make_task, oracle_calls
 from lopd import scripted_episode
 
@@ -90,13 +92,15 @@ def build_tokenizer(corpus, vocab_size: int = 640) -> PreTrainedTokenizerFast:
 # Model: a tiny Qwen3
 # ----------------------------------------------------------------------------------------------------------------
 def toy_config(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 2) -> Qwen3Config:
-    """A tiny Qwen3. Few wide heads matter: with head_dim 64 the model learns to copy ids within ~300 SFT steps,
-    with head_dim 24 it had not after 800."""
+    """A tiny Qwen3. What makes it learn to copy ids and codes into its calls within a few hundred SFT steps: few
+    wide heads (head_dim 64; with head_dim 24 it had not after 800 steps) and batch 32 (at batch 16 copying
+    appeared anywhere between 250 and 500+ steps, at 32 by step 200-400), and q/k/v biases (as in Qwen2; Qwen3
+    has none), which let a head attend by relative position alone (copying began ~100 steps earlier)."""
     return Qwen3Config(
         vocab_size=len(tokenizer),          # decode() drops ids >= len(tokenizer): keep them equal (DESIGN.md §4)
         hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
-        max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+        max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True, attention_bias=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
 
 
@@ -138,15 +142,25 @@ def corpus_texts(tasks, seed: int):
     """The strings a conversation is made of (prompts, replies, observations), for training the tokenizer."""
     rng, env = random.Random(seed), ToolWorld()
     yield "system\nuser\nassistant\n" + DONE_TEXT
+    yield inject.latent_user_content("")                       # the teacher's A.5 framing
     for t in tasks:
         yield "\n".join(m["content"] for m in env.reset(t))
         for name, args in demo_calls(t, rng):
             yield format_call(name, args) + "\n" + "\n".join(env.step(format_call(name, args)).observations)
 
 
-def demo_episodes(tokenizer, tasks, seed: int):
+def demo_episodes(tokenizer, tasks, seed: int, latent_share: float = 0.4):
+    """Encoded demonstrations. A share of them get the teacher's latent prompt (A.5 framing around a span of
+    placeholder ids, 8 to 32 long): a pretrained model is not thrown by instructions it has never seen, and the
+    toy backbone should not be either, or the cold start spends itself undoing the framing (without this, its NLL
+    on the bank's own trajectories rose from ~0.3 to 3.7 behind the framing). The span carries nothing here."""
     rng, env = random.Random(seed), ToolWorld()
-    return [scripted_episode(tokenizer, env, t, demo_calls(t, rng)) for t in tasks]
+    eps = []
+    for t in tasks:
+        calls = demo_calls(t, rng)
+        fn = inject.latent_prompt_fn(rng.choice((8, 16, 24, 32))) if rng.random() < latent_share else None
+        eps.append(scripted_episode(tokenizer, env, t, calls, prompt_fn=fn))
+    return eps
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,32 +187,54 @@ def sft_loss(model, episodes, pad_id):
     return (nll * w).sum() / w.sum()
 
 
-def pretrain(model, tokenizer, episodes, steps: int, batch: int, lr: float, seed: int, log=print):
-    """AdamW with warmup and cosine decay; batches drawn from length buckets to keep padding small."""
+@torch.no_grad()
+def copy_nll(model, episodes, tokenizer) -> float:
+    """Mean NLL of the digits the model must copy into its calls (ω digit tokens): ~2.3 (= ln 10) before the
+    model has learned to copy ids and codes, near 0 after."""
+    digits = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    ids, att, omega = right_pad(episodes, tokenizer.pad_token_id)
+    logp = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits[:, :-1].float(), -1)  # (B, T-1, V)
+    nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]                                            # (B, T-1)
+    sel = (omega[:, 1:] > 0) & torch.isin(ids[:, 1:], torch.tensor(sorted(digits)))             # (B, T-1)
+    return (nll[sel].mean()).item()
+
+
+def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: float, seed: int, log=print,
+             max_steps: int = 0):
+    """AdamW at a constant rate after 20 warm-up steps; batches from length buckets to keep padding small.
+    Returns the number of steps run.
+
+    Copying ids and codes into calls appears as a sudden drop of the loss, after anywhere from 200 to 600+ steps
+    depending on the seed. So training runs `steps` steps and then goes on, checking every 50 steps, until the
+    digits the model copies cost < 0.3 nats on held-out demonstrations (or `max_steps`, default 3 × steps)."""
     rng = random.Random(seed)
     order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].ids))
     buckets = [order[i:i + batch] for i in range(0, len(order), batch)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
-    for step in range(steps):
+    for step in range(max_steps or 3 * steps):
         loss = sft_loss(model, [episodes[i] for i in rng.choice(buckets)], tokenizer.pad_token_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"pretrain step {step:4d}  loss/sft {loss.item():.4f}")
+        if step % 50 == 0:
+            model.eval()
+            c = copy_nll(model, held_out, tokenizer)
+            model.train()
+            log(f"pretrain step {step:4d}  loss/sft {loss.item():.4f}  copy_nll {c:.3f}")
+            if step + 1 >= steps and c < 0.3:
+                break
     model.eval()
-    return model
+    return step + 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Build or reuse the backbone folder
 # ----------------------------------------------------------------------------------------------------------------
-def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 500, batch: int = 16,
+def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 300, batch: int = 32,
                    lr: float = 1e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print) -> str:
     """Train the toy backbone into `out` (an ordinary HF folder) unless it is already there. Returns `out`."""
     if os.path.exists(os.path.join(out, "toy_backbone.json")):
@@ -212,7 +248,8 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 50
     model = Qwen3ForCausalLM(toy_config(tokenizer, hidden, layers, heads))
     n_params = sum(p.numel() for p in model.parameters())
     log(f"toy backbone: {n_params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, {len(tasks)} demonstrations")
-    pretrain(model, tokenizer, demo_episodes(tokenizer, tasks, seed + 1), steps, batch, lr, seed, log)
+    held_out = demo_episodes(tokenizer, demo_tasks(32, seed + 7), seed + 7)
+    ran = pretrain(model, tokenizer, demo_episodes(tokenizer, tasks, seed + 1), held_out, steps, batch, lr, seed, log)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     tmp = out.rstrip("/") + ".tmp"                      # write then rename: a killed build leaves no half folder
@@ -220,7 +257,7 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 50
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "toy_backbone.json"), "w") as f:
-        json.dump({"seed": seed, "n_demos": n_demos, "steps": steps, "params": n_params,
+        json.dump({"seed": seed, "n_demos": n_demos, "steps": steps, "steps_run": ran, "params": n_params,
                    "seconds": round(time.time() - t0, 1)}, f)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -233,7 +270,7 @@ def main():
     p = argparse.ArgumentParser(description="Build the toy backbone and report its vanilla reward.")
     p.add_argument("--out", default="runs/toy-backbone", help="folder for the HF model and tokenizer")
     p.add_argument("--seed", type=int, default=0, help="seed for demonstrations, init and training")
-    p.add_argument("--steps", type=int, default=500, help="SFT steps")
+    p.add_argument("--steps", type=int, default=300, help="SFT steps (batch 32), extended until ids are copied")
     p.add_argument("--n-eval", type=int, default=200, help="held-out tasks to evaluate")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer

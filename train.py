@@ -126,7 +126,7 @@ class Args:
 # Where the toy world needs its own value, and why. Real models take PAPER_DEFAULTS.
 TOY_DEFAULTS = {
     "latents": 8,          # K = 8: 24 latent positions instead of 96 keep the teacher's CPU forward cheap
-    "cold_steps": 300,     # the toy bank is small; 300 steps of 8 cover it several times
+    "cold_steps": 150,     # the toy bank is small (a few hundred entries); 150 steps of 8 cover it several times
     "cold_lr": 1e-3,       # a 0.5 M-parameter model trained from scratch needs a far larger step than 1e-5
     "steps": 60,
     "lr": 1e-4,            # ditto for the student
@@ -212,7 +212,7 @@ def pick_device(device: str, dtype: str):
 
 
 class Log:
-    """One line per event on stdout, and the same record appended to OUT/metrics.jsonl."""
+    """One line per event on stdout (behaviour counts left out), the full record appended to OUT/metrics.jsonl."""
 
     def __init__(self, out: str):
         self.path = os.path.join(out, "metrics.jsonl")
@@ -221,7 +221,8 @@ class Log:
         rec = {"stage": stage, **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        tqdm.write(stage + "  " + "  ".join(f"{k} {v}" for k, v in rec.items() if k != "stage"))
+        shown = {k: v for k, v in rec.items() if k != "stage" and not k.startswith("behaviour/")}
+        tqdm.write(stage + "  " + "  ".join(f"{k} {v}" for k, v in shown.items()))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ def hand_task(shop="delta"):
           "orders": {"O001": {"customer": "C100", "item": "K1", "qty": 2, "status": "open"},
                      "O002": {"customer": "C100", "item": "K2", "qty": 1, "status": "open"},
                      "O003": {"customer": "C200", "item": "K2", "qty": 5, "status": "held"}}}
-    return Task("hand-0", shop, "swap", f"[{shop} shop] Replace an order with a new item: item K2, new item K5, account A10.", db,
+    return Task("hand-0", shop, "swap", f"Replace an order with a new item: item K2, new item K5, account A10. Shop: {shop}.", db,
                 {"account": "A10", "item": "K2", "item2": "K5"},
                 [["removed", "orders", "O002"], ["added", "orders", "C100", "K5", 1]])
 
