@@ -23,20 +23,6 @@ CFG = C.ComposerConfig(n_latents=4, n_layers=3, max_exp_tokens=160)
 SHORT = ("Reference:", "End of reference. Your task:")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~5x faster under load; restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))
-
-
 def base_model(tok, seed=0):
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(toy.toy_config(tok, hidden=64, layers=2)).float().eval()

@@ -18,22 +18,8 @@ import lopd  # noqa: E402
 import toy  # noqa: E402
 from envs import ToolWorld, make_task  # noqa: E402
 
-PAPER = "/work/shared/paper/lopd-paper.md"
+PAPER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "paper", "lopd-paper.md")
 SHORT = ("Reference:", "End of reference. Your task:")   # short framing: fewer tokens for the model tests
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~5x faster under load; restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))
 
 
 @pytest.fixture(scope="module")

@@ -27,15 +27,6 @@ CFG = ComposerConfig(n_latents=2, n_layers=1)
 SAMPLE = lopd.SampleConfig(temperature=1.0, max_new_tokens=16, batch_size=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread; restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The backbone folder, its tokenizer, train tasks, and a retriever over eight scripted episodes.

@@ -177,15 +177,7 @@ def test_joint_training_changes_the_student(runs, backbone):
 
 # In-process from here: `train.main(argv)` is exactly what the command line runs, without paying a new interpreter's
 # ~5 s of imports per case.
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def test_frozen_composer_run(runs, backbone, tmp_path, one_thread):
+def test_frozen_composer_run(runs, backbone, tmp_path):
     out = tmp_path / "frozen"
     out.mkdir()
     for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):   # reuse run a's cached stages
@@ -205,7 +197,7 @@ def test_bad_flag_exits_nonzero_naming_it(tmp_path, capsys, flag, value, named):
     assert named in err and value in err, err
 
 
-def test_bad_task_line_fails_naming_file_and_line(backbone, tmp_path, one_thread):
+def test_bad_task_line_fails_naming_file_and_line(backbone, tmp_path):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     good = json.dumps({"task_id": "t0", "shop": "alder", "schema": "cancel", "text": "x", "db": {}, "goal": {},
