@@ -2,7 +2,7 @@
 
 The paper trains on EnvScaler: multi-turn tasks where an agent changes a stateful database through tools and
 is scored by a checklist read from the final state. This file is a small world in that spirit, small enough for
-a ~1 M-parameter model on two CPU cores, and the interface (reset / step / reward) that a real environment
+a 0.5 M-parameter model on two CPU cores, and the interface (reset / step / reward) that a real environment
 implements. The toy world is also a real (easy) environment for a real Qwen3: the tools come as JSON schemas.
 
     python envs.py                # print a sample task, its oracle episode and its observation-lite trace
@@ -54,7 +54,7 @@ AGENTIC_SYSTEM_PROMPT = (
     "- It is recommended to first call query tools to gather sufficient information, then use modification tools "
     "to complete the task. Adjust actions promptly based on the feedback from the environment."
 )
-# The toy backbone sees a short system prompt: a 1 M-parameter model gains nothing from 120 tokens of instructions
+# The toy backbone sees a short system prompt: a 0.5 M-parameter model gains nothing from 120 tokens of instructions
 # it cannot read, and every token costs CPU time. Real models get AGENTIC_SYSTEM_PROMPT.
 TOY_SYSTEM_PROMPT = "Use the shop tools one call per step. Reply Task Completed when done."
 DONE_TEXT = "Task Completed"

@@ -1,4 +1,4 @@
-"""The offline toy backbone: a Qwen3-style tokenizer, a ~1 M-parameter Qwen3ForCausalLM, and its base policy.
+"""The offline toy backbone: a Qwen3-style tokenizer, a 0.48 M-parameter Qwen3ForCausalLM, and its base policy.
 
 The paper starts from pretrained Qwen3-4B/8B and Olmo3-7B. Nothing can be downloaded here, so the default run
 builds a stand-in that behaves like one to the rest of the code: a byte-level BPE tokenizer with the Qwen3 ChatML
@@ -41,8 +41,8 @@ from lopd import scripted_episode
 # Tokenizer: byte-level BPE with Qwen2/3's pre-tokenizer (digits split one by one) and ChatML tokens
 # ----------------------------------------------------------------------------------------------------------------
 # Qwen2/3's split pattern with one change: a word never carries the character before it (Qwen: `[^\r\n\p{L}\p{N}]?\p{L}+`).
-# " Lea" in a task and "Lea" inside a JSON string are then the same token, which a 0.5 M-parameter model can copy;
-# a pretrained model learns that mapping, a tiny one trained for a minute does not.
+# " A52" in a task and "A52" inside a JSON string then start with the same token "A", a precondition for copying
+# by position; a pretrained model learns the space/no-space mapping, a tiny one trained for minutes does not.
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
               r"|\s+(?!\S)|\s+")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]                      # special: skipped by decode(skip=True)
