@@ -205,15 +205,17 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
     Returns the number of steps run.
 
     Copying ids and codes into calls appears as a sudden drop of the loss, after anywhere from 200 to 600+ steps
-    depending on the seed. So training runs `steps` steps and then goes on, checking every 50 steps, until the
-    digits the model copies cost < 0.3 nats on held-out demonstrations (or `max_steps`, default 3 × steps)."""
+    depending on the seed. So training checks every 50 steps the digits the model copies on held-out
+    demonstrations; once they cost < 0.3 nats it trains steps/2 more (at least `steps` in all), so that what
+    depends on copying (reading the shop, the schema's values) can be learned too; `max_steps` caps it (3 × steps)."""
     rng = random.Random(seed)
     order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].ids))
     buckets = [order[i:i + batch] for i in range(0, len(order), batch)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
-    for step in range(max_steps or 3 * steps):
+    stop = max_steps or 3 * steps
+    for step in range(stop):
         loss = sft_loss(model, [episodes[i] for i in rng.choice(buckets)], tokenizer.pad_token_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -225,8 +227,10 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
             c = copy_nll(model, held_out, tokenizer)
             model.train()
             log(f"pretrain step {step:4d}  loss/sft {loss.item():.4f}  copy_nll {c:.3f}")
-            if step + 1 >= steps and c < 0.3:
-                break
+            if c < 0.3 and stop > step + 1 + steps // 2:  # copying is learned: train half the budget more
+                stop = max(steps, step + 1 + steps // 2)
+        if step + 1 >= stop:
+            break
     model.eval()
     return step + 1
 
