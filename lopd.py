@@ -1,10 +1,15 @@
-"""LOPD, Algorithm 1: on-policy multi-turn rollouts and the bookkeeping the losses need (paper §3.1, §3.3).
+"""LOPD, Algorithm 1: one iteration, and the rollouts and bookkeeping it rests on (paper §3.1, §3.3, Alg. 1).
 
-This file holds what one LOPD iteration does with a model: roll the student out in the environment on-policy
-(eq. 1), keeping the exact sampled token ids, the assistant-token mask ω and the sampling-time log-probs, so that
-the teacher can later re-score *exactly* those ids behind its privileged prompt (eq. 8).
+    rollout / Episode          roll the student out on-policy from the task alone (eq. 1), keeping the exact
+                               sampled token ids, the assistant-token mask ω and the sampling-time log-probs
+    retrieve / compose         Ret(x) (eq. 16) and c_φ = Φ_φ(x, E) (eqs. 4-7)
+    student_logits /           p_S and p_T on the SAME sampled ids, the teacher behind its latent prompt with the
+      teacher_logits           composer's LoRA off (eq. 8, A.4)
+    lopd_step                  Algorithm 1: rollouts -> retrieve -> compose -> re-score -> eq. 13 -> AdamW -> dual step
+    teacher_rollout            "base + composer": the frozen base acting behind latents (evaluation)
 
-    python -m pytest tests/test_rollout.py -q
+    python train.py --steps 5                   # runs lopd_step in the full pipeline
+    python -m pytest tests/test_rollout.py tests/test_lopd.py -q
 
 Notation: B episodes in a batch, T tokens, V vocabulary.
 
