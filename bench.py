@@ -3,6 +3,10 @@
     python bench.py --loss                  # top-M + tail reverse KL vs F.cross_entropy on the same logits
     python bench.py --loss --vocab 151936   # at Qwen3's vocabulary size
     python bench.py --step --model runs/toy/backbone   # one LOPD step vs one OPSD-style step, time per phase
+    python bench.py --memory                # memory plan for Qwen3-4B/8B (and Olmo3-7B) from meta-device counts
+    python bench.py --arch qwen3-4b --rollouts 32 --tokens 2048   # one LOPD step of a paper backbone (random
+                                            # weights, no download): memory, generation tok/s, phases, MFU
+    python bench.py --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
 
 Machines are noisy: every comparison is a ratio measured in one run, best of --repeats.
 """
@@ -122,10 +126,163 @@ def bench_step(model_dir: str, batch: int, repeats: int):
     print(f"  ratio LOPD / OPSD-style      {totals['LOPD'] / totals['OPSD-style (text teacher)']:6.2f}")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The paper's backbones as configs (random weights, no download) and the memory plan
+# ----------------------------------------------------------------------------------------------------------------
+ARCHS = {  # published config.json values of each backbone
+    "qwen3-4b": ("qwen3", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)),
+    "olmo3-7b": ("olmo3", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=32, vocab_size=100278, tie_word_embeddings=False)),
+}
+GB = 1e9
+
+
+def arch_config(name: str):
+    from transformers import AutoConfig
+    kind, kw = ARCHS[name]
+    return AutoConfig.for_model(kind, **kw)
+
+
+def param_counts(config, lora_r: int = 8, n_latents: int = 32) -> dict:
+    """Parameter counts from the model built on the meta device (no memory, no download): the backbone, one LoRA
+    of rank r on the seven projections (composer encoder, or a LoRA student), the QFormer (shared layers)."""
+    from transformers import AutoModelForCausalLM
+    from composer import ComposerConfig, QFormer
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        d, heads = config.hidden_size, config.num_attention_heads
+        qformer = QFormer(d, heads, n_latents, ComposerConfig.n_layers, ComposerConfig.ffn_mult, 1.0)
+    targets = ComposerConfig().lora_targets
+    lora = sum(lora_r * (m.in_features + m.out_features) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in targets)
+    return {"backbone": sum(p.numel() for p in model.parameters()), "lora": lora,
+            "qformer": sum(p.numel() for p in qformer.parameters())}
+
+
+def memory_plan(config, student_lora: bool, rollouts: int = 2, tokens: int = 2048, n_ret: int = 3,
+                exp_tokens: int = 512, checkpointing: bool = True) -> dict:
+    """GB for one LOPD micro-batch of `rollouts` × `tokens`: the bf16 backbone θ̄ (teacher and encoder); everything
+    trained in fp32 (weights, gradients, AdamW m and v; train.py runs them under bf16 autocast on CUDA). Activations: ~34·d bytes per token and layer without recomputation (Korthikanti et
+    al. 2022, with flash/SDPA attention), ~2·d with gradient checkpointing (layer inputs) plus one layer's 34·d;
+    for the student, the teacher (which back-propagates into the latents) and the composer's encoder (J
+    experiences per rollout); plus the logits: bf16 logits and fp32 log-probs, both sides."""
+    n = param_counts(config)
+    P, d, L, V = n["backbone"], config.hidden_size, config.num_hidden_layers, config.vocab_size
+    trained = n["lora"] + n["qformer"] + (n["lora"] if student_lora else P)        # composer (+ student)
+    weights = 2 * P + 4 * trained                                                   # θ̄ bf16, trained fp32
+    per_tok = (2 * d * L + 34 * d) if checkpointing else 34 * d * L
+    act_tokens = rollouts * tokens * 2 + rollouts * n_ret * exp_tokens             # student + teacher, encoder
+    return {"weights": weights / GB, "gradients": 4 * trained / GB,
+            "optimizer": 8 * trained / GB,                                          # AdamW m and v, fp32
+            "activations": (per_tok * act_tokens + 2 * rollouts * tokens * V * (2 + 4)) / GB}
+
+
+def print_memory_table(rollouts: int, tokens: int):
+    print(f"| backbone | student | weights | gradients | optimizer | activations ({rollouts} × {tokens} tokens, "
+          "checkpointing) | total | fits 80 GB | fits H200 (141 GB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in ARCHS:
+        cfg = arch_config(name)
+        for student_lora in (False, True):
+            m = memory_plan(cfg, student_lora, rollouts, tokens)
+            total = sum(m.values())
+            print(f"| {name} | {'LoRA (--student-lora)' if student_lora else 'full'} | " +
+                  " | ".join(f"{m[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations")) +
+                  f" | {total:.1f} | {'yes' if total < 80 else 'no'} | {'yes' if total < 141 else 'no'} |")
+
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}   # dense bf16 FLOP/s
+
+
+def synthetic_episodes(tok, tasks, tokens: int, vocab: int, make_env):
+    """Episodes whose continuation is `tokens` random ids, all supervised (ω = 1): the shape of a real rollout."""
+    g = torch.Generator().manual_seed(0)
+    eps = []
+    for t in tasks:
+        e = lopd.Episode(t)
+        e.add(lopd.prompt_ids(tok, make_env().reset(t), envs.TOOLS), sampled=False)
+        e.prompt_len = len(e.ids)
+        e.add(torch.randint(0, vocab, (tokens,), generator=g).tolist(), sampled=True)
+        eps.append(e)
+    return eps
+
+
+def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_lora: bool, grad_ckpt: bool):
+    """One LOPD step of backbone `name` with random weights at rollouts × tokens: peak memory, generation tokens/s,
+    composer encoding, teacher + student forward/backward, and model FLOPs utilisation against the bf16 peak."""
+    import copy
+    import random
+    import toy
+    import train
+    from transformers import AutoModelForCausalLM
+    from composer import Composer, ComposerConfig
+    cuda = torch.cuda.is_available()
+    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    tasks, _ = envs.make_splits(0, rollouts, 1)
+    tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(200, 0), 0))
+    config = toy.toy_config(tok) if name == "toy" else arch_config(name)
+    with device:
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    base.requires_grad_(False).eval()
+    student = None if student_lora else copy.deepcopy(base).float().requires_grad_(True)
+    if grad_ckpt:
+        for m in filter(None, (base, student)):
+            train.checkpointing(m)
+    composer = Composer(base, tok, ComposerConfig(n_latents=8 if name == "toy" else 32, encode_batch_size=8))
+    student = train.LoraStudent(composer.peft, 64) if student_lora else student
+    opts = (torch.optim.AdamW(student.parameters(), lr=1e-5), torch.optim.AdamW(composer.trainable_parameters(),
+                                                                                  lr=1e-5))
+    eps = synthetic_episodes(tok, tasks, tokens, len(tok), envs.ToolWorld)
+    exps = [[{"task": t.text, "trace": "1. find_customer(account=\"A5\") -> C3\n" * 24} for _ in range(3)]
+            for t in random.Random(0).sample(tasks, rollouts)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock, n_tok = Timer(), rollouts * tokens
+    with train.precision(composer.peft):
+        gen = min(tokens, 256)
+        ids = torch.randint(0, len(tok), (rollouts, 128), device=device)
+        clock("generation", lambda: (student.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                      max_new_tokens=gen, min_new_tokens=gen, do_sample=True,
+                                                      pad_token_id=tok.pad_token_id), sync()))
+        for i in range(0, rollouts, micro_batch):
+            mb = slice(i, i + micro_batch)
+            lat = clock("compose", lambda: lopd.compose(composer, tasks[mb], exps[mb]))
+            ls, lt, cid, om = clock("teacher + student forward", lambda: lopd.student_teacher_logits(
+                student, composer, tok, eps[mb], lat, envs.ToolWorld, envs.TOOLS))
+            loss, _ = losses.lopd_objective(ls, lt, cid, om, torch.ones(len(ls), device=device), 0.1, 0.05, lat,
+                                            lat.detach(), 0.2, n_tokens=n_tok)
+            clock("backward", lambda: (loss.backward(), sync()))
+        clock("optimizer", lambda: ([o.step() for o in opts], sync()))
+    n_params = sum(p.numel() for n, p in base.named_parameters() if "embed" not in n and "lora_" not in n)
+    step = sum(v for k, v in clock.t.items() if k != "generation")
+    flops = 10 * n_params * n_tok          # student 6·N per token (fwd + bwd), teacher 4·N (fwd + input grads)
+    peak = next((v for k, v in PEAK_BF16.items() if cuda and k in torch.cuda.get_device_name()), None)
+    print(f"{name}: {n_params / 1e9:.2f} B non-embedding parameters, {rollouts} rollouts x {tokens} tokens, "
+          f"micro-batch {micro_batch}, student {'LoRA' if student_lora else 'full'}, checkpointing {grad_ckpt}")
+    print(f"  generation       {rollouts * gen / clock.t['generation']:10.0f} tokens/s ({rollouts} x {gen} new)")
+    for k in ("compose", "teacher + student forward", "backward", "optimizer"):
+        print(f"  {k:26s} {clock.t[k]:8.2f} s")
+    print(f"  training step    {step:8.2f} s, {flops / step / 1e12:.1f} TFLOP/s" +
+          (f", MFU {flops / step / peak:.1%} of {peak / 1e12:.0f} TFLOP/s bf16" if peak else ", MFU n/a (no GPU peak)"))
+    if cuda:
+        print(f"  peak memory      {torch.cuda.max_memory_allocated() / GB:8.1f} GB")
+    else:
+        import resource
+        print(f"  peak RSS         {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:8.2f} GB")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--loss", action="store_true", help="time the distillation loss against cross-entropy")
     p.add_argument("--step", action="store_true", help="time one LOPD step against an OPSD-style step")
+    p.add_argument("--memory", action="store_true", help="memory plan of the paper's backbones (meta device)")
+    p.add_argument("--arch", choices=[*ARCHS, "toy"], help="one LOPD step of this backbone with random weights")
+    p.add_argument("--rollouts", type=int, default=32, help="rollouts for --arch")
+    p.add_argument("--micro-batch", type=int, default=4, help="rollouts per forward/backward for --arch")
+    p.add_argument("--student-lora", action="store_true", help="--arch with the student as a LoRA adapter")
+    p.add_argument("--grad-ckpt", action="store_true", help="--arch with gradient checkpointing")
     p.add_argument("--model", default="runs/toy/backbone", help="backbone folder for --step")
     p.add_argument("--batch", type=int, default=16, help="B")
     p.add_argument("--tokens", type=int, default=512, help="T")
@@ -137,7 +294,11 @@ def main():
         bench_loss(a.batch, a.tokens, a.vocab, a.top_m, a.repeats)
     if a.step:
         bench_step(a.model, a.batch, a.repeats)
-    if not (a.loss or a.step):
+    if a.memory:
+        print_memory_table(rollouts=2, tokens=2048)
+    if a.arch:
+        bench_arch(a.arch, a.rollouts, a.tokens, a.micro_batch, a.student_lora, a.grad_ckpt)
+    if not (a.loss or a.step or a.memory or a.arch):
         p.print_help()
 
 

@@ -60,11 +60,11 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
 import inject
+import losses
 
 ENCODER_TEMPLATE = "Task to solve: \n{task}\n\nReference past trajectory: \n{experience}"   # A.5
 
@@ -165,6 +165,38 @@ def _attach_lora(model, cfg: ComposerConfig, adapter_path: str | None):
     return model
 
 
+@contextlib.contextmanager
+def keep_grad_flags(peft):
+    """Restore every LoRA parameter's requires_grad on exit. peft rewrites them whenever adapters are switched or
+    re-enabled: set_adapter and the exit of disable_adapter() mark only the active adapter trainable, which would
+    freeze a LoRA student after every teacher forward (and unfreeze a frozen composer; measured)."""
+    flags = [(p, p.requires_grad) for n, p in peft.named_parameters() if "lora_" in n]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
+def active_adapter(peft, name: str):
+    """Make the PEFT adapter `name` the active one inside the block; requires_grad flags stay as they were."""
+    prev = peft.active_adapter
+    if prev == name:
+        yield
+        return
+    flags = [(p, p.requires_grad) for n, p in peft.named_parameters() if "lora_" in n]
+    try:
+        peft.set_adapter(name)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        yield
+    finally:
+        peft.set_adapter(prev)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
 class Composer(nn.Module):
     """Φ_φ(x, E) -> c_φ (B, J·K, d). Holds the backbone (as a PeftModel) and the QFormer.
 
@@ -198,7 +230,7 @@ class Composer(nn.Module):
         """Run θ̄ alone: the composer's LoRA is off inside (teacher forwards, generation behind latents; A.4)."""
         self._disabled += 1
         try:
-            with self.peft.disable_adapter():
+            with keep_grad_flags(self.peft), self.peft.disable_adapter():
                 yield
         finally:
             self._disabled -= 1
@@ -216,16 +248,19 @@ class Composer(nn.Module):
         return self.base_forward(inputs_embeds=embeds, attention_mask=attention_mask).logits  # (B, T, V)
 
     def trainable_parameters(self):
-        return [p for p in self.parameters() if p.requires_grad]
+        """φ = (ψ, χ): this composer's LoRA and the QFormer (not another adapter that shares the backbone)."""
+        lora = [p for n, p in self.peft.named_parameters() if f".{self.cfg.adapter_name}." in n and p.requires_grad]
+        return lora + list(self.qformer.parameters())
 
     # -- Enc_ψ (eq. 5) --------------------------------------------------------------------------------------------
     def encode(self, texts: list[str]):
         """Final hidden states of the LoRA encoder. -> hidden (N, T, d), attention mask (N, T), right-padded."""
         if self._disabled:
             raise RuntimeError("Composer.encode called inside adapter_disabled(): the encoder needs its LoRA")
-        if self.peft.active_adapter != self.cfg.adapter_name:   # another adapter (e.g. a student LoRA) is active
-            raise RuntimeError(f"the active PEFT adapter is {self.peft.active_adapter!r}, not "
-                               f"{self.cfg.adapter_name!r}: call peft.set_adapter first (it changes requires_grad)")
+        with active_adapter(self.peft, self.cfg.adapter_name):   # another adapter (a LoRA student) may be active
+            return self._encode(texts)
+
+    def _encode(self, texts: list[str]):
         device = self.qformer.queries.device
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.cfg.max_exp_tokens,
                                padding_side="right", add_special_tokens=False, return_tensors="pt").to(device)
@@ -292,17 +327,6 @@ class Composer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Cold start (A.2, eq. 14)
 # ----------------------------------------------------------------------------------------------------------------
-def masked_nll(logits, ids, omega):
-    """Mean next-token NLL over the ω tokens of the whole batch: logits at t predict ids at t+1.
-
-    logits (B, T, V), ids (B, T), omega (B, T) 0/1 -> scalar fp32 (Σ −log p / Σ ω, DESIGN.md §3).
-    """
-    w = omega[:, 1:].bool()                                                     # (B, T-1) targets supervised
-    logp = F.log_softmax(logits[:, :-1][w].float(), dim=-1)                     # (N, V) only at ω rows
-    nll = -logp.gather(-1, ids[:, 1:][w].unsqueeze(-1)).squeeze(-1)             # (N,)
-    return nll.sum() / w.sum().clamp(min=1)
-
-
 def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, latents):
     """eq. (14): L_init(φ) = −log π_θ̄(y* | s, c_φ), averaged over the ω tokens of the batch.
 
@@ -312,11 +336,11 @@ def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, late
     """
     # eq. (14): π_θ̄(· | s, c_φ) is the frozen base (LoRA off) on the latent-augmented input
     logits = composer.teacher_logits(ids, attention_mask, latents, starts)    # (B, T, V)
-    return masked_nll(logits, ids, omega)
+    return losses.masked_nll(logits[:, :-1], ids[:, 1:], omega[:, 1:])   # logits at t predict t+1
 
 
 def cold_start_batch(tokenizer, messages_list, episodes, n_latents: int, framing=inject.AGENTIC_FRAMING,
-                     tools=None):
+                     tools=None, enable_thinking=False):
     """Right-padded tensors for `cold_start_loss`: each episode's prompt is swapped for its latent prompt.
 
     messages_list: the first messages of each episode (e.g. `env.reset(task)`); episodes: `lopd.Episode`s whose
@@ -325,7 +349,7 @@ def cold_start_batch(tokenizer, messages_list, episodes, n_latents: int, framing
     """
     rows, omegas, starts = [], [], []
     for msgs, ep in zip(messages_list, episodes):
-        prompt, s = inject.latent_prompt_ids(tokenizer, msgs, n_latents, framing, tools)
+        prompt, s = inject.latent_prompt_ids(tokenizer, msgs, n_latents, framing, tools, enable_thinking)
         rows.append(prompt + list(ep.ids[ep.prompt_len:]))
         omegas.append([0] * len(prompt) + list(ep.mask[ep.prompt_len:]))
         starts.append(s)

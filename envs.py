@@ -9,17 +9,20 @@ implements. The toy world is also a real (easy) environment for a real Qwen3: th
 
 The world
 ---------
-- A shop database: customers (random id such as C41, account code such as A52, tier) and orders (random id such
-  as O08, customer, item code such as K7, qty, status).
+- A shop database: three customers (random id such as C4, account code such as A5, tier) and their orders (random
+  id such as O8, customer, item code such as K7, qty, status).
 - Six shops ("variants", DESIGN.md §5). Each shop has two conventions that the task text never states:
-    * which lookup tool finds a customer (`find_customer`, `lookup_customer` or `search_customer`; the other two
-      answer "unknown tool");
-    * whether modifications are staged until `commit()` (commit shops) or applied at once.
+    * whether a customer must be confirmed with `verify_customer` before any change to them or their orders
+      (otherwise the change is refused: "Error: verify the customer first");
+    * whether changes are staged until `commit()` (commit shops; elsewhere `commit` is an unknown tool) or
+      applied at once. Uncommitted changes are lost.
   A successful trajectory of another task in the SAME shop shows both conventions; one from another shop misleads.
 - Ten schemas (multi-step procedures: look up the customer id, find an order, update, cancel, add ...). The task
-  text states the goal ("Cancel an order: item K7, account A52. Shop: cedar."), not the procedure. Tasks of one
-  schema are "similar tasks". Entities are codes (A52, K7) rather than names so that a 0.5 M-parameter model can
-  copy them into its calls (it cannot learn to copy "Ana" into {"name": "Ana"} in a minute of training).
+  text states the goal ("Cancel an order: item K7, account A5. Shop: cedar."), not the procedure. Tasks of one
+  schema are "similar tasks". Entities are codes of one letter and one digit (A5, K7) rather than names, so that a
+  0.5 M-parameter model can copy them into its calls: copying "A" + "5" needs one induction step, and the model
+  learns it in a few hundred steps. It could not learn to copy "Ana" into {"name": "Ana"} in minutes of training,
+  and two-digit codes took up to twice as long (the second digit matches many places).
 - Reward in [0, 1] (EnvScaler-style checklist): the fraction of required final-state changes present in the
   committed state, minus one item for each collateral change to a record the task did not ask to change.
 - Actions use the Qwen3 format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; several calls in one
@@ -31,6 +34,9 @@ Deviations from the paper
 -------------------------
 1. EnvScaler's 2,349 tasks are replaced by this generated world (see DESIGN.md §5 and §7 for why the variants).
 2. The step cap is 10 for the toy world (paper: 30 environment steps); oracle procedures take 2 to 6 calls.
+3. Every task involves one customer and at most one item: a 0.5 M-parameter model trained for minutes cannot tell
+   two item codes of one task apart ("item K3, new item K9" failed in every episode); such schemas would only
+   cap every row of the table without testing the method.
 """
 from __future__ import annotations
 
@@ -40,6 +46,8 @@ import json
 import random
 import re
 from dataclasses import asdict, dataclass, field
+
+import inject
 
 # ----------------------------------------------------------------------------------------------------------------
 # Prompts (A.5, word for word) and the toy's short system prompt
@@ -56,21 +64,20 @@ AGENTIC_SYSTEM_PROMPT = (
 )
 # The toy backbone sees a short system prompt: a 0.5 M-parameter model gains nothing from 120 tokens of instructions
 # it cannot read, and every token costs CPU time. Real models get AGENTIC_SYSTEM_PROMPT.
-TOY_SYSTEM_PROMPT = "Use the shop tools one call per step. Reply Task Completed when done."
+TOY_SYSTEM_PROMPT = "Use the tools. Reply Task Completed when done."
 DONE_TEXT = "Task Completed"
 
 # ----------------------------------------------------------------------------------------------------------------
 # The world's vocabulary
 # ----------------------------------------------------------------------------------------------------------------
-SHOPS = {  # shop -> (lookup tool, staged-until-commit?) ; every combination occurs once
-    "alder": ("find_customer", True),
-    "birch": ("lookup_customer", False),
-    "cedar": ("search_customer", True),
-    "delta": ("find_customer", False),
-    "ember": ("lookup_customer", True),
-    "flint": ("search_customer", False),
+SHOPS = {  # shop -> (verify before changes?, staged until commit?); each convention holds in half of the shops
+    "alder": (True, True),
+    "birch": (False, False),
+    "cedar": (True, False),
+    "delta": (False, True),
+    "ember": (True, True),
+    "flint": (False, False),
 }
-LOOKUP_TOOLS = ("find_customer", "lookup_customer", "search_customer")
 ITEMS = tuple(f"K{i}" for i in range(10))        # item codes (SKUs)
 TIERS = ("bronze", "silver", "gold")
 STATUSES = ("open", "held", "shipped")
@@ -83,9 +90,10 @@ def _tool(tool_name, desc, **params):
             "parameters": {"type": "object", "properties": props, "required": list(params)}}}
 
 TOOLS = [
-    *[_tool(t, "Find a customer's id from the account code (only one of the three lookup tools works in a shop).",
-            account=("string", "account code, e.g. A52")) for t in LOOKUP_TOOLS],
+    _tool("find_customer", "Find a customer's id from the account code.", account=("string", "account code, e.g. A5")),
     _tool("get_customer", "Read a customer's record.", customer_id=("string", "customer id")),
+    _tool("verify_customer", "Confirm a customer before changing them or their orders (shops that require it).",
+          customer_id=("string", "customer id")),
     _tool("find_order", "Find a customer's order of an item.", customer_id=("string", "customer id"),
           item=("string", "item code, e.g. K7")),
     _tool("update_customer", "Set a customer's tier.", customer_id=("string", "customer id"),
@@ -113,6 +121,11 @@ class Task:
     checklist: list   # required changes: ["set", table, id, field, value] / ["removed", "orders", id] /
                       # ["added", "orders", customer_id, item, qty]
 
+    @property
+    def variant(self) -> str:
+        """The world variant whose conventions the task follows (DESIGN.md §5): its shop."""
+        return self.shop
+
 
 def _rid(rng: random.Random, prefix: str, used: set, digits: int) -> str:
     while True:
@@ -123,14 +136,14 @@ def _rid(rng: random.Random, prefix: str, used: set, digits: int) -> str:
 
 
 def _random_db(rng: random.Random):
-    """Four customers (random id C###, account A##, tier), each with one to three orders (id O###, item K#)."""
+    """Three customers (random id C#, account A#, tier), each with one to three orders (id O#, item K#)."""
     used: set = set()
     customers, orders = {}, {}
-    for _ in range(4):
-        cid = _rid(rng, "C", used, 2)
-        customers[cid] = {"account": _rid(rng, "A", used, 2), "tier": rng.choice(TIERS)}
+    for _ in range(3):
+        cid = _rid(rng, "C", used, 1)
+        customers[cid] = {"account": _rid(rng, "A", used, 1), "tier": rng.choice(TIERS)}
         for item in rng.sample(ITEMS, rng.randint(1, 3)):
-            orders[_rid(rng, "O", used, 2)] = {"customer": cid, "item": item, "qty": rng.randint(1, 9),
+            orders[_rid(rng, "O", used, 1)] = {"customer": cid, "item": item, "qty": rng.randint(1, 9),
                                             "status": rng.choice(STATUSES[:2])}
     return {"customers": customers, "orders": orders}
 
@@ -178,12 +191,17 @@ def _s_cancel(rng, db):
     return {"account": acc, "item": item}, [["removed", "orders", oid]]
 
 
-def _s_swap(rng, db):
+def _s_reorder(rng, db):
     goal, check = _s_cancel(rng, db)
     cid = db["orders"][check[0][2]]["customer"]
-    owned = {o["item"] for o in db["orders"].values() if o["customer"] == cid}
-    item2 = rng.choice([i for i in ITEMS if i not in owned])
-    return {**goal, "item2": item2}, [*check, ["added", "orders", cid, item2, 1]]
+    return goal, [*check, ["added", "orders", cid, goal["item"], 1]]
+
+
+def _s_bulk(rng, db):
+    goal, _ = _s_order(rng, db)
+    cid = next(c for c, row in db["customers"].items() if row["account"] == goal["account"])
+    qty = rng.randint(2, 9)
+    return {**goal, "qty": qty}, [["added", "orders", cid, goal["item2"], qty]]
 
 
 def _s_vip(rng, db):
@@ -193,33 +211,21 @@ def _s_vip(rng, db):
     return goal, [["set", "customers", cid, "tier", "gold"], *check]
 
 
-def _s_split(rng, db):
-    cid, acc = _customer(rng, db)
-    while sum(o["customer"] == cid for o in db["orders"].values()) < 2:
-        db["orders"][_rid(rng, "O", set(db["orders"]) | set(db["customers"]), 2)] = {
-            "customer": cid, "item": rng.choice([i for i in ITEMS if i not in
-                                                 {o["item"] for o in db["orders"].values() if o["customer"] == cid}]),
-            "qty": 1, "status": "open"}
-    o1, i1 = _order(rng, db, cid)
-    o2, i2 = _order(rng, db, cid, skip=(o1,))
-    db["orders"][o1]["status"], db["orders"][o2]["status"] = "open", "open"
-    return ({"account": acc, "item": i1, "item2": i2},
-            [["set", "orders", o1, "status", "shipped"], ["set", "orders", o2, "status", "held"]])
-
-
-# Every task ends with the values a call must carry, then the shop: "<goal>: item K7, account A52. Shop: cedar."
+# Every task ends with the values a call must carry, then the shop: "<goal>: item K7, account A5. Shop: cedar."
 # A tiny model reads a token most easily at a fixed distance from where it is needed; a pretrained one does not care.
+# Every tier or status a call sets is written in the task as the very word the call carries ("to shipped"): a
+# tiny model learns one "copy the value word" skill far sooner than a mapping from each verb to its value.
 SCHEMAS = {
     "upgrade": ("Upgrade the customer to gold: account {account}.", _s_tier("gold")),
     "downgrade": ("Downgrade the customer to bronze: account {account}.", _s_tier("bronze")),
     "order": ("Place a new order: item {item2}, account {account}.", _s_order),
+    "bulk": ("Place a new order of {qty} units: item {item2}, account {account}.", _s_bulk),
     "cancel": ("Cancel an order: item {item}, account {account}.", _s_cancel),
-    "ship": ("Ship an order: item {item}, account {account}.", _s_status("shipped", "open")),
-    "hold": ("Put an order on hold: item {item}, account {account}.", _s_status("held", "open")),
-    "reopen": ("Reopen an order: item {item}, account {account}.", _s_status("open", "held")),
-    "swap": ("Replace an order with a new item: item {item}, new item {item2}, account {account}.", _s_swap),
-    "vip": ("Upgrade the customer to gold and ship an order: item {item}, account {account}.", _s_vip),
-    "split": ("Ship one order and hold another: ship {item}, hold {item2}, account {account}.", _s_split),
+    "reorder": ("Cancel an order and place it again: item {item}, account {account}.", _s_reorder),
+    "ship": ("Set an order to shipped: item {item}, account {account}.", _s_status("shipped", "open")),
+    "hold": ("Set an order to held: item {item}, account {account}.", _s_status("held", "open")),
+    "reopen": ("Set an order back to open: item {item}, account {account}.", _s_status("open", "held")),
+    "vip": ("Upgrade the customer to gold and set an order to shipped: item {item}, account {account}.", _s_vip),
 }
 
 
@@ -234,17 +240,18 @@ def make_task(rng: random.Random, task_id: str, shop: str | None = None, schema:
 
 
 def make_splits(seed: int = 0, n_train: int = 1000, n_test: int = 200):
-    """Seeded, disjoint train and test splits (disjoint by task text, the thing a model sees)."""
+    """Seeded, disjoint train and test splits (disjoint by task text, the thing a model sees). The test split is
+    drawn first, so that its schemas stay balanced: a schema with few distinct texts (upgrade: 6 shops × 10
+    accounts) runs out in the training split, not in the test split."""
     rng = random.Random(seed)
-    seen, train, test = set(), [], []
-    while len(train) < n_train or len(test) < n_test:
-        split = "train" if len(train) < n_train else "test"
-        task = make_task(rng, f"{split}-{len(train) if split == 'train' else len(test):05d}")
-        if task.text in seen:
-            continue
-        seen.add(task.text)
-        (train if split == "train" else test).append(task)
-    return train, test
+    seen, splits = set(), {"test": [], "train": []}
+    for split, n in (("test", n_test), ("train", n_train)):
+        while len(splits[split]) < n:
+            task = make_task(rng, f"{split}-{len(splits[split]):05d}")
+            if task.text not in seen:
+                seen.add(task.text)
+                splits[split].append(task)
+    return splits["train"], splits["test"]
 
 
 def save_tasks(tasks, path: str) -> None:
@@ -331,18 +338,23 @@ class ToolWorld:
         messages = env.reset(task)      # [system, user] chat messages
         result = env.step(reply_text)   # execute the tool calls in one assistant reply
         r = env.reward()                # checklist reward of the current committed state, in [0, 1]
+
+    It also names its prompts: the system prompt and the framing (before, after) around the teacher's latent block
+    (inject.py). The toy backbone gets short ones; `train.env_factory` gives real models A.5's.
     """
     system_prompt: str = TOY_SYSTEM_PROMPT
+    framing: tuple = inject.TOY_FRAMING
     max_steps: int = 10
     task: Task | None = None
     db: dict = field(default_factory=dict)
     staged: list = field(default_factory=list)
+    verified: set = field(default_factory=set)    # customers confirmed with verify_customer
     steps: int = 0
     trace: list = field(default_factory=list)     # [(name, args, result)] for the observation-lite trace
     tools = TOOLS
 
     def reset(self, task: Task) -> list[dict]:
-        self.task, self.db, self.staged = task, copy.deepcopy(task.db), []
+        self.task, self.db, self.staged, self.verified = task, copy.deepcopy(task.db), [], set()
         self.steps, self.trace = 0, []
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.text}]
 
@@ -362,9 +374,8 @@ class ToolWorld:
 
     # -- tools ---------------------------------------------------------------------------------------------------
     def _call(self, name: str, args: dict) -> str:
-        shop_lookup, staged = SHOPS[self.task.shop]
         spec = next((t["function"] for t in TOOLS if t["function"]["name"] == name), None)
-        if spec is None or (name in LOOKUP_TOOLS and name != shop_lookup) or (name == "commit" and not staged):
+        if spec is None or (name == "commit" and not SHOPS[self.task.shop][1]):
             return f"Error: unknown tool '{name}'"
         params = spec["parameters"]["properties"]
         for key, p in params.items():
@@ -375,15 +386,21 @@ class ToolWorld:
                 return f"Error: argument '{key}' must be {p['type']}"
         if set(args) - set(params):
             return f"Error: unexpected argument '{sorted(set(args) - set(params))[0]}'"
-        return getattr(self, "_t_" + ("lookup" if name in LOOKUP_TOOLS else name))(**args)
+        return getattr(self, "_t_" + name)(**args)
 
-    def _t_lookup(self, account):
+    def _t_find_customer(self, account):
         ids = [cid for cid, c in self.db["customers"].items() if c["account"] == account]
         return ids[0] if ids else f"Error: no account {account}"
 
     def _t_get_customer(self, customer_id):
         c = self.db["customers"].get(customer_id)
         return f"{c['account']} {c['tier']}" if c else f"Error: no customer {customer_id}"
+
+    def _t_verify_customer(self, customer_id):
+        if customer_id not in self.db["customers"]:
+            return f"Error: no customer {customer_id}"
+        self.verified.add(customer_id)
+        return "Verified"
 
     def _t_find_order(self, customer_id, item):
         if customer_id not in self.db["customers"]:
@@ -399,7 +416,7 @@ class ToolWorld:
             return f"Error: unknown field '{field}'"
         if value not in TIERS:
             return "Error: invalid tier"
-        return self._apply(("set", "customers", customer_id, "tier", value))
+        return self._apply(("set", "customers", customer_id, "tier", value), customer_id)
 
     def _t_update_order(self, order_id, field, value):
         if order_id not in self.db["orders"]:
@@ -408,19 +425,19 @@ class ToolWorld:
             return f"Error: unknown field '{field}'"
         if value not in STATUSES:
             return "Error: invalid status"
-        return self._apply(("set", "orders", order_id, "status", value))
+        return self._apply(("set", "orders", order_id, "status", value), self.db["orders"][order_id]["customer"])
 
     def _t_add_order(self, customer_id, item, qty):
         if customer_id not in self.db["customers"]:
             return f"Error: no customer {customer_id}"
         if item not in ITEMS or not 1 <= qty <= 99:
             return "Error: invalid item or qty"
-        return self._apply(("added", "orders", customer_id, item, qty))
+        return self._apply(("added", "orders", customer_id, item, qty), customer_id)
 
     def _t_cancel_order(self, order_id):
         if order_id not in self.db["orders"]:
             return f"Error: no order {order_id}"
-        return self._apply(("removed", "orders", order_id))
+        return self._apply(("removed", "orders", order_id), self.db["orders"][order_id]["customer"])
 
     def _t_commit(self):
         for change in self.staged:
@@ -428,8 +445,13 @@ class ToolWorld:
         n, self.staged = len(self.staged), []
         return f"Committed {n} change(s)"
 
-    def _apply(self, change) -> str:
-        if SHOPS[self.task.shop][1]:
+    def _apply(self, change, customer_id: str) -> str:
+        """A change to `customer_id` or one of their orders: refused in a verify shop until the customer is
+        verified, staged in a commit shop, written at once elsewhere."""
+        verify, staged = SHOPS[self.task.shop]
+        if verify and customer_id not in self.verified:
+            return "Error: verify the customer first"
+        if staged:
             self.staged.append(change)
             return "Staged"
         return self._write(change)
@@ -446,7 +468,9 @@ class ToolWorld:
             self.db[table].pop(change[2], None)
             return "Cancelled"
         used = set(self.db["orders"]) | set(self.task.db["orders"])     # never reuse an id, even a cancelled one
-        oid = next(f"O{n:02d}" for n in range(100) if f"O{n:02d}" not in used)
+        oid = next((f"O{n}" for n in range(10) if f"O{n}" not in used), None)
+        if oid is None:
+            return "Error: no free order id"
         self.db["orders"][oid] = {"customer": change[2], "item": change[3], "qty": change[4], "status": "open"}
         return f"Added {oid}"
 
@@ -490,7 +514,7 @@ def checklist_reward(task: Task, db: dict) -> float:
 def oracle_calls(task: Task) -> list[tuple[str, dict]]:
     """The intended procedure as a list of tool calls (ids read from the initial database)."""
     db, g, s = task.db, task.goal, task.schema
-    lookup, staged = SHOPS[task.shop]
+    verify, staged = SHOPS[task.shop]
     cid = next(c for c, row in db["customers"].items() if row["account"] == g["account"])
     oid = lambda item: next(o for o, r in sorted(db["orders"].items())                       # noqa: E731
                             if r["customer"] == cid and r["item"] == item)
@@ -498,18 +522,21 @@ def oracle_calls(task: Task) -> list[tuple[str, dict]]:
     status = lambda item, v: ("update_order", {"order_id": oid(item), "field": "status", "value": v})  # noqa: E731
     tier = lambda v: ("update_customer", {"customer_id": cid, "field": "tier", "value": v})   # noqa: E731
     add = ("add_order", {"customer_id": cid, "item": g.get("item2"), "qty": 1})
-    calls = [(lookup, {"account": g["account"]})] + {
+    calls = [("find_customer", {"account": g["account"]})]
+    if verify:
+        calls.append(("verify_customer", {"customer_id": cid}))
+    calls += {
         "upgrade": lambda: [tier("gold")],
         "downgrade": lambda: [tier("bronze")],
         "order": lambda: [add],
+        "bulk": lambda: [("add_order", {"customer_id": cid, "item": g["item2"], "qty": g["qty"]})],
         "cancel": lambda: [find(g["item"]), ("cancel_order", {"order_id": oid(g["item"])})],
+        "reorder": lambda: [find(g["item"]), ("cancel_order", {"order_id": oid(g["item"])}),
+                            ("add_order", {"customer_id": cid, "item": g["item"], "qty": 1})],
         "ship": lambda: [find(g["item"]), status(g["item"], "shipped")],
         "hold": lambda: [find(g["item"]), status(g["item"], "held")],
         "reopen": lambda: [find(g["item"]), status(g["item"], "open")],
-        "swap": lambda: [find(g["item"]), ("cancel_order", {"order_id": oid(g["item"])}), add],
         "vip": lambda: [tier("gold"), find(g["item"]), status(g["item"], "shipped")],
-        "split": lambda: [find(g["item"]), status(g["item"], "shipped"), find(g["item2"]),
-                          status(g["item2"], "held")],
     }[s]()
     if staged:
         calls.append(("commit", {}))

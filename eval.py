@@ -2,6 +2,7 @@
 
     python eval.py --run runs/toy                    # the three rows, results.md and results.json in the run
     python eval.py --run runs/toy --inspect-latents  # also: the LM-head projection of each latent token (§4.4)
+    python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
 
 Rows (Table 3):
 - vanilla          the base model θ̄, task only;
@@ -47,10 +48,10 @@ def eval_vanilla(composer, tok, tasks, cfg, make_env, tools=envs.TOOLS):
         return lopd.rollout(composer.peft, tok, tasks, cfg, make_env, tools, progress=bar)
 
 
-def eval_teacher(composer, retriever, tok, tasks, cfg, make_env, n_ret, tools=envs.TOOLS):
-    """θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own."""
+def eval_teacher(composer, retriever, tok, tasks, cfg, make_env, n_ret, tools=envs.TOOLS, mode="same"):
+    """θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own. mode: lopd.retrieve's (same | other | none)."""
     with torch.no_grad():
-        latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, n_ret))    # (B, J·K, d)
+        latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, n_ret, mode))    # (B, J·K, d)
     with _bar(len(tasks), "eval base + composer") as bar:
         return lopd.teacher_rollout(composer, tok, tasks, latents, cfg, make_env, tools, progress=bar)
 
@@ -98,11 +99,14 @@ def main():
     p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
     p.add_argument("--inspect-latents", action="store_true", help="print the LM-head projection of latents (§4.4)")
+    p.add_argument("--world-check", action="store_true",
+                   help="also base + composer with other-variant references and with no reference (does the teacher "
+                        "use the experience?)")
     a = p.parse_args()
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     args = train.Args(**json.load(open(os.path.join(a.run, "args.json"))))
-    rows, latents = train.final_eval(args, a.n_test, a.temperature)
+    rows, latents = train.final_eval(args, a.n_test, a.temperature, a.world_check)
     print(markdown_table(rows))
     if a.inspect_latents:
         inspect_latents(*latents)

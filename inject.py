@@ -37,6 +37,7 @@ Deviations from the paper
 2. The separators between framing, latent block and task text are ours (see "Joining" above).
 3. A prompt whose text already contains the sentinel (e.g. a task text quoting it) is refused with ValueError
    instead of splitting in the wrong place.
+4. The toy world uses a short framing (`TOY_FRAMING`); real models get A.5's word for word.
 """
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ CODING_FRAMING = (
     "solve YOUR problem below.",
     "\u2014 end of reference \u2014",
 )
+# The toy backbone's framing (our deviation 4): the A.5 text is 186 toy tokens, longer than a whole toy episode,
+# and a 0.5 M-parameter model reads none of it. Like envs.TOY_SYSTEM_PROMPT, the toy world uses this short one;
+# real models get the A.5 text above (each environment names its framing: `ToolWorld.framing`).
+TOY_FRAMING = ("Reference, a different solved task:", "End of reference. Your task:")
 
 
 # ----------------------------------------------------------------------------------------------------------------

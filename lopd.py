@@ -162,6 +162,7 @@ class SampleConfig:
     max_new_tokens: int = 64      # per reply
     max_len: int = 768            # whole conversation; an episode that reaches it ends
     batch_size: int = 64          # episodes generated together
+    enable_thinking: bool = False # chat template: Qwen3 thinking mode (prompts, observations, latent prompts)
 
 
 def left_pad(rows, pad_id, device):
@@ -222,7 +223,8 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
         eps = [Episode(t) for t in chunk]
         for ep, env in zip(eps, envs):
             msgs = env.reset(ep.task)
-            ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else prompt_ids(tokenizer, msgs, tools), sampled=False)
+            ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else
+                   prompt_ids(tokenizer, msgs, tools, cfg.enable_thinking), sampled=False)
             ep.prompt_len = len(ep.ids)
         while not all(ep.done for ep in eps):
             live = [i for i, ep in enumerate(eps) if not ep.done]
@@ -237,7 +239,7 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
                 if ep.done or not finished:
                     _finish(ep, env)
                     continue
-                ep.add(observation_ids(tokenizer, obs), sampled=False)
+                ep.add(observation_ids(tokenizer, obs, cfg.enable_thinking), sampled=False)
                 if len(ep.ids) + cfg.max_new_tokens > cfg.max_len:
                     _finish(ep, env)
         episodes += eps
@@ -255,9 +257,23 @@ def experience_text(entry: dict) -> str:
     return entry["task"] + "\n" + entry["trace"]
 
 
-def retrieve(retriever, tasks, n_ret: int):
-    """Ret(x) for each task (eq. 16), never the task's own entries: B lists of J bank entries."""
-    return retriever.retrieve([t.task_id for t in tasks], [t.text for t in tasks], n_ret=n_ret, exclude_self=True)
+# What the composer reads in the "task only" control: the task and no reference (train.py --retrieval none).
+NO_REFERENCE = {"task_id": "", "task": "", "trace": "(no reference)", "reward": 0.0, "meta": {}}
+RETRIEVAL_MODES = ("same", "other", "none")
+
+
+def retrieve(retriever, tasks, n_ret: int, mode: str = "same"):
+    """Ret(x) for each task (eq. 16), never the task's own entries: B lists of J bank entries.
+
+    mode "same" is the method; "other" and "none" are controls (does the teacher use the experience?):
+    "other" never returns an entry of the task's own variant (shop), "none" gives the composer no reference."""
+    if mode == "none":
+        return [[NO_REFERENCE] * n_ret for _ in tasks]
+    if mode not in RETRIEVAL_MODES:
+        raise ValueError(f"retrieval mode {mode!r}: expected one of {RETRIEVAL_MODES}")
+    skip = [t.variant for t in tasks] if mode == "other" else None
+    return retriever.retrieve([t.task_id for t in tasks], [t.text for t in tasks], n_ret=n_ret, exclude_self=True,
+                              exclude_variants=skip)
 
 
 def compose(composer, tasks, experiences, chunk: int = 32):
@@ -271,12 +287,12 @@ def compose(composer, tasks, experiences, chunk: int = 32):
 
 @torch.no_grad()
 def teacher_rollout(composer, tokenizer, tasks, latents, cfg: SampleConfig, make_env=ToolWorld, tools=None,
-                    enable_thinking=False, progress=None):
+                    progress=None):
     """The frozen base θ̄ acting behind its latent prompt ("base + composer"): LoRA off (A.4), latents injected."""
-    n = latents.shape[1]
-    starts = [inject.latent_prompt_ids(tokenizer, make_env().reset(t), n, tools=tools,
-                                       enable_thinking=enable_thinking)[1] for t in tasks]
-    prompt_fn = inject.latent_prompt_fn(n, tools=tools, enable_thinking=enable_thinking)
+    n, framing = latents.shape[1], make_env().framing
+    starts = [inject.latent_prompt_ids(tokenizer, make_env().reset(t), n, framing, tools, cfg.enable_thinking)[1]
+              for t in tasks]
+    prompt_fn = inject.latent_prompt_fn(n, framing, tools, cfg.enable_thinking)
     embed_fn = inject.make_embed_fn(composer.peft, latents, starts)
     with composer.adapter_disabled():
         return rollout(composer.peft, tokenizer, tasks, cfg, make_env, tools, prompt_fn, embed_fn, progress)
@@ -296,6 +312,7 @@ class LOPDConfig:
     micro_batch: int = 8       # rollouts per forward/backward
     clip: float = 1.0          # gradient clipping, student and composer each
     freeze_composer: bool = False
+    retrieval: str = "same"    # what the composer reads: same (the method) | other | none (controls, `retrieve`)
 
 
 def pack(prefixes, conts, pad_id, device):
@@ -330,13 +347,14 @@ def student_logits(student, tokenizer, eps, device):
     return logits[:, P - 1:P - 1 + Tc], ids[:, P:], omega     # logits at column P-1+t predict token t
 
 
-def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None):
+def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None, enable_thinking=False):
     """π_θ̄,φ^T on the SAME continuation ids behind the latent prompt with c_φ injected, LoRA off (eqs. 7-8, A.4).
     Nothing is re-tokenized: the prompt changes, the continuation ids are the sampled ones. -> (B, Tc, V)."""
     device = latents.device
     conts, omega = continuation(eps, device)
-    prompts = [inject.latent_prompt_ids(tokenizer, make_env().reset(e.task), latents.shape[1], tools=tools)
-               for e in eps]
+    framing = make_env().framing
+    prompts = [inject.latent_prompt_ids(tokenizer, make_env().reset(e.task), latents.shape[1], framing, tools,
+                                        enable_thinking) for e in eps]
     ids, att, pos, P, pad = pack([p for p, _ in prompts], conts, tokenizer.pad_token_id, device)
     starts = torch.tensor([s for _, s in prompts], device=device) + pad                  # (B,) after left padding
     embeds = inject.embed_with_latents(composer.peft, ids, latents, starts)                # (B, P+Tc, d)
@@ -345,20 +363,20 @@ def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None):
     return logits[:, P - 1:P - 1 + omega.shape[1]]                                        # (B, Tc, V)
 
 
-def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools=None):
+def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools=None, enable_thinking=False):
     """Algorithm 1, step 4: both models score the SAME sampled continuation (never re-tokenized, eq. 8).
     Returns aligned student and teacher logits (B, Tc, V), continuation ids and ω (B, Tc)."""
     ls, ids, omega = student_logits(student, tokenizer, eps, latents.device)
-    return ls, teacher_logits(composer, tokenizer, eps, latents, make_env, tools), ids, omega
+    return ls, teacher_logits(composer, tokenizer, eps, latents, make_env, tools, enable_thinking), ids, omega
 
 
 @torch.no_grad()
-def anchor_cache(composer, retriever, tasks, n_ret: int, chunk: int = 32) -> dict:
+def anchor_cache(composer, retriever, tasks, n_ret: int, mode: str = "same", chunk: int = 32) -> dict:
     """c_φ0 per task from the cold-started composer, computed once (Algorithm 1: "cache c_φ0 per task")."""
     cache = {}
     for i in range(0, len(tasks), chunk):
         part = tasks[i:i + chunk]
-        c0 = compose(composer, part, retrieve(retriever, part, n_ret))          # (b, J·K, d)
+        c0 = compose(composer, part, retrieve(retriever, part, n_ret, mode))    # (b, J·K, d)
         cache.update({t.task_id: c for t, c in zip(part, c0.cpu())})
     return cache
 
@@ -371,7 +389,7 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
     eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
     rewards = torch.tensor([e.reward for e in eps])                                       # (B,)
     # 3. retrieve J experiences per task (eq. 16)
-    exps = retrieve(retriever, tasks, cfg.n_ret)
+    exps = retrieve(retriever, tasks, cfg.n_ret, cfg.retrieval)
     n_tokens, n_traj = sum(sum(e.mask) for e in eps), len(eps)                            # whole-batch normalisers
     student.train()
     totals, finite = {}, True
@@ -381,7 +399,8 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
             latents = compose(composer, tasks[mb], exps[mb])                              # (b, J·K, d) c_φ
         c0 = torch.stack([c0_cache[t.task_id] for t in tasks[mb]]).to(latents)           # (b, J·K, d) sg[c_φ0]
         # 4. the teacher re-scores exactly the student's ids behind c_φ; the student behind its own prompt
-        ls, lt, ids, omega = student_teacher_logits(student, composer, tokenizer, eps[mb], latents, make_env, tools)
+        ls, lt, ids, omega = student_teacher_logits(student, composer, tokenizer, eps[mb], latents, make_env, tools,
+                                                    sample_cfg.enable_thinking)
         # 5. eq. (13) at fixed β: one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor)
         loss, m = losses.lopd_objective(ls, lt, ids, omega, rewards[mb].to(ls.device), beta, cfg.margin,
                                         None if cfg.freeze_composer else latents, c0, cfg.anchor, cfg.top_m,
@@ -416,3 +435,23 @@ def _step(opts, student, composer, clip: float, ok: bool = True) -> bool:
             opt.step()
         opt.zero_grad(set_to_none=True)
     return ok
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The RFT control (train.py --method rft): rejection fine-tuning on the bank, no teacher
+# ----------------------------------------------------------------------------------------------------------------
+def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: float = 1.0):
+    """One step of rejection fine-tuning: the NLL of successful bank episodes' own ω tokens, normalised by the
+    batch's token count, on the student's optimizer. What differs from `lopd_step`: no rollout, no retrieval,
+    no teacher and no composer; the targets are tokens the base already produced. Returns metrics."""
+    device = next(student.parameters()).device
+    n_tokens, total = sum(sum(e.mask) for e in episodes), 0.0
+    student.train()
+    for i in range(0, len(episodes), micro_batch):
+        ls, ids, omega = student_logits(student, tokenizer, episodes[i:i + micro_batch], device)  # (b, Tc, V)
+        loss = losses.masked_nll(ls, ids, omega, n_tokens)           # micro-batch parts add up to the batch mean
+        loss.backward()
+        total += loss.item()
+    student.eval()
+    ok = _step((opt, None), student, None, clip, bool(torch.isfinite(torch.tensor(total))))
+    return {"loss/rft": total, "skipped": int(not ok), "tokens": n_tokens}

@@ -6,6 +6,7 @@ Implements §3.3 of "Latent On-Policy Self-Distillation" (paper/lopd-paper.md), 
   (11) δ = log πT(a) − sg[log πS(a)]                                       per-token privilege
   (12) Δ = E_τ[ Σ ω·A(τ)·δ / Σ ω ],  A(τ) = 2r(τ) − 1                      outcome-weighted privilege
   (13) L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖²,   β ← max(0, β + η_β(m − Δ))
+and the masked NLL that the cold start (eq. 14), the toy's SFT and the RFT control share (`masked_nll`).
 Every loss is a pure function of tensors (no model inside). Math runs in fp32, or float64 when given float64
 (so that torch.autograd.gradcheck can run on these functions).
 
@@ -217,3 +218,14 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     metrics = {"loss/distill": distill.item(), "privilege/delta": Delta.item(),
                "loss/anchor": anchor.item(), "loss/total": loss.item()}
     return loss, metrics
+
+
+def masked_nll(logits, ids, mask, n_tokens=None):
+    """−Σ ω log π(ids) / N: the cold start's eq. (14), the toy backbone's SFT, and the RFT control (train.py
+    --method rft: NLL of the bank's successes, no teacher).
+
+    logits (B, T, V) and ids, mask ω (B, T) ALIGNED (callers shift a causal LM's logits once) -> scalar fp32.
+    n_tokens: the whole batch's supervised-token count when micro-batching (default: this batch's Σ ω).
+    """
+    n = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
+    return -token_logprobs(logits, ids, mask).sum() / n

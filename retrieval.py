@@ -349,26 +349,34 @@ class Retriever:
         return np.stack([self.query_cache[tid] for tid in task_ids]).astype(np.float32)  # (Q, d_ret)
 
     def retrieve(self, task_ids: Sequence[str], tasks: Optional[Sequence[str]] = None, n_ret: int = 3,
-                 exclude_self: bool = True, return_scores: bool = False):
+                 exclude_self: bool = True, return_scores: bool = False,
+                 exclude_variants: Optional[Sequence[str]] = None):
         """Ret(x) for each query (eq. 16): a list per query of n_ret bank entries, best first.
 
-        With exclude_self, entries sharing the query's task_id are skipped (deviation 1). With return_scores,
-        also returns a list per query of the n_ret cosine scores z_q·z_i^doc.
+        With exclude_self, entries sharing the query's task_id are skipped (deviation 1). exclude_variants (one
+        per query, or None) skips entries whose meta["variant"] equals it: the "other-variant" control of
+        train.py (a reference from another shop). With return_scores, also returns a list per query of the n_ret
+        cosine scores z_q·z_i^doc.
         """
+        skip = exclude_variants or [None] * len(task_ids)
         own = [self.count_by_task.get(tid, 0) if exclude_self else 0 for tid in task_ids]
-        for tid, n_own in zip(task_ids, own):
-            if len(self) - n_own < n_ret:
+        for tid, n_own, var in zip(task_ids, own, skip):
+            n_var = 0 if var is None else sum(e.get("meta", {}).get("variant") == var for e in self.bank)
+            if len(self) - n_own - n_var < n_ret:
                 raise ValueError(f"experience bank too small: n_ret={n_ret} but the bank holds {len(self)} entries"
-                                 f" ({n_own} of them from task {tid!r}, excluded as self)")
+                                 f" ({n_own} of them from task {tid!r}, excluded as self"
+                                 + (f", {n_var} of variant {var!r}, excluded" if var is not None else "") + ")")
         z_q = self.query_vectors(task_ids, tasks)  # (Q, d_ret)
-        k = min(n_ret + max(own), len(self))
+        # search deep enough that n_ret survive the exclusions (the whole bank when variants are excluded)
+        k = len(self) if exclude_variants else min(n_ret + max(own), len(self))
         # eq. (16): top-k of z_q^T z_i^doc over the bank (exact inner product = cosine on unit vectors)
         scores, ids = self.index.search(z_q, k)  # (Q, k), (Q, k)
         entries, kept_scores = [], []
-        for tid, row_s, row_i in zip(task_ids, scores, ids):
+        for tid, var, row_s, row_i in zip(task_ids, skip, scores, ids):
             order = np.lexsort((row_i, -row_s))  # (k,) best first, ties by bank position (deviation 2)
             hits = [(s, i) for s, i in zip(row_s[order], row_i[order])
-                    if i >= 0 and not (exclude_self and self.bank[i]["task_id"] == tid)][:n_ret]
+                    if i >= 0 and not (exclude_self and self.bank[i]["task_id"] == tid)
+                    and (var is None or self.bank[i].get("meta", {}).get("variant") != var)][:n_ret]
             entries.append([self.bank[i] for _, i in hits])
             kept_scores.append([float(s) for s, _ in hits])
         return (entries, kept_scores) if return_scores else entries

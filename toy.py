@@ -9,16 +9,28 @@ Everything is saved with `save_pretrained`, so `--model that_folder` works like 
 
     python toy.py --out runs/toy-backbone     # build (or reuse) the backbone, print its vanilla reward
 
-How the demonstrations are imperfect (the base policy learns these mistakes):
-1. the lookup tool is another shop's 35% of the time; after the "unknown tool" error the demonstration retries
-   with the right tool 60% of the time and otherwise stops;
-2. commit shops: the final `commit()` is omitted 30% of the time;
-3. "split": the second order is forgotten half the time; "swap": the new order is forgotten 40% of the time;
-4. "vip" and "split" are under-demonstrated (a third as many demonstrations as the other schemas).
-Half of the demonstrations carry the teacher's A.5 latent framing around an empty placeholder span (see
-`demo_episodes`), so that the framing alone does not derail the frozen teacher.
+How the demonstrations are imperfect (the base policy learns these mistakes). The demonstrator knows every
+procedure but not the shops' conventions, which the task text never states (envs.py):
+1. it verifies the customer right after the lookup with probability 0.3 (`VERIFY`) in every shop; in a shop that
+   requires it, a change without it is refused, and the demonstrator then verifies and retries with probability
+   0.4 (`RETRY`) or gives up;
+2. it ends with `commit()` with probability 0.35 (`COMMIT`) in every shop: staged shops then lose everything
+   most of the time, and elsewhere commit is an unknown tool;
+3. "vip" (two changes) is under-demonstrated (half as many demonstrations as the other schemas).
+So the base is at chance on exactly what a successful trajectory of the same shop shows. The demonstrations
+themselves score 0.55 on average; the base's vanilla reward lands near that (at 0.5 / 0.5 / 0.5 they scored 0.67
+and vanilla was 0.67, above the 0.3-0.6 a base must leave for experience to help).
 
-Deviation from the paper: none in method; this backbone is our substitute for a pretrained model.
+In-context reading. A pretrained LLM follows a reference example placed in its prompt; a model trained from
+scratch does not, unless it has seen some. So 40% of the demonstrations carry the toy framing around the
+observation-lite trace of a solved task of the same shop, as token ids in the span where latents go, and there
+the demonstrator follows that shop's conventions (measured: with a reference of ANOTHER shop the base commits or
+not as that shop would, P > 0.97 either way). The base thus learns to read a reference in that span, as
+Qwen3 can; the composer must then learn to write latents it reads (cold start, eq. 14). Without this, the frozen
+base ignores whatever fills the span and the teacher gains little from experience.
+
+Deviation from the paper: none in method; this backbone is our substitute for a pretrained model, and the
+reference demonstrations stand in for the in-context ability pretraining gives.
 """
 from __future__ import annotations
 
@@ -34,7 +46,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import inject
-from envs import DONE_TEXT, LOOKUP_TOOLS, SHOPS, ToolWorld, format_call, make_splits, make_task, oracle_calls
+import losses
+from envs import DONE_TEXT, SHOPS, ToolWorld, format_call, lite_trace, make_splits, make_task, oracle_calls
 from lopd import scripted_episode
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -43,17 +56,29 @@ from lopd import scripted_episode
 # Qwen2/3's split pattern with one change: a word never carries the character before it (Qwen: `[^\r\n\p{L}\p{N}]?\p{L}+`).
 # " A52" in a task and "A52" inside a JSON string then start with the same token "A", a precondition for copying
 # by position; a pretrained model learns the space/no-space mapping, a tiny one trained for minutes does not.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+# Second change: snake_case names (find_customer, customer_id) stay one pre-token, so BPE can give each tool and
+# argument name a single token: shorter sequences, and a tool that one token (or one latent) can name.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{L}+(?:_\p{L}+)*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
               r"|\s+(?!\S)|\s+")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]                      # special: skipped by decode(skip=True)
 ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# The JSON around every tool call, one token each (Qwen's tokenizer takes ~5 for each): shorter toy sequences.
+JSON_PIECES = ['{"name": "', '", "arguments": ']
 
 # A Qwen3-style ChatML template. Tool calls render as <tool_call>\n{json}\n</tool_call>; consecutive tool results
 # are grouped in one user turn inside <tool_response> tags, as Qwen3 does. Unlike Qwen3 it does not list the tool
 # schemas in the system turn: the toy model learns its tools from demonstrations and its prompt stays short.
-CHAT_TEMPLATE = (
+# TOOLS_CHAT_TEMPLATE does list them, as Qwen3 does (the tests' stand-ins for real models use it).
+_TEMPLATE = (
     "{%- for m in messages %}"
-    "{%- if m.role == 'system' or m.role == 'user' %}"
+    "{%- if m.role == 'system' and tools and LIST_TOOLS %}"
+    "{{ '<|im_start|>system\n' + m.content + '\n\n# Tools\n\nYou may call one or more functions to assist with "
+    "the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for t in tools %}{{ '\n' + (t | tojson) }}{%- endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\n</tool_call><|im_end|>\n' }}"
+    "{%- elif m.role == 'system' or m.role == 'user' %}"
     "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
     "{%- elif m.role == 'assistant' %}"
     "{{ '<|im_start|>assistant\n' + (m.content or '') }}"
@@ -71,6 +96,8 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
+CHAT_TEMPLATE = _TEMPLATE.replace("LIST_TOOLS", "false")
+TOOLS_CHAT_TEMPLATE = _TEMPLATE.replace("LIST_TOOLS", "true")    # lists `tools` in the system turn, as Qwen3
 
 
 def build_tokenizer(corpus, vocab_size: int = 640) -> PreTrainedTokenizerFast:
@@ -83,7 +110,7 @@ def build_tokenizer(corpus, vocab_size: int = 640) -> PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED + JSON_PIECES])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=CHAT_TEMPLATE, model_max_length=4096)
 
@@ -107,25 +134,48 @@ def toy_config(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 2) ->
 # ----------------------------------------------------------------------------------------------------------------
 # Imperfect demonstrations (see the module docstring)
 # ----------------------------------------------------------------------------------------------------------------
-DEMO_WEIGHT = {"vip": 1 / 3, "split": 1 / 3}
+DEMO_WEIGHT = {"vip": 1 / 2}   # under-demonstrated schema
+VERIFY = 0.3       # the demonstrator verifies the customer right after the lookup with this probability ...
+RETRY = 0.4        # ... after "Error: verify the customer first", verifies and retries with this probability ...
+COMMIT = 0.35      # ... and ends with commit() with this probability, in every shop
+MODIFY = ("update_customer", "update_order", "add_order", "cancel_order")
 
 
 def demo_calls(task, rng: random.Random):
-    """The oracle procedure with the mistakes listed in the module docstring. Returns a list of tool calls."""
-    calls = oracle_calls(task)
-    lookup, staged = SHOPS[task.shop]
-    if rng.random() < 0.35:                                    # 1. wrong lookup tool ...
-        wrong = rng.choice([t for t in LOOKUP_TOOLS if t != lookup])
-        if rng.random() >= 0.6:
-            return [(wrong, calls[0][1])]                      # ... then stop
-        calls = [(wrong, calls[0][1])] + calls                 # ... then retry with the right one
-    if staged and rng.random() < 0.3:                          # 2. forget commit
-        calls = calls[:-1]
-    if task.schema == "split" and rng.random() < 0.5:          # 3. forget one required change
-        calls = [c for c in calls if c[1].get("value") != "held" and c[1].get("item") != task.goal["item2"]]
-    if task.schema == "swap" and rng.random() < 0.4:
-        calls = [c for c in calls if c[0] != "add_order"]
-    return calls
+    """A demonstrator who knows every procedure but not the shop's conventions (see the module docstring)."""
+    calls = [c for c in oracle_calls(task) if c[0] not in ("verify_customer", "commit")]
+    verify_shop = SHOPS[task.shop][0]
+    cid = next(c for c, row in task.db["customers"].items() if row["account"] == task.goal["account"])
+    out, verified = [calls[0]], rng.random() < VERIFY
+    if verified:
+        out.append(("verify_customer", {"customer_id": cid}))
+    for call in calls[1:]:
+        if call[0] in MODIFY and verify_shop and not verified:
+            out.append(call)                                   # refused: "verify the customer first"
+            if rng.random() >= RETRY:
+                return out                                     # gives up
+            out.append(("verify_customer", {"customer_id": cid}))
+            verified = True
+        out.append(call)
+    return out + [("commit", {})] if rng.random() < COMMIT else out
+
+
+def reference_trace(task, rng: random.Random) -> str:
+    """The observation-lite trace (A.3) of a successful episode of ANOTHER task in the same shop."""
+    other, env = make_task(rng, "ref", shop=task.shop), ToolWorld()
+    env.reset(other)
+    for name, args in oracle_calls(other):
+        env.step(format_call(name, args))
+    return lite_trace(env.trace)
+
+
+def reference_prompt_fn(ref_ids):
+    """prompt_fn for a demonstration whose framed span holds a reference's token ids (the text a latent block
+    stands for): the toy's in-context reading (see the module docstring)."""
+    def fn(tokenizer, messages):
+        ids, s = inject.latent_prompt_ids(tokenizer, messages, len(ref_ids), inject.TOY_FRAMING)
+        return ids[:s] + ref_ids + ids[s + len(ref_ids):]
+    return fn
 
 
 def demo_tasks(n: int, seed: int):
@@ -142,24 +192,25 @@ def corpus_texts(tasks, seed: int):
     """The strings a conversation is made of (prompts, replies, observations), for training the tokenizer."""
     rng, env = random.Random(seed), ToolWorld()
     yield "system\nuser\nassistant\n" + DONE_TEXT
-    yield inject.latent_user_content("")                       # the teacher's A.5 framing
+    yield inject.latent_user_content("", inject.TOY_FRAMING)
     for t in tasks:
         yield "\n".join(m["content"] for m in env.reset(t))
         for name, args in demo_calls(t, rng):
             yield format_call(name, args) + "\n" + "\n".join(env.step(format_call(name, args)).observations)
+        yield lite_trace(env.trace)
 
 
-def demo_episodes(tokenizer, tasks, seed: int, latent_share: float = 0.4):
-    """Encoded demonstrations. A share of them get the teacher's latent prompt (A.5 framing around a span of
-    placeholder ids, 8 to 32 long): a pretrained model is not thrown by instructions it has never seen, and the
-    toy backbone should not be either, or the cold start spends itself undoing the framing (without this, its NLL
-    on the bank's own trajectories rose from ~0.3 to 3.7 behind the framing). The span carries nothing here."""
+def demo_episodes(tokenizer, tasks, seed: int, reference_share: float = 0.4):
+    """Encoded demonstrations. A share of them carry a reference: the toy framing around the trace of a solved
+    task of the same shop, and then the demonstrator follows the shop's conventions (the oracle procedure)."""
     rng, env = random.Random(seed), ToolWorld()
     eps = []
     for t in tasks:
-        calls = demo_calls(t, rng)
-        fn = inject.latent_prompt_fn(rng.choice((8, 16, 24, 32))) if rng.random() < latent_share else None
-        eps.append(scripted_episode(tokenizer, env, t, calls, prompt_fn=fn))
+        if rng.random() < reference_share:
+            ref = tokenizer(reference_trace(t, rng), add_special_tokens=False)["input_ids"]
+            eps.append(scripted_episode(tokenizer, env, t, oracle_calls(t), prompt_fn=reference_prompt_fn(ref)))
+        else:
+            eps.append(scripted_episode(tokenizer, env, t, demo_calls(t, rng)))
     return eps
 
 
@@ -181,10 +232,8 @@ def right_pad(episodes, pad_id):
 def sft_loss(model, episodes, pad_id):
     """Mean NLL of the ω tokens: logits at t predict token t+1."""
     ids, att, omega = right_pad(episodes, pad_id)
-    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()   # (B, T-1, V)
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
-    w = omega[:, 1:]                                                            # (B, T-1)
-    return (nll * w).sum() / w.sum()
+    logits = model(input_ids=ids, attention_mask=att).logits                    # (B, T, V)
+    return losses.masked_nll(logits[:, :-1], ids[:, 1:], omega[:, 1:])
 
 
 @torch.no_grad()
@@ -206,29 +255,36 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
 
     Copying ids and codes into calls appears as a sudden drop of the loss, after anywhere from 200 to 600+ steps
     depending on the seed. So training checks every 50 steps the digits the model copies on held-out
-    demonstrations; once they cost < 0.3 nats it trains steps/2 more (at least `steps` in all), so that what
-    depends on copying (reading the shop, the schema's values) can be learned too; `max_steps` caps it (3 × steps)."""
+    demonstrations; once they cost < 0.3 nats it trains steps/2 more (at least `steps` in all) while the rate
+    decays linearly to lr/10, so that what depends on copying (reading the shop, the values) is learned too and
+    the weights settle; `max_steps` caps it (3 × steps)."""
     rng = random.Random(seed)
     order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].ids))
     buckets = [order[i:i + batch] for i in range(0, len(order), batch)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    stop, decay_from = max_steps or 3 * steps, None
+
+    def rate(step):   # warm-up, constant, then linear decay to 1/10 over [decay_from, stop)
+        if decay_from is None:
+            return min(1.0, (step + 1) / 20)
+        return max(0.1, 1 - 0.9 * (step - decay_from) / max(1, stop - decay_from))
+
     model.train()
-    stop = max_steps or 3 * steps
     for step in range(stop):
+        for group in opt.param_groups:
+            group["lr"] = lr * rate(step)
         loss = sft_loss(model, [episodes[i] for i in rng.choice(buckets)], tokenizer.pad_token_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
         if step % 50 == 0:
             model.eval()
             c = copy_nll(model, held_out, tokenizer)
             model.train()
             log(f"pretrain step {step:4d}  loss/sft {loss.item():.4f}  copy_nll {c:.3f}")
-            if c < 0.3 and stop > step + 1 + steps // 2:  # copying is learned: train half the budget more
-                stop = max(steps, step + 1 + steps // 2)
+            if c < 0.3 and decay_from is None:  # copying is learned: train half the budget more, decaying
+                decay_from, stop = step, min(stop, max(steps, step + 1 + steps // 2))
         if step + 1 >= stop:
             break
     model.eval()
@@ -238,8 +294,21 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
 # ----------------------------------------------------------------------------------------------------------------
 # Build or reuse the backbone folder
 # ----------------------------------------------------------------------------------------------------------------
-def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 300, batch: int = 32,
-                   lr: float = 1e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print) -> str:
+# The backbone `python train.py` uses: built by `python toy.py --out assets/toy-backbone` (seed 0, the defaults
+# below) and committed, 1.9 MB, so that a fresh checkout skips the ~8 minutes of pretraining on two cores, as a
+# run on Qwen3-4B skips pretraining. Like a pretrained model it does not change with train.py --seed.
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy-backbone")
+
+
+def default_backbone(out: str, log=print) -> str:
+    """The shipped backbone if the checkout has it, else one built (once) into `out`."""
+    if os.path.isfile(os.path.join(SHIPPED, "toy_backbone.json")):
+        return SHIPPED
+    return build_backbone(out, log=log)
+
+
+def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 1200, batch: int = 32,
+                   lr: float = 2e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print) -> str:
     """Train the toy backbone into `out` (an ordinary HF folder) unless it is already there. Returns `out`."""
     if os.path.exists(os.path.join(out, "toy_backbone.json")):
         log(f"toy backbone: reusing {out}")
@@ -274,7 +343,7 @@ def main():
     p = argparse.ArgumentParser(description="Build the toy backbone and report its vanilla reward.")
     p.add_argument("--out", default="runs/toy-backbone", help="folder for the HF model and tokenizer")
     p.add_argument("--seed", type=int, default=0, help="seed for demonstrations, init and training")
-    p.add_argument("--steps", type=int, default=300, help="SFT steps (batch 32), extended until ids are copied")
+    p.add_argument("--steps", type=int, default=1200, help="SFT steps (batch 32), extended until ids are copied")
     p.add_argument("--n-eval", type=int, default=200, help="held-out tasks to evaluate")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -2,6 +2,7 @@
 
     python train.py                              # toy world, toy backbone, CPU, a few minutes
     python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
+    python train.py --ablations                  # the table: LOPD variants and controls, 3 seeds
 
 Stages, each cached in --out (a rerun skips what is finished):
   1. backbone      build or reuse the toy backbone (toy.py), or load --model
@@ -13,6 +14,13 @@ Stages, each cached in --out (a rerun skips what is finished):
 
 Defaults follow B.2 and the official code (DESIGN.md §6) except where the toy needs its own; `TOY_DEFAULTS` lists
 each such value and why. A flag given on the command line always wins.
+
+Controls (is the student's gain due to latent privileged context?):
+  --method rft          rejection fine-tuning: NLL on the bank's successful trajectories, no teacher, the same
+                        student optimizer and step count (`lopd.rft_step`)
+  --retrieval other     the composer reads experiences of OTHER variants (shops) only
+  --retrieval none      the composer reads the task alone
+Every method's `generations` counter starts at the rollouts spent building the bank.
 """
 from __future__ import annotations
 
@@ -75,6 +83,11 @@ class Args:
     """cold-start batch size (A.2: 8)"""
     cold_clip: float = 3.0
     """cold-start gradient clipping (A.2: 3.0)"""
+    method: str = "lopd"
+    """lopd (Algorithm 1) | rft (control: NLL on the bank's successes, no teacher, same optimizer and steps)"""
+    retrieval: str = "same"
+    """what the composer reads: same (Ret(x), the method) | other (controls: entries of other variants only) |
+none (the task alone, no reference)"""
     steps: int = None
     """joint LOPD iterations"""
     rollouts_per_step: int = 32
@@ -109,14 +122,22 @@ class Args:
     """token budget of one reply"""
     max_env_steps: int = None
     """environment steps per episode (paper 30)"""
-    eval_every: int = 0
-    """evaluate the student (and the teacher) on held-out tasks every N iterations (0 = only at the end)"""
+    eval_every: int = None
+    """every N iterations, evaluate the student and the teacher (reward/teacher: base + composer, to watch it
+drift) on 50 held-out tasks (0 = only at the end)"""
     save_every: int = 10
     """write a checkpoint every N iterations"""
     resume: bool = False
     """continue from OUT/ckpt if present"""
     enable_thinking: bool = False
     """Qwen3 thinking mode in the chat template"""
+    student_lora: bool = False
+    """train the student as a second LoRA adapter on the frozen backbone (one copy of the weights for teacher,
+composer encoder and student) instead of a full copy"""
+    student_lora_r: int = 64
+    """rank of the LoRA student (--student-lora)"""
+    grad_ckpt: bool = False
+    """gradient checkpointing in the student's and the teacher's backbones (memory for compute)"""
     ablations: bool = False
     """run the paper's ablation table instead: vanilla, base + composer, LOPD m=0.05, m=0, frozen composer"""
     seeds: int = 3
@@ -133,9 +154,10 @@ TOY_DEFAULTS = {
     "composer_lr": 1e-4,
     "max_new_tokens": 64,
     "max_env_steps": 10,   # toy procedures take 2-6 calls (+ commit + "Task Completed")
+    "eval_every": 20,      # teacher drift: base + composer and the student on 50 held-out tasks every 20 steps
 }
 PAPER_DEFAULTS = {"latents": 32, "cold_steps": 500, "cold_lr": 1e-5, "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
-                  "max_new_tokens": 1024, "max_env_steps": 30}
+                  "max_new_tokens": 1024, "max_env_steps": 30, "eval_every": 0}
 
 
 def parse_args(argv=None) -> Args:
@@ -176,6 +198,10 @@ def _check(p, a: Args):
         p.error(f"--device must be auto, cpu, cuda or mps, not {a.device!r}")
     if a.dtype not in ("auto", "float32", "bfloat16", "float16"):
         p.error(f"--dtype must be auto, float32, bfloat16 or float16, not {a.dtype!r}")
+    if a.method not in ("lopd", "rft"):
+        p.error(f"--method must be lopd or rft, not {a.method!r}")
+    if a.retrieval not in lopd.RETRIEVAL_MODES:
+        p.error(f"--retrieval must be one of {', '.join(lopd.RETRIEVAL_MODES)}, not {a.retrieval!r}")
     if a.delta_per not in ("trajectory", "token"):
         p.error(f"--delta-per must be trajectory or token, not {a.delta_per!r}")
     if a.model and not os.path.isdir(a.model) and (a.model.startswith((".", "/")) or a.model.count("/") != 1):
@@ -232,14 +258,106 @@ def load_backbone(args: Args, device, dtype):
     """The base model θ̄ and its tokenizer: --model, or the toy backbone built (once) into OUT/backbone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import toy
-    path = args.model or toy.build_backbone(os.path.join(args.out, "backbone"), seed=args.seed)
+    path = args.model or toy.default_backbone(os.path.join(args.out, "backbone"))
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         print(f"tokenizer has no pad token: using eos {tok.eos_token!r} as pad (and as the latent placeholder)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     model.requires_grad_(False).eval()
+    if args.grad_ckpt:
+        checkpointing(model)
     return model, tok
+
+
+def checkpointing(model):
+    """Activation (gradient) checkpointing, non-reentrant (the teacher's inputs are latents that need gradients).
+    transformers 5.24 renamed gradient_checkpointing_enable (5.17 has only the old name)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def full_student(args: Args, model):
+    """θ as a full copy of θ̄ (the paper's default), made before the composer's LoRA goes into `model`. Its weights
+    are fp32 (bf16 forwards under autocast, `precision`): AdamW steps of lr 1e-5 vanish in bf16 weights."""
+    student = copy.deepcopy(model).float().requires_grad_(True)
+    if args.grad_ckpt:
+        checkpointing(student)
+    return student
+
+
+class LoraStudent(torch.nn.Module):
+    """θ as a second LoRA adapter ("student") on the frozen backbone that the teacher and the composer's encoder
+    already share (--student-lora): one copy of the weights serves all three roles. To lopd.py it is a causal LM:
+    forward and generate (with its adapter active), parameters() (its LoRA only), train/eval, save_pretrained."""
+
+    def __init__(self, peft, r: int):
+        from peft import LoraConfig
+        from composer import ComposerConfig
+        super().__init__()
+        self.__dict__["peft"] = peft          # not a submodule: parameters() must be the student's LoRA only
+        peft.add_adapter("student", LoraConfig(r=r, lora_alpha=2 * r, target_modules=ComposerConfig().lora_targets,
+                                               lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+        self.params = [p for n, p in peft.named_parameters() if ".student." in n]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.initial = [p.detach().clone() for p in self.params]
+
+    def parameters(self, recurse: bool = True):
+        return iter(self.params)
+
+    def _run(self, fn, *a, **kw):
+        from composer import active_adapter
+        with active_adapter(self.peft, "student"):
+            return fn(*a, **kw)
+
+    def forward(self, *a, **kw):
+        return self._run(self.peft.__call__, *a, **kw)
+
+    def generate(self, *a, **kw):
+        return self._run(self.peft.generate, *a, **kw)
+
+    def train(self, mode: bool = True):
+        self.training = mode
+        return self
+
+    @property
+    def dtype(self):
+        return self.params[0].dtype
+
+    def reset(self):
+        """Back to the adapter's initial weights (B = 0: θ = θ̄), for the ablations' next variant."""
+        with torch.no_grad():
+            for p, p0 in zip(self.params, self.initial):
+                p.copy_(p0)
+        return self
+
+    def save_pretrained(self, path: str):
+        self.peft.save_pretrained(path, selected_adapters=["student"], save_embedding_layers=False)
+
+    def load(self, path: str):
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+        set_peft_model_state_dict(self.peft, load_peft_weights(os.path.join(path, "student")), "student")
+
+
+def load_student_weights(student, path: str):
+    """Put the student saved at `path` (an HF folder, or a LoRA adapter folder) into the live `student`."""
+    if isinstance(student, LoraStudent):
+        return student.load(path)
+    from transformers import AutoModelForCausalLM
+    saved = AutoModelForCausalLM.from_pretrained(path, dtype=student.dtype)
+    student.load_state_dict(saved.state_dict())
+
+
+def precision(model):
+    """bf16 autocast around everything that runs the fp32 student next to the bf16 backbone (CUDA); a no-op in
+    fp32. Losses upcast to fp32 themselves (losses.py)."""
+    dtype = next(model.parameters()).dtype
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def load_splits(args: Args):
@@ -255,14 +373,18 @@ def load_splits(args: Args):
 
 
 def env_factory(args: Args):
-    """The environment the run uses: the toy backbone reads the short system prompt, real models A.5's."""
-    prompt = envs.TOY_SYSTEM_PROMPT if is_toy(args) else envs.AGENTIC_SYSTEM_PROMPT
-    return lambda: envs.ToolWorld(system_prompt=prompt, max_steps=args.max_env_steps)
+    """The environment the run uses: the toy backbone reads the short system prompt and framing, real models A.5's."""
+    if is_toy(args):
+        prompt, framing = envs.TOY_SYSTEM_PROMPT, inject.TOY_FRAMING
+    else:
+        prompt, framing = envs.AGENTIC_SYSTEM_PROMPT, inject.AGENTIC_FRAMING
+    return lambda: envs.ToolWorld(system_prompt=prompt, framing=framing, max_steps=args.max_env_steps)
 
 
 def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
     return lopd.SampleConfig(temperature=args.temperature if temperature is None else temperature,
-                             top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens)
+                             top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+                             enable_thinking=args.enable_thinking)
 
 
 def episode_record(ep: lopd.Episode) -> dict:
@@ -315,7 +437,7 @@ def build_retriever(args, model, tok, episodes, train, test, log):
     if os.path.exists(os.path.join(path, "meta.json")):
         return retrieval.Retriever.load(path)
     cands = [retrieval.make_entry(e.task.task_id, e.task.text, e.trace, e.reward,
-                                  {"shop": e.task.shop, "schema": e.task.schema, "episode": i})
+                                  {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
              for i, e in enumerate(episodes)]
     bank = retrieval.build_bank(cands, args.bank_threshold)
     embedder = make_embedder(args.embedder, model, tok)
@@ -352,27 +474,34 @@ def bank_recall(ret, test) -> dict:
     schema = lambda q, e: q["schema"] == e["meta"]["schema"]                  # noqa: E731
     return {"recall3_schema": retrieval.recall_at_k(ret, qs, 3, schema),
             "recall3_schema_covered": retrieval.recall_at_k(ret, covered, 3, schema) if covered else 0.0,
-            "recall3_shop": retrieval.recall_at_k(ret, qs, 3, lambda q, e: q["shop"] == e["meta"]["shop"]),
+            "recall3_variant": retrieval.recall_at_k(ret, qs, 3, lambda q, e: q["shop"] == e["meta"]["variant"]),
             "schemas_in_bank": len(counts)}
 
 
 def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entries, make_env):
     """One eq. (14) loss: each entry's own successful episode, behind latents composed from J OTHER entries."""
     tasks = [tasks_by_id[e["task_id"]] for e in entries]
-    latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, args.n_ret))      # (B, J·K, d)
+    latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, args.n_ret, args.retrieval))  # (B, J·K, d)
     eps = [episodes[e["meta"]["episode"]] for e in entries]
     ids, att, omega, starts = cold_start_batch(tok, [make_env().reset(t) for t in tasks], eps,
-                                               latents.shape[1], tools=envs.TOOLS)
+                                               latents.shape[1], make_env().framing, envs.TOOLS, args.enable_thinking)
     dev = latents.device
     return cold_start_loss(composer, ids.to(dev), att.to(dev), omega.to(dev), starts.to(dev), latents)
 
 
-def cold_start(args, model, tok, retriever, episodes, train, log) -> Composer:
-    """Stage 4: φ0. The backbone stays frozen; only the LoRA ψ and the QFormer χ learn (cached in OUT/composer0)."""
+def cold_start(args, model, tok, retriever, episodes, train, log, composer=None) -> Composer:
+    """Stage 4: φ0. The backbone stays frozen; only the LoRA ψ and the QFormer χ learn (cached in OUT/composer0).
+    A given `composer` (the ablations' variants with their own --retrieval) is reset to its initial weights
+    (OUT/../composer_init) and trained in place."""
     path = os.path.join(args.out, "composer0")
     if os.path.exists(os.path.join(path, "composer.json")):
-        return Composer.load(path, model, tok)
-    composer = Composer(model, tok, ComposerConfig(n_latents=args.latents))
+        if composer is None:
+            return Composer.load(path, model, tok)
+        reset_composer(composer, path)
+        return composer
+    if composer is None:
+        composer = Composer(model, tok, ComposerConfig(n_latents=args.latents))
+        composer.save(os.path.join(args.out, "composer_init"))   # φ before training, for the ablations' variants
     opt = torch.optim.AdamW(composer.trainable_parameters(), lr=args.cold_lr)
     draw = schema_balanced_sampler(retriever.bank, random.Random(args.seed))
     tasks_by_id = {t.task_id: t for t in train}
@@ -397,13 +526,14 @@ def cold_start(args, model, tok, retriever, episodes, train, log) -> Composer:
 def lopd_config(args: Args) -> lopd.LOPDConfig:
     return lopd.LOPDConfig(n_ret=args.n_ret, top_m=args.top_m, margin=args.margin, anchor=args.anchor,
                            dual_lr=args.dual_lr, delta_per=args.delta_per, micro_batch=args.micro_batch,
-                           clip=args.clip, freeze_composer=args.freeze_composer)
+                           clip=args.clip, freeze_composer=args.freeze_composer, retrieval=args.retrieval)
 
 
 def make_optimizers(args, student, composer):
     """AdamW for θ, and for φ unless the composer is frozen (B.1: AdamW, lr 1e-5, clip 1.0)."""
     opt_s = torch.optim.AdamW(student.parameters(), lr=args.lr)
-    opt_c = None if args.freeze_composer else torch.optim.AdamW(composer.trainable_parameters(), lr=args.composer_lr)
+    frozen = args.freeze_composer or args.method == "rft"
+    opt_c = None if frozen else torch.optim.AdamW(composer.trainable_parameters(), lr=args.composer_lr)
     return opt_s, opt_c
 
 
@@ -453,9 +583,7 @@ def latest_checkpoint(out: str):
 
 def load_checkpoint(path, student, composer, opts, task_rng):
     """Restore what save_checkpoint wrote into the live objects; returns (β, step, generations)."""
-    from transformers import AutoModelForCausalLM
-    saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "student"), dtype=student.dtype)
-    student.load_state_dict(saved.state_dict())
+    load_student_weights(student, os.path.join(path, "student"))
     reset_composer(composer, os.path.join(path, "composer"))
     state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
     opts[0].load_state_dict(state["opt_s"])
@@ -469,24 +597,32 @@ def joint_training(run):
     """Stage 5: args.steps iterations of Algorithm 1. Returns the trained student θ."""
     args, composer, student, log = run["args"], run["composer"], run["student"], run["log"]
     cfg, scfg, make_env = lopd_config(args), sample_config(args), env_factory(args)
-    c0 = lopd.anchor_cache(composer, run["retriever"], run["train"], args.n_ret)
+    c0 = {} if args.method == "rft" else lopd.anchor_cache(composer, run["retriever"], run["train"], args.n_ret,
+                                                            args.retrieval)
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
-    gens = len(run["episodes"])      # the bank's rollouts count towards the generation budget (honest budgets)
+    gens = len(run["episodes"])      # the bank's rollouts count towards every method's generations (honest budgets)
     seed_everything(args.seed + 3)   # the joint stage's randomness does not depend on which stages were cached
     ckpt = latest_checkpoint(args.out) if args.resume else None
     if ckpt:
         beta, start, gens = load_checkpoint(ckpt, student, composer, opts, task_rng)
         print(f"resumed from {ckpt} at step {start}")
-    for step in tqdm(range(start, args.steps), desc="LOPD", initial=start, total=args.steps, leave=False):
-        tasks = task_rng.sample(run["train"], args.rollouts_per_step)
+    successes = [e for e in run["episodes"] if e.reward >= args.bank_threshold]      # RFT's data: the bank
+    for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
+                     leave=False):
         t0 = time.time()
-        beta, m, _ = lopd.lopd_step(student, composer, run["tok"], tasks, run["retriever"], c0, beta, opts, cfg,
-                                     scfg, make_env, envs.TOOLS)
-        gens += len(tasks)
+        with precision(composer.peft):
+            if args.method == "rft":   # the control: same optimizer and step count, no teacher, no new rollouts
+                m = lopd.rft_step(student, run["tok"], task_rng.choices(successes, k=args.rollouts_per_step),
+                                  opts[0], args.micro_batch, args.clip)
+            else:
+                tasks = task_rng.sample(run["train"], args.rollouts_per_step)
+                beta, m, _ = lopd.lopd_step(student, composer, run["tok"], tasks, run["retriever"], c0, beta, opts,
+                                             cfg, scfg, make_env, envs.TOOLS)
+                gens += len(tasks)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             m.update(drift_eval(args, composer, student, run))
-        log("lopd", step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)
+        log(args.method, step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save_checkpoint(args, student, composer, opts, beta, step + 1, gens, task_rng)
     return student
@@ -510,33 +646,37 @@ def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
     saved = rng_state(random.Random())
     for name, run in (("vanilla", lambda: ev.eval_vanilla(composer, tok, tasks, cfg, make_env)),
                       ("base + composer", lambda: ev.eval_teacher(composer, retriever, tok, tasks, cfg, make_env,
-                                                                  args.n_ret)),
+                                                                  args.n_ret, mode=args.retrieval)),
                       ("LOPD student", lambda: ev.eval_student(student, tok, tasks, cfg, make_env))):
         if name not in which or (name == "LOPD student" and student is None):
             continue
         seed_everything(args.seed + 1)
-        rows[name] = lopd.summarize(run())
+        with precision(composer.peft):
+            rows[name] = lopd.summarize(run())
     set_rng_state(saved, random.Random())
     return rows
 
 
-def final_eval(args: Args, n_test: int = 0, temperature=None):
+def final_eval(args: Args, n_test: int = 0, temperature=None, controls: bool = False):
     """eval.py's entry: rebuild the run's pieces from OUT (all stages cached), load the latest checkpoint's student
-    and composer, evaluate. Returns (rows, (composer, tokenizer, latents of the first held-out task))."""
+    and composer, evaluate (with `controls`, also the world check's rows: `world_check`).
+    Returns (rows, (composer, tokenizer, latents of the first held-out task))."""
     import eval as ev
     run = prepare(args)
     student = None
     ckpt = latest_checkpoint(args.out)
     if ckpt:
-        from transformers import AutoModelForCausalLM
-        student = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "student"), dtype=run["student"].dtype)
-        student.to(run["student"].device)
+        student = run["student"]
+        load_student_weights(student, os.path.join(ckpt, "student"))
         reset_composer(run["composer"], os.path.join(ckpt, "composer"))
     tasks = run["test"][:n_test] if n_test else run["test"]
     rows = evaluate(args, run["composer"], student, run["retriever"], run["tok"], tasks, temperature)
+    if controls:
+        rows.update({k: v for k, v in world_check(args, run, tasks).items() if k not in rows})
     ev.write_results(args.out, rows)
     with torch.no_grad():
-        latents = lopd.compose(run["composer"], tasks[:1], lopd.retrieve(run["retriever"], tasks[:1], args.n_ret))
+        latents = lopd.compose(run["composer"], tasks[:1],
+                               lopd.retrieve(run["retriever"], tasks[:1], args.n_ret, args.retrieval))
     return rows, (run["composer"], run["tok"], latents[0])
 
 
@@ -549,11 +689,13 @@ def prepare(args: Args):
     device, dtype = pick_device(args.device, args.dtype)
     log = Log(args.out)
     model, tok = load_backbone(args, device, dtype)
-    student = copy.deepcopy(model).requires_grad_(True)   # θ starts from θ̄; the composer's LoRA goes into `model`
+    student = None if args.student_lora else full_student(args, model)   # before the composer's LoRA goes in
     train_tasks, test_tasks = load_splits(args)
     episodes = base_rollouts(args, model, tok, train_tasks, log)
     retriever = build_retriever(args, model, tok, episodes, train_tasks, test_tasks, log)
     composer = cold_start(args, model, tok, retriever, episodes, train_tasks, log)
+    if args.student_lora:
+        student = LoraStudent(composer.peft, args.student_lora_r)
     return dict(args=args, log=log, tok=tok, student=student, composer=composer, retriever=retriever,
                 episodes=episodes, train=train_tasks, test=test_tasks)
 
@@ -561,7 +703,11 @@ def prepare(args: Args):
 # ----------------------------------------------------------------------------------------------------------------
 # The paper's ablation table at toy scale (Table 3 rows and Figure 3)
 # ----------------------------------------------------------------------------------------------------------------
-VARIANTS = {"LOPD (m = 0.05)": {}, "LOPD (m = 0)": {"margin": 0.0}, "frozen composer": {"freeze_composer": True}}
+# Rows trained from the same θ̄ and bank (issue 8's controls beside Figure 3's ablations). A variant with its own
+# --retrieval gets its own cold start with that retrieval, so its composer is trained for what it will read.
+VARIANTS = {"LOPD (m = 0.05)": {}, "LOPD (m = 0)": {"margin": 0.0}, "frozen composer": {"freeze_composer": True},
+            "LOPD, other-variant retrieval": {"retrieval": "other"},
+            "LOPD, task-only composer": {"retrieval": "none"}, "RFT": {"method": "rft"}}
 PAPER_ROWS = {"vanilla": 0.486, "base + composer": 0.631, "LOPD (m = 0.05)": 0.637, "LOPD (m = 0)": 0.551,
               "frozen composer": 0.573}
 
@@ -575,37 +721,75 @@ def reset_composer(composer, path: str):
     composer.qformer.load_state_dict(load_file(os.path.join(path, "qformer.safetensors")))
 
 
-def ablation_seed(args: Args) -> dict:
-    """One seed of the table: shared stages 1-4, then each variant's joint stage from the same θ̄ and φ0."""
-    run = prepare(args)
-    rows = {k: v["reward"] for k, v in evaluate(args, run["composer"], None, run["retriever"], run["tok"],
-                                                run["test"], which=("vanilla", "base + composer")).items()}
-    base_student = run["student"]
-    for name, change in VARIANTS.items():
-        vargs = dataclasses.replace(args, out=os.path.join(args.out, name.replace(" ", "").replace("=", "")
-                                                            .replace("(", "_").replace(")", "")), **change)
-        os.makedirs(vargs.out, exist_ok=True)
-        reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-        student = joint_training({**run, "args": vargs, "student": copy.deepcopy(base_student), "log": Log(vargs.out)})
-        ev = evaluate(vargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
-                      which=("base + composer", "LOPD student"))
-        rows[name], rows[name + " / teacher"] = ev["LOPD student"]["reward"], ev["base + composer"]["reward"]
+def world_check(args, run, tasks) -> dict:
+    """Does the teacher use the experience? base + composer (φ0) with the same-variant retrieval it was trained
+    on, with references from other variants only, and with the task alone (DESIGN.md §5, §7)."""
+    rows = {}
+    for mode, name in (("same", "base + composer"), ("other", "base + composer, other-variant reference"),
+                       ("none", "base + composer, no reference")):
+        margs = dataclasses.replace(args, retrieval=mode)
+        rows[name] = evaluate(margs, run["composer"], None, run["retriever"], run["tok"], tasks,
+                              which=("base + composer",))["base + composer"]
     return rows
 
 
+def ablation_seed(args: Args) -> dict:
+    """One seed of the table: shared stages 1-4, then each variant's joint stage from the same θ̄ and φ0.
+    Returns {row: {"student", "teacher", "generations"}} (the student alone and base + composer at the end)."""
+    run = prepare(args)
+    rows = {"vanilla": {"student": evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"],
+                                            which=("vanilla",))["vanilla"]["reward"], "generations": 0}}
+    rows.update({k: {"teacher": v["reward"], "generations": len(run["episodes"])}
+                 for k, v in world_check(args, run, run["test"]).items()})
+    base_student = run["student"] if isinstance(run["student"], LoraStudent) else copy.deepcopy(run["student"])
+    for name, change in VARIANTS.items():
+        vargs = dataclasses.replace(args, out=os.path.join(args.out, _slug(name)), **change)
+        os.makedirs(vargs.out, exist_ok=True)
+        reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+        if vargs.retrieval != "same":            # its own φ0, cold-started on what it will read
+            reset_composer(run["composer"], os.path.join(args.out, "composer_init"))
+            cold_start(vargs, None, run["tok"], run["retriever"], run["episodes"], run["train"], Log(vargs.out),
+                       composer=run["composer"])
+        fresh = base_student.reset() if isinstance(base_student, LoraStudent) else copy.deepcopy(base_student)
+        student = joint_training({**run, "args": vargs, "student": fresh, "log": Log(vargs.out)})
+        ev = evaluate(vargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
+                      which=("base + composer", "LOPD student"))
+        gens = len(run["episodes"]) + (0 if vargs.method == "rft" else vargs.steps * vargs.rollouts_per_step)
+        rows[name] = {"student": ev["LOPD student"]["reward"], "teacher": ev["base + composer"]["reward"],
+                      "generations": gens}
+    return rows
+
+
+def _slug(name: str) -> str:
+    return "".join(c for c in name.lower().replace(" ", "-") if c.isalnum() or c == "-").strip("-")
+
+
 def ablations(args: Args):
-    """`python train.py --ablations`: every row for args.seeds seeds, mean ± std beside the paper's numbers."""
+    """`python train.py --ablations`: every row for args.seeds seeds, mean ± std beside the paper's numbers. The
+    seeds share the backbone (as the paper's runs share Qwen3-4B) and vary everything after it."""
+    if not args.model:
+        import toy
+        args = dataclasses.replace(args, model=toy.default_backbone(os.path.join(args.out, "backbone")))
     per_seed = [ablation_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))
                 for i in range(args.seeds)]
-    lines = ["| row | reward (mean ± std over %d seeds) | paper (EnvScaler, Qwen3-4B) |" % args.seeds, "|---|---|---|"]
-    for name in per_seed[0]:
-        vals = np.array([r[name] for r in per_seed])
-        lines.append(f"| {name} | {vals.mean():.3f} ± {vals.std():.3f} | {PAPER_ROWS.get(name, '')} |")
-    table = "\n".join(lines) + "\n"
+    table = ablation_table(per_seed)
     with open(os.path.join(args.out, "ablations.md"), "w") as f:
         f.write(table)
     json.dump(per_seed, open(os.path.join(args.out, "ablations.json"), "w"), indent=1)
     print("\n" + table)
+
+
+def ablation_table(per_seed) -> str:
+    """Markdown: per row the student alone and the teacher (base + composer) as mean ± std, generations spent."""
+    def cell(name, key):
+        vals = [r[name][key] for r in per_seed if key in r[name]]
+        return f"{np.mean(vals):.3f} ± {np.std(vals):.3f}" if vals else ""
+    lines = [f"| row | student alone | teacher (base + composer) | generations | paper (EnvScaler, Qwen3-4B) |",
+             "|---|---|---|---|---|"]
+    for name in per_seed[0]:
+        lines.append(f"| {name} | {cell(name, 'student')} | {cell(name, 'teacher')} | "
+                     f"{per_seed[0][name]['generations']} | {PAPER_ROWS.get(name, '')} |")
+    return "\n".join(lines) + f"\n\n{len(per_seed)} seeds; mean ± std over seeds.\n"
 
 
 def main(argv=None):

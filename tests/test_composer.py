@@ -198,13 +198,26 @@ def test_save_load_round_trip(tok, tmp_path):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")   # peft reads a property transformers 5 deprecates
 def test_existing_peft_model_with_another_adapter(tok):
-    """Injected into a PeftModel that already has a (student) adapter: encoding needs the composer active."""
+    """Injected into a PeftModel that already has a (student) adapter: encoding activates the composer's own LoRA,
+    leaves the student's trainable, and gives the same latents whichever adapter was active before."""
     from peft import LoraConfig, get_peft_model
     model = get_peft_model(base_model(tok), LoraConfig(r=2, target_modules=["q_proj"]), adapter_name="student")
     comp = C.Composer(model, tok, CFG)
     assert comp.peft is model and set(model.peft_config) == {"student", "composer"}
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)   # both adapters train
-    with pytest.raises(RuntimeError, match="active PEFT adapter"):
-        comp.compress(["x"])
+    assert not any(".student." in n for n, p in comp.peft.named_parameters()
+                   if any(p is q for q in comp.trainable_parameters()))               # φ holds no student LoRA
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".student." in n and "lora_B" in n:
+                p.fill_(0.5)                    # a student LoRA that changes the backbone's output
+    model.set_adapter("student")                # peft's own call: freezes the composer's LoRA
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        a = comp.compress(["x y"])
+    assert model.active_adapter == "student"                                        # restored afterwards
+    assert flags == {n: p.requires_grad for n, p in model.named_parameters()}       # and no flag changed
     model.set_adapter("composer")
-    assert comp.compress(["x"]).shape == (1, CFG.n_latents, 64)
+    with torch.no_grad():
+        b = comp.compress(["x y"])
+    assert a.shape == (1, CFG.n_latents, 64) and torch.equal(a, b)

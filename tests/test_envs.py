@@ -9,16 +9,16 @@ import envs
 from envs import DONE_TEXT, SHOPS, Task, ToolWorld, format_call, load_tasks, oracle_calls
 
 
-def hand_task(shop="delta"):
-    """A hand-written task: replace account A10's K2 order (O002) with a K5 order. Two checklist items."""
+def hand_task(shop="birch"):
+    """A hand-written task: cancel account A10's K2 order (O002) and place it again. Two checklist items."""
     db = {"customers": {"C100": {"account": "A10", "tier": "gold"},
                         "C200": {"account": "A20", "tier": "bronze"}},
           "orders": {"O001": {"customer": "C100", "item": "K1", "qty": 2, "status": "open"},
                      "O002": {"customer": "C100", "item": "K2", "qty": 1, "status": "open"},
                      "O003": {"customer": "C200", "item": "K2", "qty": 5, "status": "held"}}}
-    return Task("hand-0", shop, "swap", f"Replace an order with a new item: item K2, new item K5, account A10. Shop: {shop}.", db,
-                {"account": "A10", "item": "K2", "item2": "K5"},
-                [["removed", "orders", "O002"], ["added", "orders", "C100", "K5", 1]])
+    return Task("hand-0", shop, "reorder", f"Cancel an order and place it again: item K2, account A10. Shop: {shop}.",
+                db, {"account": "A10", "item": "K2"},
+                [["removed", "orders", "O002"], ["added", "orders", "C100", "K2", 1]])
 
 
 def play(task, calls):
@@ -31,37 +31,42 @@ def play(task, calls):
 
 
 def test_perfect_partial_harmful_rewards():
-    t = hand_task("delta")  # find_customer, no commit
+    t = hand_task("birch")  # no verification, no staging
     perfect = [("find_customer", {"account": "A10"}), ("find_order", {"customer_id": "C100", "item": "K2"}),
-               ("cancel_order", {"order_id": "O002"}), ("add_order", {"customer_id": "C100", "item": "K5", "qty": 1})]
+               ("cancel_order", {"order_id": "O002"}), ("add_order", {"customer_id": "C100", "item": "K2", "qty": 1})]
     assert oracle_calls(t) == perfect
     assert play(t, perfect).reward() == 1.0
     assert play(t, perfect[:3]).reward() == 0.5                     # cancelled, never added: 1 of 2
     assert play(t, perfect[:1]).reward() == 0.0
     harmful = perfect + [("cancel_order", {"order_id": "O003"})]    # also cancels A20's order
     assert play(t, harmful).reward() == 0.5                         # (2 − 1 collateral) / 2
-    wrong_value = perfect[:3] + [("add_order", {"customer_id": "C100", "item": "K5", "qty": 3})]
+    wrong_value = perfect[:3] + [("add_order", {"customer_id": "C100", "item": "K2", "qty": 3})]
     assert play(t, wrong_value).reward() == 0.0                     # (1 − 1 unasked order) / 2
     tier_change = perfect + [("update_customer", {"customer_id": "C200", "field": "tier", "value": "gold"})]
     assert play(t, tier_change).reward() == 0.5
 
 
 def test_commit_shop_stages_until_commit():
-    t = hand_task("alder")  # find_customer, commit
+    t = hand_task("delta")  # staged, no verification
     calls = oracle_calls(t)
     assert calls[-1] == ("commit", {})
     assert play(t, calls[:-1]).reward() == 0.0                      # staged only
     assert play(t, calls).reward() == 1.0
-    env = play(hand_task("delta"), [("commit", {})])
-    assert env.trace[0][2].startswith("Error: unknown tool")       # commit does not exist in delta
+    env = play(hand_task("birch"), [("commit", {})])
+    assert env.trace[0][2].startswith("Error: unknown tool")       # commit does not exist in birch
 
 
-def test_wrong_lookup_tool_is_an_error():
-    env = ToolWorld()
-    env.reset(hand_task("birch"))                                   # birch uses lookup_customer
-    assert env.step(format_call("find_customer", {"account": "A10"})).observations == [
-        "Error: unknown tool 'find_customer'"]
-    assert env.step(format_call("lookup_customer", {"account": "A10"})).observations == ["C100"]
+def test_verify_shop_refuses_changes_until_verified():
+    t = hand_task("cedar")  # verification, no staging
+    calls = oracle_calls(t)
+    assert calls[1] == ("verify_customer", {"customer_id": "C100"})
+    unverified = play(t, [c for c in calls if c[0] != "verify_customer"])
+    assert unverified.reward() == 0.0
+    assert [r for _, _, r in unverified.trace][2:] == ["Error: verify the customer first"] * 2
+    assert play(t, calls).reward() == 1.0
+    late = [calls[0], calls[2], calls[3], calls[1], calls[3], calls[4]]   # refused, verify, retry
+    assert play(t, late).reward() == 1.0
+    assert play(hand_task("birch"), calls).reward() == 1.0         # verifying where it is not needed is harmless
 
 
 def test_oracle_solves_every_generated_task():

@@ -7,6 +7,7 @@ QFormer layer, and a bank of eight scripted (oracle) episodes; fp32 on CPU, one 
 """
 import copy
 import os
+import random
 import sys
 
 import pytest
@@ -123,8 +124,14 @@ def test_pack_puts_continuation_token_t_in_column_P_plus_t():
 def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
     """Batched, padded scoring = each episode scored alone, at every continuation position, for both models."""
     tok, student, comp = world["tok"], *make_models(world)
-    tasks = [world["train"][i] for i in (0, 3, 5, 9)]
-    eps = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t), envs.TOOLS) for t in tasks]
+    all_eps = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t), envs.TOOLS)
+               for t in world["train"]]
+    eps, lengths = [], {7}                      # four different continuation lengths, one of them cut short
+    for e in all_eps:
+        if len(e.ids) - e.prompt_len not in lengths and len(eps) < 4:
+            eps.append(e)
+            lengths.add(len(e.ids) - e.prompt_len)
+    tasks = [e.task for e in eps]
     eps[1].ids, eps[1].mask = eps[1].ids[:eps[1].prompt_len + 7], eps[1].mask[:eps[1].prompt_len + 7]  # short
     assert len({e.prompt_len for e in eps}) > 1 and len({len(e.ids) - e.prompt_len for e in eps}) == 4
     with torch.no_grad():
@@ -141,7 +148,7 @@ def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
             torch.testing.assert_close(ls[i, :n], alone_s[e.prompt_len - 1:-1], atol=1e-5, rtol=0)
             # teacher: latent prompt + the same continuation, latents injected, LoRA off
             prompt, start = inject.latent_prompt_ids(tok, envs.ToolWorld().reset(e.task), latents.shape[1],
-                                                     tools=envs.TOOLS)
+                                                     envs.ToolWorld().framing, envs.TOOLS)
             row = torch.tensor([prompt + cont])                                         # (1, T')
             embeds = inject.embed_with_latents(comp.peft, row, latents[i:i + 1], [start])  # (1, T', d)
             with comp.adapter_disabled():
@@ -306,3 +313,20 @@ def test_skipped_step_leaves_no_stale_gradients(world, monkeypatch):
     stale = [p for p in list(student.parameters()) + comp.trainable_parameters()
              if p.grad is not None and p.grad.abs().sum() > 0]
     assert not stale, f"{len(stale)} parameters keep gradients from the skipped iteration"
+
+
+def test_retrieve_modes_pass_the_controls_to_the_retriever():
+    """same: Ret(x); other: the task's variant is excluded; none: the composer reads no reference at all."""
+    class Recorder:
+        def retrieve(self, task_ids, texts, n_ret, exclude_self, exclude_variants=None):
+            self.call = (task_ids, exclude_self, exclude_variants)
+            return [[{"task": "t", "trace": "x"}] * n_ret for _ in task_ids]
+    tasks = [envs.make_task(random.Random(i), f"t{i}") for i in range(3)]
+    rec = Recorder()
+    assert lopd.retrieve(rec, tasks, 2, "none") == [[lopd.NO_REFERENCE] * 2] * 3 and not hasattr(rec, "call")
+    lopd.retrieve(rec, tasks, 2, "other")
+    assert rec.call == ([t.task_id for t in tasks], True, [t.shop for t in tasks])
+    lopd.retrieve(rec, tasks, 2)
+    assert rec.call == ([t.task_id for t in tasks], True, None)
+    with pytest.raises(ValueError, match="retrieval mode 'bogus'"):
+        lopd.retrieve(rec, tasks, 2, "bogus")

@@ -202,6 +202,16 @@ def test_token_logprobs_brute_force():
     assert np.allclose(got_m, bf_token_logp(s, ids) * mask.numpy(), atol=1e-5)
 
 
+def test_masked_nll_brute_force_and_global_normaliser():
+    s, _, ids, mask = make_batch(seed=12)
+    want = -(bf_token_logp(s, ids) * mask.numpy()).sum() / mask.numpy().sum()
+    assert abs(losses.masked_nll(s, ids, mask).item() - want) < 1e-5
+    # micro-batches with the whole batch's token count add up to the whole-batch value (the RFT control's steps)
+    n = mask.sum()
+    parts = sum(losses.masked_nll(s[i:i + 1], ids[i:i + 1], mask[i:i + 1], n).item() for i in range(len(s)))
+    assert abs(parts - want) < 1e-5
+
+
 def test_delta_gives_no_gradient_to_student():
     s, te, ids, mask = make_batch(seed=9)
     s.requires_grad_(True)

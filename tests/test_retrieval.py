@@ -267,6 +267,25 @@ def test_self_exclusion(embedder, bank):
     assert all(e["task_id"] != entry["task_id"] for e in big)
 
 
+def test_other_variant_mode_never_returns_the_query_variant(embedder, bank):
+    """The other-variant control (train.py --retrieval other): brute force over the entries of other variants."""
+    r = Retriever(bank, embedder)
+    queries = make_candidates()[::2]
+    ids, tasks = [q["task_id"] for q in queries], [q["task"] for q in queries]
+    variants = [q["meta"]["variant"] for q in queries]
+    got = r.retrieve(ids, tasks, n_ret=4, exclude_variants=variants)
+    zq, zd = embedder.embed_queries(tasks), embedder.embed_docs(bank)
+    index_of = {id(e): i for i, e in enumerate(r.bank)}
+    for row, q, v, tid in zip(got, zq, variants, ids):
+        assert len(row) == 4 and all(e["meta"]["variant"] != v for e in row)
+        allowed = [i for i in np.argsort(-(zd @ q), kind="stable") if bank[i]["meta"]["variant"] != v
+                   and bank[i]["task_id"] != tid]
+        assert [index_of[id(e)] for e in row] == allowed[:4]
+    n_other = sum(e["meta"]["variant"] != variants[0] for e in bank)
+    with pytest.raises(ValueError, match="of variant"):
+        r.retrieve(ids[:1], tasks[:1], n_ret=n_other + 1, exclude_variants=variants[:1])
+
+
 def test_empty_and_too_small_bank(embedder, bank):
     with pytest.raises(ValueError, match="experience bank is empty"):
         Retriever([], embedder)

@@ -37,8 +37,9 @@ def test_tokenizer_round_trip(backbone):
                  "[cedar shop] Cancel Ana's pear order.", "C417 O082 x9 ünïcødé 😀 \t\n  end"]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.decode(ids, skip_special_tokens=False) == text
-    ids = tok("C417", add_special_tokens=False)["input_ids"]
-    assert [tok.decode([i]) for i in ids] == ["C", "4", "1", "7"]      # digits one by one, as in Qwen3
+    ids = tok("C417 find_customer", add_special_tokens=False)["input_ids"]
+    # digits one by one, as in Qwen3; snake_case names stay whole
+    assert [tok.decode([i]) for i in ids][:4] == ["C", "4", "1", "7"] and tok.decode(ids[-1]) == "find_customer"
     for t in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_response>"]:
         assert len(tok(t, add_special_tokens=False)["input_ids"]) == 1
     assert tok.pad_token == "<|endoftext|>" and tok.eos_token == "<|im_end|>"

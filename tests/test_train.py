@@ -187,8 +187,31 @@ def test_frozen_composer_run(runs, backbone, tmp_path):
     assert len(lopd) == 1 and lopd[0]["loss/anchor"] == 0.0
 
 
+def test_generation_counter_counts_the_bank_rollouts(runs):
+    n_bank = len(read(os.path.join(runs["a"], "base_rollouts.jsonl")).splitlines())   # 30 tasks x 2 rollouts
+    assert n_bank == 60
+    assert [r["generations"] for r in records(runs["a"], "lopd")] == [n_bank + 4 * (s + 1) for s in range(STEPS)]
+
+
+def test_rft_control_run(runs, backbone, tmp_path):
+    """--method rft: NLL on the bank's successes on the student's optimizer; no teacher, no new generations."""
+    from safetensors.torch import load_file
+    out = tmp_path / "rft"
+    out.mkdir()
+    for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
+        subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / name)], check=True)
+    train.main(train_cmd(backbone, out, "--method", "rft", "--steps", "2")[2:])
+    rft = records(str(out), "rft")
+    assert [r["step"] for r in rft] == [0, 1] and not records(str(out), "lopd")
+    assert all(r["generations"] == 60 and r["loss/rft"] > 0 and r["skipped"] == 0 for r in rft)
+    base = load_file(os.path.join(backbone, "model.safetensors"))
+    trained = load_file(os.path.join(train.latest_checkpoint(str(out)), "student", "model.safetensors"))
+    assert any(not torch.equal(base[k], trained[k]) for k in base)
+
+
 @pytest.mark.parametrize("flag, value, named", [("--model", "/nonexistent/folder", "/nonexistent/folder"),
-                                                ("--device", "tpu", "--device")])
+                                                ("--device", "tpu", "--device"), ("--method", "ppo", "--method"),
+                                                ("--retrieval", "all", "--retrieval")])
 def test_bad_flag_exits_nonzero_naming_it(tmp_path, capsys, flag, value, named):
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--out", str(tmp_path / "run"), flag, value])
