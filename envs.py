@@ -16,6 +16,7 @@ The world
       (otherwise the change is refused: "Error: verify the customer first");
     * whether changes are staged until `commit()` (commit shops; elsewhere `commit` is an unknown tool) or
       applied at once. Uncommitted changes are lost.
+  Every shop has at least one of the two (with one shop in three free of both, the base already scored 0.67).
   A successful trajectory of another task in the SAME shop shows both conventions; one from another shop misleads.
 - Ten schemas (multi-step procedures: look up the customer id, find an order, update, cancel, add ...). The task
   text states the goal ("Cancel an order: item K7, account A5. Shop: cedar."), not the procedure. Tasks of one
@@ -70,13 +71,13 @@ DONE_TEXT = "Task Completed"
 # ----------------------------------------------------------------------------------------------------------------
 # The world's vocabulary
 # ----------------------------------------------------------------------------------------------------------------
-SHOPS = {  # shop -> (verify before changes?, staged until commit?); each convention holds in half of the shops
+SHOPS = {  # shop -> (verify before changes?, staged until commit?); every shop has at least one of the two
     "alder": (True, True),
-    "birch": (False, False),
+    "birch": (True, False),
     "cedar": (True, False),
     "delta": (False, True),
     "ember": (True, True),
-    "flint": (False, False),
+    "flint": (False, True),
 }
 ITEMS = tuple(f"K{i}" for i in range(10))        # item codes (SKUs)
 TIERS = ("bronze", "silver", "gold")

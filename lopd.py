@@ -7,6 +7,7 @@
       teacher_logits           composer's LoRA off (eq. 8, A.4)
     lopd_step                  Algorithm 1: rollouts -> retrieve -> compose -> re-score -> eq. 13 -> AdamW -> dual step
     teacher_rollout            "base + composer": the frozen base acting behind latents (evaluation)
+    rft_step                   the RFT control: NLL on the bank's successes, no teacher (train.py --method rft)
 
     python train.py --steps 5                   # runs lopd_step in the full pipeline
     python -m pytest tests/test_rollout.py tests/test_lopd.py -q

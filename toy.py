@@ -11,15 +11,16 @@ Everything is saved with `save_pretrained`, so `--model that_folder` works like 
 
 How the demonstrations are imperfect (the base policy learns these mistakes). The demonstrator knows every
 procedure but not the shops' conventions, which the task text never states (envs.py):
-1. it verifies the customer right after the lookup with probability 0.3 (`VERIFY`) in every shop; in a shop that
+1. it verifies the customer right after the lookup with probability 0.5 (`VERIFY`) in every shop; in a shop that
    requires it, a change without it is refused, and the demonstrator then verifies and retries with probability
-   0.4 (`RETRY`) or gives up;
-2. it ends with `commit()` with probability 0.35 (`COMMIT`) in every shop: staged shops then lose everything
-   most of the time, and elsewhere commit is an unknown tool;
+   0.5 (`RETRY`) or gives up;
+2. it ends with `commit()` with probability 0.5 (`COMMIT`) in every shop: staged shops then lose everything half
+   the time, and elsewhere commit is an unknown tool;
 3. "vip" (two changes) is under-demonstrated (half as many demonstrations as the other schemas).
 So the base is at chance on exactly what a successful trajectory of the same shop shows. The demonstrations
-themselves score 0.55 on average; the base's vanilla reward lands near that (at 0.5 / 0.5 / 0.5 they scored 0.67
-and vanilla was 0.67, above the 0.3-0.6 a base must leave for experience to help).
+themselves score 0.54 on average and the base's vanilla reward lands near that. The coins are fair on purpose:
+sampling at temperature 0.7 sharpens a 0.3 habit to ~0.2 and sank vanilla to 0.19 (demonstrations at 0.55); with
+one shop in three free of conventions, fair coins gave 0.67, above the 0.3-0.6 a base must leave for experience.
 
 In-context reading. A pretrained LLM follows a reference example placed in its prompt; a model trained from
 scratch does not, unless it has seen some. So 40% of the demonstrations carry the toy framing around the
@@ -135,9 +136,9 @@ def toy_config(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 2) ->
 # Imperfect demonstrations (see the module docstring)
 # ----------------------------------------------------------------------------------------------------------------
 DEMO_WEIGHT = {"vip": 1 / 2}   # under-demonstrated schema
-VERIFY = 0.3       # the demonstrator verifies the customer right after the lookup with this probability ...
-RETRY = 0.4        # ... after "Error: verify the customer first", verifies and retries with this probability ...
-COMMIT = 0.35      # ... and ends with commit() with this probability, in every shop
+VERIFY = 0.5       # the demonstrator verifies the customer right after the lookup with this probability ...
+RETRY = 0.5        # ... after "Error: verify the customer first", verifies and retries with this probability ...
+COMMIT = 0.5       # ... and ends with commit() with this probability, in every shop
 MODIFY = ("update_customer", "update_order", "add_order", "cancel_order")
 
 

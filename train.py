@@ -21,6 +21,11 @@ Controls (is the student's gain due to latent privileged context?):
   --retrieval other     the composer reads experiences of OTHER variants (shops) only
   --retrieval none      the composer reads the task alone
 Every method's `generations` counter starts at the rollouts spent building the bank.
+
+Real backbones: bf16 weights with the trained ones (student, composer) in fp32 under bf16 autocast (`precision`),
+SDPA attention, --grad-ckpt, micro-batches normalised by the iteration's token count; --student-lora trains θ as
+a second adapter on the frozen backbone, so one copy of the weights serves teacher, encoder and student.
+The toy backbone is shipped (toy.SHIPPED); without it, stage 1 builds one (toy.py, ~8 minutes on two cores).
 """
 from __future__ import annotations
 

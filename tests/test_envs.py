@@ -9,7 +9,7 @@ import envs
 from envs import DONE_TEXT, SHOPS, Task, ToolWorld, format_call, load_tasks, oracle_calls
 
 
-def hand_task(shop="birch"):
+def hand_task(shop="cedar"):
     """A hand-written task: cancel account A10's K2 order (O002) and place it again. Two checklist items."""
     db = {"customers": {"C100": {"account": "A10", "tier": "gold"},
                         "C200": {"account": "A20", "tier": "bronze"}},
@@ -31,18 +31,21 @@ def play(task, calls):
 
 
 def test_perfect_partial_harmful_rewards():
-    t = hand_task("birch")  # no verification, no staging
-    perfect = [("find_customer", {"account": "A10"}), ("find_order", {"customer_id": "C100", "item": "K2"}),
-               ("cancel_order", {"order_id": "O002"}), ("add_order", {"customer_id": "C100", "item": "K2", "qty": 1})]
+    t = hand_task("cedar")  # verification, no staging
+    perfect = [("find_customer", {"account": "A10"}), ("verify_customer", {"customer_id": "C100"}),
+               ("find_order", {"customer_id": "C100", "item": "K2"}), ("cancel_order", {"order_id": "O002"}),
+               ("add_order", {"customer_id": "C100", "item": "K2", "qty": 1})]
     assert oracle_calls(t) == perfect
     assert play(t, perfect).reward() == 1.0
-    assert play(t, perfect[:3]).reward() == 0.5                     # cancelled, never added: 1 of 2
+    assert play(t, perfect[:4]).reward() == 0.5                     # cancelled, never added: 1 of 2
     assert play(t, perfect[:1]).reward() == 0.0
-    harmful = perfect + [("cancel_order", {"order_id": "O003"})]    # also cancels A20's order
+    other = ("verify_customer", {"customer_id": "C200"})
+    assert play(t, perfect + [("cancel_order", {"order_id": "O003"})]).reward() == 1.0   # refused: C200 unverified
+    harmful = perfect + [other, ("cancel_order", {"order_id": "O003"})]    # also cancels A20's order
     assert play(t, harmful).reward() == 0.5                         # (2 − 1 collateral) / 2
-    wrong_value = perfect[:3] + [("add_order", {"customer_id": "C100", "item": "K2", "qty": 3})]
+    wrong_value = perfect[:4] + [("add_order", {"customer_id": "C100", "item": "K2", "qty": 3})]
     assert play(t, wrong_value).reward() == 0.0                     # (1 − 1 unasked order) / 2
-    tier_change = perfect + [("update_customer", {"customer_id": "C200", "field": "tier", "value": "gold"})]
+    tier_change = perfect + [other, ("update_customer", {"customer_id": "C200", "field": "tier", "value": "gold"})]
     assert play(t, tier_change).reward() == 0.5
 
 
@@ -66,7 +69,7 @@ def test_verify_shop_refuses_changes_until_verified():
     assert play(t, calls).reward() == 1.0
     late = [calls[0], calls[2], calls[3], calls[1], calls[3], calls[4]]   # refused, verify, retry
     assert play(t, late).reward() == 1.0
-    assert play(hand_task("birch"), calls).reward() == 1.0         # verifying where it is not needed is harmless
+    assert play(hand_task("delta"), calls + [("commit", {})]).reward() == 1.0   # verifying where not needed: harmless
 
 
 def test_oracle_solves_every_generated_task():
