@@ -147,8 +147,8 @@ def arch_config(name: str):
 
 
 def param_counts(config, lora_r: int = 8, n_latents: int = 32) -> dict:
-    """Parameter counts from the model built on the meta device (no memory, no download): the backbone, one LoRA
-    of rank r on the seven projections (composer encoder, or a LoRA student), the QFormer (shared layers)."""
+    """Parameter counts from the model built on the meta device (no memory, no download): the backbone, a LoRA of
+    rank r on the seven projections (the composer's encoder; per rank unit: `lora` / r), the QFormer."""
     from transformers import AutoModelForCausalLM
     from composer import ComposerConfig, QFormer
     with torch.device("meta"):
@@ -163,7 +163,7 @@ def param_counts(config, lora_r: int = 8, n_latents: int = 32) -> dict:
 
 
 def memory_plan(config, student_lora: bool, rollouts: int = 2, tokens: int = 2048, n_ret: int = 3,
-                exp_tokens: int = 512, checkpointing: bool = True) -> dict:
+                exp_tokens: int = 512, checkpointing: bool = True, student_r: int = 64) -> dict:
     """GB for one LOPD micro-batch of `rollouts` × `tokens`: the bf16 backbone θ̄ (teacher and encoder); everything
     trained in fp32 (weights, gradients, AdamW m and v; train.py runs them under bf16 autocast on CUDA). Activations: ~34·d bytes per token and layer without recomputation (Korthikanti et
     al. 2022, with flash/SDPA attention), ~2·d with gradient checkpointing (layer inputs) plus one layer's 34·d;
@@ -171,7 +171,8 @@ def memory_plan(config, student_lora: bool, rollouts: int = 2, tokens: int = 204
     experiences per rollout); plus the logits: bf16 logits and fp32 log-probs, both sides."""
     n = param_counts(config)
     P, d, L, V = n["backbone"], config.hidden_size, config.num_hidden_layers, config.vocab_size
-    trained = n["lora"] + n["qformer"] + (n["lora"] if student_lora else P)        # composer (+ student)
+    student = n["lora"] // 8 * student_r if student_lora else P                     # train.py --student-lora-r
+    trained = n["lora"] + n["qformer"] + student                                    # composer φ + student θ
     weights = 2 * P + 4 * trained                                                   # θ̄ bf16, trained fp32
     per_tok = (2 * d * L + 34 * d) if checkpointing else 34 * d * L
     act_tokens = rollouts * tokens * 2 + rollouts * n_ret * exp_tokens             # student + teacher, encoder
@@ -189,7 +190,7 @@ def print_memory_table(rollouts: int, tokens: int):
         for student_lora in (False, True):
             m = memory_plan(cfg, student_lora, rollouts, tokens)
             total = sum(m.values())
-            print(f"| {name} | {'LoRA (--student-lora)' if student_lora else 'full'} | " +
+            print(f"| {name} | {'LoRA r 64 (--student-lora)' if student_lora else 'full'} | " +
                   " | ".join(f"{m[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations")) +
                   f" | {total:.1f} | {'yes' if total < 80 else 'no'} | {'yes' if total < 141 else 'no'} |")
 
@@ -286,7 +287,7 @@ def main():
     p.add_argument("--model", default="runs/toy/backbone", help="backbone folder for --step")
     p.add_argument("--batch", type=int, default=16, help="B")
     p.add_argument("--tokens", type=int, default=512, help="T")
-    p.add_argument("--vocab", type=int, default=468, help="V (default: the toy tokenizer's size)")
+    p.add_argument("--vocab", type=int, default=523, help="V (default: the toy tokenizer's size)")
     p.add_argument("--top-m", type=int, default=20, help="M")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the minimum is reported")
     a = p.parse_args()
