@@ -165,8 +165,9 @@ def param_counts(config, lora_r: int = 8, n_latents: int = 32) -> dict:
 def memory_plan(config, student_lora: bool, rollouts: int = 2, tokens: int = 2048, n_ret: int = 3,
                 exp_tokens: int = 512, checkpointing: bool = True, student_r: int = 64) -> dict:
     """GB for one LOPD micro-batch of `rollouts` × `tokens`: the bf16 backbone θ̄ (teacher and encoder); everything
-    trained in fp32 (weights, gradients, AdamW m and v; train.py runs them under bf16 autocast on CUDA). Activations: ~34·d bytes per token and layer without recomputation (Korthikanti et
-    al. 2022, with flash/SDPA attention), ~2·d with gradient checkpointing (layer inputs) plus one layer's 34·d;
+    trained in fp32 (weights, gradients, AdamW m and v; train.py runs them under bf16 autocast on CUDA).
+    Activations: ~34·d bytes per token and layer without recomputation (Korthikanti et al. 2022, with flash/SDPA
+    attention), ~2·d with gradient checkpointing (layer inputs) plus one layer's 34·d;
     for the student, the teacher (which back-propagates into the latents) and the composer's encoder (J
     experiences per rollout); plus the logits: bf16 logits and fp32 log-probs, both sides."""
     n = param_counts(config)

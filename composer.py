@@ -185,16 +185,13 @@ def active_adapter(peft, name: str):
     if prev == name:
         yield
         return
-    flags = [(p, p.requires_grad) for n, p in peft.named_parameters() if "lora_" in n]
-    try:
-        peft.set_adapter(name)
-        for p, flag in flags:
-            p.requires_grad_(flag)
-        yield
-    finally:
-        peft.set_adapter(prev)
-        for p, flag in flags:
-            p.requires_grad_(flag)
+    with keep_grad_flags(peft):              # restores them after switching back
+        with keep_grad_flags(peft):          # restores them right after the switch
+            peft.set_adapter(name)
+        try:
+            yield
+        finally:
+            peft.set_adapter(prev)
 
 
 class Composer(nn.Module):

@@ -31,6 +31,7 @@ Deviations from the paper
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -454,5 +455,5 @@ def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: floa
         loss.backward()
         total += loss.item()
     student.eval()
-    ok = _step((opt, None), student, None, clip, bool(torch.isfinite(torch.tensor(total))))
+    ok = _step((opt, None), student, None, clip, math.isfinite(total))
     return {"loss/rft": total, "skipped": int(not ok), "tokens": n_tokens}
