@@ -1,4 +1,4 @@
-"""The offline toy backbone: a Qwen3-style tokenizer, a 0.48 M-parameter Qwen3ForCausalLM, and its base policy.
+"""The offline toy backbone: a Qwen3-style tokenizer, a 0.46 M-parameter Qwen3ForCausalLM, and its base policy.
 
 The paper starts from pretrained Qwen3-4B/8B and Olmo3-7B. Nothing can be downloaded here, so the default run
 builds a stand-in that behaves like one to the rest of the code: a byte-level BPE tokenizer with the Qwen3 ChatML

@@ -361,8 +361,8 @@ def load_student_weights(student, path: str):
 def precision(model):
     """bf16 autocast around everything that runs the fp32 student next to the bf16 backbone (CUDA); a no-op in
     fp32. Losses upcast to fp32 themselves (losses.py)."""
-    dtype = next(model.parameters()).dtype
-    return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
+    p = next(model.parameters())
+    return torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype != torch.float32)
 
 
 def load_splits(args: Args):
@@ -469,17 +469,17 @@ def schema_balanced_sampler(bank, rng: random.Random):
 
 
 def bank_recall(ret, test) -> dict:
-    """recall@3 of same-schema and of same-shop entries for held-out tasks; also over the tasks whose schema has
+    """recall@3 of same-schema and of same-variant entries for held-out tasks; also over the tasks whose schema has
     at least 3 bank entries (elsewhere 1.0 is out of reach)."""
     counts = {}
     for e in ret.bank:
         counts[e["meta"]["schema"]] = counts.get(e["meta"]["schema"], 0) + 1
-    qs = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "shop": t.shop} for t in test]
+    qs = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "variant": t.variant} for t in test]
     covered = [q for q in qs if counts.get(q["schema"], 0) >= 3]
     schema = lambda q, e: q["schema"] == e["meta"]["schema"]                  # noqa: E731
     return {"recall3_schema": retrieval.recall_at_k(ret, qs, 3, schema),
             "recall3_schema_covered": retrieval.recall_at_k(ret, covered, 3, schema) if covered else 0.0,
-            "recall3_variant": retrieval.recall_at_k(ret, qs, 3, lambda q, e: q["shop"] == e["meta"]["variant"]),
+            "recall3_variant": retrieval.recall_at_k(ret, qs, 3, lambda q, e: q["variant"] == e["meta"]["variant"]),
             "schemas_in_bank": len(counts)}
 
 
@@ -496,8 +496,8 @@ def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entri
 
 def cold_start(args, model, tok, retriever, episodes, train, log, composer=None) -> Composer:
     """Stage 4: φ0. The backbone stays frozen; only the LoRA ψ and the QFormer χ learn (cached in OUT/composer0).
-    A given `composer` (the ablations' variants with their own --retrieval) is reset to its initial weights
-    (OUT/../composer_init) and trained in place."""
+    A given `composer` (an ablation variant with its own --retrieval; the caller resets it to composer_init first)
+    is trained in place, or set to the cached φ0."""
     path = os.path.join(args.out, "composer0")
     if os.path.exists(os.path.join(path, "composer.json")):
         if composer is None:
