@@ -46,6 +46,12 @@ Deviations from the paper and the official code
    the same latents alone or in a padded batch (the official code passes no mask).
 3. Output scale matched to the token embeddings (above); the paper does not say how latents are scaled.
 4. QFormer math runs in fp32 (encoder states are upcast); latents are cast to the backbone's dtype at the end.
+5. Optional, and the toy world's default (train.py --composer-input reference): `task_conditional=False` drops
+   the current task from the encoder input, so the encoder reads "Reference past trajectory: \n{m_j}" alone.
+   Why: in the toy world the task names its shop, and a task-conditional composer learned each shop's conventions
+   from that name during the cold start. Its latents then changed by 2-4% between a same-shop and an other-shop
+   reference, and the world check (README) could not tell it from a composer given no reference at all. Without
+   the task, whatever the latents carry comes from the experience. Real models keep A.2's format.
 """
 from __future__ import annotations
 
@@ -67,12 +73,16 @@ import inject
 import losses
 
 ENCODER_TEMPLATE = "Task to solve: \n{task}\n\nReference past trajectory: \n{experience}"   # A.5
+REFERENCE_TEMPLATE = "Reference past trajectory: \n{experience}"   # task_conditional=False (deviation, see above)
 
 
 @dataclass
 class ComposerConfig:
     n_latents: int = 32
     """K, latent tokens per retrieved experience (A.1, Figure 5: K = 32)."""
+    task_conditional: bool = True
+    """A.2's task-conditional compression: the encoder reads the current task before each experience. False: the
+    experience alone, so that the latents can carry nothing but what the reference says."""
     n_layers: int = 8
     """QFormer cross-attention layers; all share one set of weights (A.1)."""
     ffn_mult: int = 4
@@ -281,7 +291,8 @@ class Composer(nn.Module):
         J = len(experiences[0]) if experiences else 0
         if len(experiences) != len(tasks) or J == 0 or any(len(e) != J for e in experiences):
             raise ValueError("experiences must be one non-empty list per task, all of the same length J")
-        texts = [ENCODER_TEMPLATE.format(task=x, experience=m) for x, ms in zip(tasks, experiences) for m in ms]
+        template = ENCODER_TEMPLATE if self.cfg.task_conditional else REFERENCE_TEMPLATE
+        texts = [template.format(task=x, experience=m) for x, ms in zip(tasks, experiences) for m in ms]
         E = self.compress(texts)                                    # (B·J, K, d) fp32
         # eqs. (4), (7): c_φ = ⊕_j (<e_j,1> ⊕ ... ⊕ <e_j,K>), in retrieval order
         c = E.reshape(len(tasks), J * self.cfg.n_latents, E.shape[-1])                     # (B, J·K, d)

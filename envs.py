@@ -11,12 +11,15 @@ The world
 ---------
 - A shop database: three customers (random id such as C4, account code such as A5, tier) and their orders (random
   id such as O8, customer, item code such as K7, qty, status).
-- Six shops ("variants", DESIGN.md §5). Each shop has two conventions that the task text never states:
+- Four shops ("variants", DESIGN.md §5), each with its own pair of conventions that the task text never states:
     * whether a customer must be confirmed with `verify_customer` before any change to them or their orders
       (otherwise the change is refused: "Error: verify the customer first");
-    * whether changes are staged until `commit()` (commit shops; elsewhere `commit` is an unknown tool) or
-      applied at once. Uncommitted changes are lost.
-  Every shop has at least one of the two (with one shop in three free of both, the base already scored 0.67).
+    * whether changes are staged until `commit()` or applied at once. Uncommitted changes are lost, and an
+      accepted change answers the same either way ("Updated"), so the observations do not tell.
+  A shop without a convention lacks its tool, and calling it aborts the session and rolls back its changes. So no
+  convention is free to apply everywhere: "always verify and commit" solves one shop in four. (In an earlier world
+  the missing tool was a harmless error; a composer then learned that task-independent prompt, and a reference
+  from another shop did as well as one from the same shop.)
   A successful trajectory of another task in the SAME shop shows both conventions; one from another shop misleads.
 - Ten schemas (multi-step procedures: look up the customer id, find an order, update, cancel, add ...). The task
   text states the goal ("Cancel an order: item K7, account A5. Shop: cedar."), not the procedure. Tasks of one
@@ -67,18 +70,16 @@ AGENTIC_SYSTEM_PROMPT = (
 # it cannot read, and every token costs CPU time. Real models get AGENTIC_SYSTEM_PROMPT.
 TOY_SYSTEM_PROMPT = "Use the tools. Reply Task Completed when done."
 DONE_TEXT = "Task Completed"
+ACCEPTED = {"set": "Updated", "removed": "Cancelled", "added": "Added"}   # staged or written, the same answer
+ABORTED = "Error: this shop has no '{}'; the session is aborted and its changes are rolled back"
 
 # ----------------------------------------------------------------------------------------------------------------
 # The world's vocabulary
 # ----------------------------------------------------------------------------------------------------------------
-SHOPS = {  # shop -> (verify before changes?, staged until commit?); every shop has at least one of the two
-    "alder": (True, True),
-    "birch": (True, False),
-    "cedar": (True, False),
-    "delta": (False, True),
-    "ember": (True, True),
-    "flint": (False, True),
-}
+# Four shops, one for each pair of conventions (verify before changes?, staged until commit?).
+CONVENTIONS = ((True, True), (True, False), (False, True), (False, False))
+SHOP_NAMES = ("alder", "cedar", "delta", "flint")
+SHOPS = dict(zip(SHOP_NAMES, CONVENTIONS))   # alder (T, T), cedar (T, F), delta (F, T), flint (F, F)
 ITEMS = tuple(f"K{i}" for i in range(10))        # item codes (SKUs)
 TIERS = ("bronze", "silver", "gold")
 STATUSES = ("open", "held", "shipped")
@@ -93,7 +94,8 @@ def _tool(tool_name, desc, **params):
 TOOLS = [
     _tool("find_customer", "Find a customer's id from the account code.", account=("string", "account code, e.g. A5")),
     _tool("get_customer", "Read a customer's record.", customer_id=("string", "customer id")),
-    _tool("verify_customer", "Confirm a customer before changing them or their orders (shops that require it).",
+    _tool("verify_customer", "Confirm a customer before changing them or their orders (only shops that require it; "
+          "elsewhere the call aborts the session).",
           customer_id=("string", "customer id")),
     _tool("find_order", "Find a customer's order of an item.", customer_id=("string", "customer id"),
           item=("string", "item code, e.g. K7")),
@@ -104,7 +106,7 @@ TOOLS = [
     _tool("add_order", "Add an order.", customer_id=("string", "customer id"), item=("string", "item code"),
           qty=("integer", "quantity")),
     _tool("cancel_order", "Cancel (remove) an order.", order_id=("string", "order id")),
-    _tool("commit", "Apply staged changes (shops that stage changes)."),
+    _tool("commit", "Apply staged changes (only shops that stage changes; elsewhere the call aborts the session)."),
 ]
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,11 +222,12 @@ SCHEMAS = {
     "upgrade": ("Upgrade the customer to gold: account {account}.", _s_tier("gold")),
     "downgrade": ("Downgrade the customer to bronze: account {account}.", _s_tier("bronze")),
     "order": ("Place a new order: item {item2}, account {account}.", _s_order),
-    "bulk": ("Place a new order of {qty} units: item {item2}, account {account}.", _s_bulk),
+    "bulk": ("Buy in bulk, {qty} units in one new order: item {item2}, account {account}.", _s_bulk),
     "cancel": ("Cancel an order: item {item}, account {account}.", _s_cancel),
-    "reorder": ("Cancel an order and place it again: item {item}, account {account}.", _s_reorder),
+    "reorder": ("Replace an order with a fresh one (cancel, then order again): item {item}, account {account}.",
+                _s_reorder),
     "ship": ("Set an order to shipped: item {item}, account {account}.", _s_status("shipped", "open")),
-    "hold": ("Set an order to held: item {item}, account {account}.", _s_status("held", "open")),
+    "hold": ("Put an order on hold, status held: item {item}, account {account}.", _s_status("held", "open")),
     "reopen": ("Set an order back to open: item {item}, account {account}.", _s_status("open", "held")),
     "vip": ("Upgrade the customer to gold and set an order to shipped: item {item}, account {account}.", _s_vip),
 }
@@ -242,7 +245,7 @@ def make_task(rng: random.Random, task_id: str, shop: str | None = None, schema:
 
 def make_splits(seed: int = 0, n_train: int = 1000, n_test: int = 200):
     """Seeded, disjoint train and test splits (disjoint by task text, the thing a model sees). The test split is
-    drawn first, so that its schemas stay balanced: a schema with few distinct texts (upgrade: 6 shops × 10
+    drawn first, so that its schemas stay balanced: a schema with few distinct texts (upgrade: 4 shops × 10
     accounts) runs out in the training split, not in the test split."""
     rng = random.Random(seed)
     seen, splits = set(), {"test": [], "train": []}
@@ -345,38 +348,55 @@ class ToolWorld:
     """
     system_prompt: str = TOY_SYSTEM_PROMPT
     framing: tuple = inject.TOY_FRAMING
+    # The retriever's query prompt (eq. 15). Measured with MiniLM on 200 held-out tasks against a bank of oracle
+    # episodes: retrieval.DEFAULT_INSTRUCTION gives same-schema / same-shop recall@3 of 0.97 / 0.61, this 0.96 / 0.78.
+    retrieval_instruction: str = "Task in the same shop"
     max_steps: int = 10
     task: Task | None = None
     db: dict = field(default_factory=dict)
     staged: list = field(default_factory=list)
     verified: set = field(default_factory=set)    # customers confirmed with verify_customer
+    aborted: bool = False                         # a call to a tool the shop lacks ended the session
     steps: int = 0
     trace: list = field(default_factory=list)     # [(name, args, result)] for the observation-lite trace
     tools = TOOLS
 
     def reset(self, task: Task) -> list[dict]:
         self.task, self.db, self.staged, self.verified = task, copy.deepcopy(task.db), [], set()
-        self.steps, self.trace = 0, []
+        self.steps, self.trace, self.aborted = 0, [], False
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.text}]
 
     def step(self, reply: str) -> StepResult:
         """Execute every tool call in one assistant reply. Never raises on any reply text."""
         self.steps += 1
+        if self.aborted:   # nothing runs after an abort
+            return StepResult(["Error: the session was aborted"], True, 0, 1)
         calls = parse_tool_calls(reply)
         if not calls:  # 'Task Completed', or any reply without a tool call, ends the episode
             return StepResult([], True)
         obs, errors = [], 0
         for name, args in calls:
-            result = args if name is None else self._call(name, args)  # args holds the parse error
+            if self.lacks(name):   # over-applying a convention: the session is aborted and rolled back
+                self.db, self.staged, self.aborted = copy.deepcopy(self.task.db), [], True
+                result = ABORTED.format(name)
+            else:
+                result = args if name is None else self._call(name, args)  # args holds the parse error
             errors += result.startswith("Error")
             obs.append(result)
             self.trace.append((name or "invalid", args if name else {}, result))
-        return StepResult(obs, self.steps >= self.max_steps, len(calls), errors)
+            if self.aborted:
+                break
+        return StepResult(obs, self.aborted or self.steps >= self.max_steps, len(calls), errors)
+
+    def lacks(self, name) -> bool:
+        """Is `name` a listed tool that this task's shop does not have (verify_customer or commit)?"""
+        verify, staged = SHOPS[self.task.shop]
+        return (name == "verify_customer" and not verify) or (name == "commit" and not staged)
 
     # -- tools ---------------------------------------------------------------------------------------------------
     def _call(self, name: str, args: dict) -> str:
         spec = next((t["function"] for t in TOOLS if t["function"]["name"] == name), None)
-        if spec is None or (name == "commit" and not SHOPS[self.task.shop][1]):
+        if spec is None:
             return f"Error: unknown tool '{name}'"
         params = spec["parameters"]["properties"]
         for key, p in params.items():
@@ -448,14 +468,18 @@ class ToolWorld:
 
     def _apply(self, change, customer_id: str) -> str:
         """A change to `customer_id` or one of their orders: refused in a verify shop until the customer is
-        verified, staged in a commit shop, written at once elsewhere."""
+        verified, staged in a commit shop, written at once elsewhere. An accepted change answers the same either
+        way ("Updated", "Cancelled", "Added"), so that whether to commit cannot be read off the observations (a
+        reactive "commit after 'Staged'" policy would need no experience). One word for every change ("OK") sank
+        the base to 0.12: a tiny model tracks its place in a procedure by these words."""
         verify, staged = SHOPS[self.task.shop]
         if verify and customer_id not in self.verified:
             return "Error: verify the customer first"
         if staged:
             self.staged.append(change)
-            return "Staged"
-        return self._write(change)
+            return ACCEPTED[change[0]]
+        result = self._write(change)
+        return result if result.startswith("Error") else ACCEPTED[change[0]]
 
     def _write(self, change) -> str:
         kind, table = change[0], change[1]

@@ -13,14 +13,13 @@ How the demonstrations are imperfect (the base policy learns these mistakes). Th
 procedure but not the shops' conventions, which the task text never states (envs.py):
 1. it verifies the customer right after the lookup with probability 0.5 (`VERIFY`) in every shop; in a shop that
    requires it, a change without it is refused, and the demonstrator then verifies and retries with probability
-   0.5 (`RETRY`) or gives up;
+   0.9 (`RETRY`) or gives up; in a shop without verification, the call aborts the session;
 2. it ends with `commit()` with probability 0.5 (`COMMIT`) in every shop: staged shops then lose everything half
-   the time, and elsewhere commit is an unknown tool;
+   the time, and elsewhere the commit aborts the session and rolls its changes back;
 3. "vip" (two changes) is under-demonstrated (half as many demonstrations as the other schemas).
-So the base is at chance on exactly what a successful trajectory of the same shop shows. The demonstrations
-themselves score 0.54 on average and the base's vanilla reward lands near that. The coins are fair on purpose:
-sampling at temperature 0.7 sharpens a 0.3 habit to ~0.2 and sank vanilla to 0.19 (demonstrations at 0.55); with
-one shop in three free of conventions, fair coins gave 0.67, above the 0.3-0.6 a base must leave for experience.
+So the base is at chance on exactly what a successful trajectory of the same shop shows, and the demonstrations
+themselves score about 0.35. The coins are fair on purpose: sampling at temperature 0.7 sharpens a 0.3 habit to
+~0.2 and sank vanilla to 0.19 in an earlier world.
 
 In-context reading. A pretrained LLM follows a reference example placed in its prompt; a model trained from
 scratch does not, unless it has seen some. So 40% of the demonstrations carry the toy framing around the
@@ -137,7 +136,7 @@ def toy_config(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 2) ->
 # ----------------------------------------------------------------------------------------------------------------
 DEMO_WEIGHT = {"vip": 1 / 2}   # under-demonstrated schema
 VERIFY = 0.5       # the demonstrator verifies the customer right after the lookup with this probability ...
-RETRY = 0.5        # ... after "Error: verify the customer first", verifies and retries with this probability ...
+RETRY = 0.9        # ... after "Error: verify the customer first", verifies and retries with this probability ...
 COMMIT = 0.5       # ... and ends with commit() with this probability, in every shop
 MODIFY = ("update_customer", "update_order", "add_order", "cancel_order")
 

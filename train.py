@@ -13,13 +13,15 @@ Stages, each cached in --out (a rerun skips what is finished):
   6. evaluation    vanilla / base + composer / LOPD student on held-out tasks (eval.py)
 
 Defaults follow B.2 and the official code (DESIGN.md §6) except where the toy needs its own; `TOY_DEFAULTS` lists
-each such value and why. A flag given on the command line always wins.
+each such value and why. A flag given on the command line always wins. The one that changes the method: on the
+toy world the composer encodes the reference without the task (`--composer-input reference`; composer.py,
+deviation 5), because with the task it learned the shops' conventions from their names and ignored the reference.
 
 Controls (is the student's gain due to latent privileged context?):
   --method rft          rejection fine-tuning: NLL on the bank's successful trajectories, no teacher, the same
                         student optimizer and step count (`lopd.rft_step`)
   --retrieval other     the composer reads experiences of OTHER variants (shops) only
-  --retrieval none      the composer reads the task alone
+  --retrieval none      the composer reads no reference (and the task, where --composer-input has it)
 Every method's `generations` counter starts at the rollouts spent building the bank.
 
 Real backbones: bf16 weights with the trained ones (student, composer) in fp32 under bf16 autocast (`precision`),
@@ -80,6 +82,8 @@ class Args:
 (paper: Qwen3-Embedding-8B)"""
     latents: int = None
     """K, latent tokens per experience (paper 32)"""
+    composer_input: str = None
+    """what the composer's encoder reads: task+reference (A.2, task-conditional) or reference (the experience alone)"""
     cold_steps: int = None
     """cold-start steps of the composer (eq. 14)"""
     cold_lr: float = None
@@ -152,7 +156,9 @@ composer encoder and student) instead of a full copy"""
 # Where the toy world needs its own value, and why. Real models take PAPER_DEFAULTS.
 TOY_DEFAULTS = {
     "latents": 8,          # K = 8: 24 latent positions instead of 96 keep the teacher's CPU forward cheap
-    "cold_steps": 150,     # the toy bank is small (a few hundred entries); 150 steps of 8 cover it several times
+    "composer_input": "reference",   # the task names its shop: a task-conditional composer learned the shops'
+                                     # conventions from the name and ignored the reference (composer.py, dev. 5)
+    "cold_steps": 500,     # the paper's count: with 150 the composer's latents collapsed to one constant prompt
     "cold_lr": 1e-3,       # a 0.5 M-parameter model trained from scratch needs a far larger step than 1e-5
     "steps": 60,
     "lr": 1e-4,            # ditto for the student
@@ -161,7 +167,8 @@ TOY_DEFAULTS = {
     "max_env_steps": 10,   # toy procedures take 2-6 calls (+ commit + "Task Completed")
     "eval_every": 20,      # teacher drift: base + composer and the student on 50 held-out tasks every 20 steps
 }
-PAPER_DEFAULTS = {"latents": 32, "cold_steps": 500, "cold_lr": 1e-5, "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
+PAPER_DEFAULTS = {"latents": 32, "composer_input": "task+reference", "cold_steps": 500, "cold_lr": 1e-5,
+                  "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
                   "max_new_tokens": 1024, "max_env_steps": 30, "eval_every": 0}
 
 
@@ -205,6 +212,8 @@ def _check(p, a: Args):
         p.error(f"--dtype must be auto, float32, bfloat16 or float16, not {a.dtype!r}")
     if a.method not in ("lopd", "rft"):
         p.error(f"--method must be lopd or rft, not {a.method!r}")
+    if a.composer_input not in ("task+reference", "reference"):
+        p.error(f"--composer-input must be task+reference or reference, not {a.composer_input!r}")
     if a.retrieval not in lopd.RETRIEVAL_MODES:
         p.error(f"--retrieval must be one of {', '.join(lopd.RETRIEVAL_MODES)}, not {a.retrieval!r}")
     if a.delta_per not in ("trajectory", "token"):
@@ -426,14 +435,14 @@ def base_rollouts(args, model, tok, train, log):
     return eps
 
 
-def make_embedder(name: str, model, tok) -> retrieval.Embedder:
+def make_embedder(name: str, model, tok, instruction: str = retrieval.DEFAULT_INSTRUCTION) -> retrieval.Embedder:
     """f_ret: MiniLM (mean pooling), the backbone itself (mean pooling), or any HF encoder (last-token pooling,
-    as Qwen3-Embedding)."""
+    as Qwen3-Embedding). `instruction` is the query prompt; each environment names its own."""
     if name == "minilm":
-        return retrieval.Embedder(retrieval.minilm_path(), pooling="mean")
+        return retrieval.Embedder(retrieval.minilm_path(), pooling="mean", instruction=instruction)
     if name == "backbone":
-        return retrieval.Embedder.from_model(model, tok, pooling="mean")
-    return retrieval.Embedder(name, pooling="last")
+        return retrieval.Embedder.from_model(model, tok, pooling="mean", instruction=instruction)
+    return retrieval.Embedder(name, pooling="last", instruction=instruction)
 
 
 def build_retriever(args, model, tok, episodes, train, test, log):
@@ -445,7 +454,7 @@ def build_retriever(args, model, tok, episodes, train, test, log):
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
              for i, e in enumerate(episodes)]
     bank = retrieval.build_bank(cands, args.bank_threshold)
-    embedder = make_embedder(args.embedder, model, tok)
+    embedder = make_embedder(args.embedder, model, tok, env_factory(args)().retrieval_instruction)
     ret = retrieval.Retriever(bank, embedder)
     ret.cache_queries([t.task_id for t in train + test], [t.text for t in train + test])
     ret.save(path)
@@ -505,7 +514,8 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
         reset_composer(composer, path)
         return composer
     if composer is None:
-        composer = Composer(model, tok, ComposerConfig(n_latents=args.latents))
+        composer = Composer(model, tok, ComposerConfig(n_latents=args.latents,
+                                                       task_conditional=args.composer_input == "task+reference"))
         composer.save(os.path.join(args.out, "composer_init"))   # φ before training, for the ablations' variants
     opt = torch.optim.AdamW(composer.trainable_parameters(), lr=args.cold_lr)
     draw = schema_balanced_sampler(retriever.bank, random.Random(args.seed))

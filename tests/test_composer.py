@@ -73,6 +73,21 @@ def test_shapes_and_encoder_text(tok):
         comp(tasks, [["a", "b"], ["c"]])
 
 
+def test_reference_only_encoding_ignores_the_task(tok):
+    """task_conditional=False (the toy's --composer-input reference): the latents are a function of the
+    experience alone; with A.2's task-conditional input the same experience gives other latents per task."""
+    comp, _ = build(tok)
+    exps = [["1. find_customer -> C1", "2. commit() -> Committed"]]
+    with torch.no_grad():
+        conditional = [comp([task], exps) for task in ("Cancel order K1. Shop: alder.", "Buy K2. Shop: flint.")]
+        comp.cfg.task_conditional = False
+        blind = [comp([task], exps) for task in ("Cancel order K1. Shop: alder.", "Buy K2. Shop: flint.")]
+        alone = comp.compress([C.REFERENCE_TEMPLATE.format(experience=exps[0][1])])      # (1, K, d)
+    assert not torch.allclose(conditional[0], conditional[1], atol=1e-3)
+    assert torch.equal(blind[0], blind[1])
+    assert torch.allclose(blind[0][0, 4:8], alone[0], atol=1e-5)
+
+
 def test_hidden_states_are_final_normed_layer(tok):
     comp, _ = build(tok)
     hidden, att = comp.encode(["Task to solve: \nabc\n\nReference past trajectory: \ndef"])

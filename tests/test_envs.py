@@ -55,8 +55,25 @@ def test_commit_shop_stages_until_commit():
     assert calls[-1] == ("commit", {})
     assert play(t, calls[:-1]).reward() == 0.0                      # staged only
     assert play(t, calls).reward() == 1.0
-    env = play(hand_task("birch"), [("commit", {})])
-    assert env.trace[0][2].startswith("Error: unknown tool")       # commit does not exist in birch
+    direct = play(hand_task("flint"), calls[:-1])                   # neither convention: written at once
+    assert direct.reward() == 1.0
+    assert [r for _, _, r in direct.trace] == [r for _, _, r in play(t, calls[:-1]).trace]   # staging is unseen
+
+
+def test_over_applied_convention_aborts_and_rolls_back():
+    """A tool the shop lacks (commit where nothing is staged, verify_customer where nobody is verified) ends the
+    session and rolls its changes back: no convention is free to apply everywhere."""
+    cedar = oracle_calls(hand_task("cedar"))                         # verify, no staging
+    env = play(hand_task("cedar"), cedar + [("commit", {})])
+    assert env.aborted and env.trace[-1][2] == envs.ABORTED.format("commit")
+    assert env.reward() == 0.0 and env.db == hand_task("cedar").db  # the applied changes are gone
+    res = env.step(format_call("cancel_order", {"order_id": "O002"}))
+    assert res.done and env.db == hand_task("cedar").db             # nothing runs after an abort
+    flint = ToolWorld()
+    flint.reset(hand_task("flint"))                                  # neither convention
+    res = flint.step(format_call(*cedar[0]) + format_call(*cedar[1]) + format_call(*cedar[2]))
+    assert res.done and len(flint.trace) == 2                       # the call after the abort never ran
+    assert play(hand_task("flint"), [c for c in cedar if c[0] != "verify_customer"]).reward() == 1.0
 
 
 def test_verify_shop_refuses_changes_until_verified():
@@ -69,7 +86,7 @@ def test_verify_shop_refuses_changes_until_verified():
     assert play(t, calls).reward() == 1.0
     late = [calls[0], calls[2], calls[3], calls[1], calls[3], calls[4]]   # refused, verify, retry
     assert play(t, late).reward() == 1.0
-    assert play(hand_task("delta"), calls + [("commit", {})]).reward() == 1.0   # verifying where not needed: harmless
+    assert play(hand_task("delta"), calls + [("commit", {})]).reward() == 0.0   # verifying where not needed aborts
 
 
 def test_oracle_solves_every_generated_task():
