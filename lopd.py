@@ -259,7 +259,8 @@ def experience_text(entry: dict) -> str:
     return entry["task"] + "\n" + entry["trace"]
 
 
-# What the composer reads in the "task only" control: the task and no reference (train.py --retrieval none).
+# What the composer reads in the "task only" control (train.py --retrieval none): no reference, and the task where
+# the encoder is task-conditional (composer.py; the toy's encoder reads the reference alone, so then nothing).
 NO_REFERENCE = {"task_id": "", "task": "", "trace": "(no reference)", "reward": 0.0, "meta": {}}
 RETRIEVAL_MODES = ("same", "other", "none")
 

@@ -96,7 +96,7 @@ class Args:
     """lopd (Algorithm 1) | rft (control: NLL on the bank's successes, no teacher, same optimizer and steps)"""
     retrieval: str = "same"
     """what the composer reads: same (Ret(x), the method) | other (controls: entries of other variants only) |
-none (the task alone, no reference)"""
+none (no reference; the task too only where --composer-input has it)"""
     steps: int = None
     """joint LOPD iterations"""
     rollouts_per_step: int = 32
@@ -738,7 +738,7 @@ def reset_composer(composer, path: str):
 
 def world_check(args, run, tasks) -> dict:
     """Does the teacher use the experience? base + composer (φ0) with the same-variant retrieval it was trained
-    on, with references from other variants only, and with the task alone (DESIGN.md §5, §7)."""
+    on, with references from other variants only, and with no reference (DESIGN.md §5, §7)."""
     rows = {}
     for mode, name in (("same", "base + composer"), ("other", "base + composer, other-variant reference"),
                        ("none", "base + composer, no reference")):
