@@ -7,6 +7,7 @@
     python bench.py --arch qwen3-4b --rollouts 32 --tokens 2048   # one LOPD step of a paper backbone (random
                                             # weights, no download): memory, generation tok/s, phases, MFU
     python bench.py --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
+    python bench.py --verifier              # the code sandbox: programs/s on all cores, overhead per program
 
 Machines are noisy: every comparison is a ratio measured in one run, best of --repeats.
 """
@@ -275,6 +276,32 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
         print(f"  peak RSS         {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:8.2f} GB")
 
 
+def bench_verifier(n: int, workers: int | None = None):
+    """The code verifier (envs.py): programs per second with `workers` parallel runs (default: the core count),
+    and the sandbox's overhead per program against a bare `python -c` of the same program."""
+    import os
+    import subprocess
+    import sys
+    prob = envs.CodeProblem("bench", "sum", tests=[{"input": "2 3\n", "output": "5\n"}])
+    code = "a, b = map(int, input().split())\nprint(a + b)\n"
+    t0 = time.perf_counter()
+    results = envs.verify_many([(prob, code)] * n, workers=workers)
+    wall = time.perf_counter() - t0
+    assert all(ok for ok, _ in results)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        envs.run_sandboxed(code, "2 3\n")
+    sandboxed = (time.perf_counter() - t0) / 10
+    t0 = time.perf_counter()
+    for _ in range(10):
+        subprocess.run([sys.executable, "-I", "-c", code], input="2 3\n", text=True, capture_output=True)
+    bare = (time.perf_counter() - t0) / 10
+    cores = workers or os.cpu_count()
+    print(f"verifier: {n} programs on {cores} workers in {wall:.2f} s = {n / wall:.1f} programs/s")
+    print(f"one program: sandboxed {sandboxed * 1000:.0f} ms, bare python -c {bare * 1000:.0f} ms "
+          f"(overhead {(sandboxed - bare) * 1000:.0f} ms, {sandboxed / bare:.2f}x)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--loss", action="store_true", help="time the distillation loss against cross-entropy")
@@ -291,6 +318,8 @@ def main():
     p.add_argument("--vocab", type=int, default=523, help="V (default: the toy tokenizer's size)")
     p.add_argument("--top-m", type=int, default=20, help="M")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the minimum is reported")
+    p.add_argument("--verifier", action="store_true", help="throughput and overhead of the code sandbox")
+    p.add_argument("--programs", type=int, default=64, help="programs for --verifier")
     a = p.parse_args()
     if a.loss:
         bench_loss(a.batch, a.tokens, a.vocab, a.top_m, a.repeats)
@@ -300,7 +329,9 @@ def main():
         print_memory_table(rollouts=2, tokens=2048)
     if a.arch:
         bench_arch(a.arch, a.rollouts, a.tokens, a.micro_batch, a.student_lora, a.grad_ckpt)
-    if not (a.loss or a.step or a.memory or a.arch):
+    if a.verifier:
+        bench_verifier(a.programs)
+    if not (a.loss or a.step or a.memory or a.arch or a.verifier):
         p.print_help()
 
 

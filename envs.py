@@ -1,4 +1,4 @@
-"""Environments and verifiers: the toy tool-use world (paper §4.1, A.3, A.5, B.2).
+"""Environments and verifiers: the toy tool-use world (paper §4.1, A.3, A.5, B.2) and the code domain (§4.1).
 
 The paper trains on EnvScaler: multi-turn tasks where an agent changes a stateful database through tools and
 is scored by a checklist read from the final state. This file is a small world in that spirit, small enough for
@@ -34,6 +34,14 @@ The world
   call gets an error observation; `step` never raises. A reply without a tool call ends the episode (the agent
   believes it is done; A.5 asks for exactly `Task Completed`), as does the step cap.
 
+The code domain (train.py --env code --tasks DIR)
+-------------------------------------------------
+Single-turn problems behind the same interface (`CodeWorld`): the A.5 coding system prompt, a program in the reply,
+reward 1 if every test passes in the sandbox (`run_sandboxed`, `verify`, `verify_many`), else 0. Problems load
+from JSONL in our layout or with the field names of TACO (question, input_output), LiveCodeBench
+(question_content, public/private_test_cases) and EvalPlus (prompt, test, entry_point). The sandbox's layers are
+listed above `SandboxLimits`, and README ("The code verifier") says what it does not protect against.
+
 Deviations from the paper
 -------------------------
 1. EnvScaler's 2,349 tasks are replaced by this generated world (see DESIGN.md §5 and §7 for why the variants).
@@ -41,6 +49,9 @@ Deviations from the paper
 3. Every task involves one customer and at most one item: a 0.5 M-parameter model trained for minutes cannot tell
    two item codes of one task apart ("item K3, new item K9" failed in every episode); such schemas would only
    cap every row of the table without testing the method.
+4. The code domain has no toy world yet: `--env code` runs real models on problem files (TACO, LiveCodeBench,
+   EvalPlus); a toy code world the offline backbone can learn is still to be built. LiveCodeBench's functional
+   (class-method) tests are refused with a clear error; its stdin tests load.
 """
 from __future__ import annotations
 
@@ -267,9 +278,10 @@ def save_tasks(tasks, path: str) -> None:
 _TASK_FIELDS = {"task_id": str, "shop": str, "schema": str, "text": str, "db": dict, "goal": dict, "checklist": list}
 
 
-def load_tasks(path: str) -> list[Task]:
-    """Read tasks from JSONL; a bad line raises ValueError naming `path:line` and the reason."""
-    tasks = []
+def read_jsonl(path: str, parse) -> list:
+    """parse(row, "path:line") for each non-blank line of a JSONL file; a line that is not JSON raises ValueError
+    naming `path:line`, and parse raises its own, naming the same place."""
+    out = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -278,17 +290,27 @@ def load_tasks(path: str) -> list[Task]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            for key, typ in _TASK_FIELDS.items():
-                if key not in row:
-                    raise ValueError(f"{path}:{n}: missing field '{key}'")
-                if not isinstance(row[key], typ):
-                    raise ValueError(f"{path}:{n}: field '{key}' must be {typ.__name__}")
-            if row["shop"] not in SHOPS:
-                raise ValueError(f"{path}:{n}: unknown shop '{row['shop']}' (known: {', '.join(SHOPS)})")
-            tasks.append(Task(**{k: row[k] for k in _TASK_FIELDS}))
-    return tasks
+            out.append(parse(row, f"{path}:{n}"))
+    return out
+
+
+def task_from_row(row, where: str) -> Task:
+    """One tool-world task from a JSON object; a bad one raises ValueError naming `where` and the reason."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key, typ in _TASK_FIELDS.items():
+        if key not in row:
+            raise ValueError(f"{where}: missing field '{key}'")
+        if not isinstance(row[key], typ):
+            raise ValueError(f"{where}: field '{key}' must be {typ.__name__}")
+    if row["shop"] not in SHOPS:
+        raise ValueError(f"{where}: unknown shop '{row['shop']}' (known: {', '.join(SHOPS)})")
+    return Task(**{k: row[k] for k in _TASK_FIELDS})
+
+
+def load_tasks(path: str) -> list[Task]:
+    """Read tasks from JSONL; a bad line raises ValueError naming `path:line` and the reason."""
+    return read_jsonl(path, task_from_row)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -503,6 +525,19 @@ class ToolWorld:
     def reward(self) -> float:
         return checklist_reward(self.task, self.db)
 
+    def trace_text(self) -> str:
+        """The experience the bank keeps: the observation-lite trace (A.3)."""
+        return lite_trace(self.trace)
+
+    # -- optional: ground truth for the OPSD baseline (a real environment may not offer it) ------------------------
+    def oracle_trace(self, task: Task) -> str:
+        """The observation-lite trace of the intended procedure on `task` (lopd.opsd_pool's fallback: B.1 has
+        stronger models write the pool's missing trajectories; the toy world knows them)."""
+        self.reset(task)
+        for name, args in oracle_calls(task):
+            self.step(format_call(name, args))
+        return lite_trace(self.trace)
+
 
 def checklist_reward(task: Task, db: dict) -> float:
     """EnvScaler-style checklist on the final state: (#required changes present − #collateral changes) / #required,
@@ -575,6 +610,303 @@ def lite_trace(trace: list) -> str:
         arg_text = ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items())
         lines.append(f"{n}. {name}({arg_text}) -> {result}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The code domain (paper §4.1 "coding", A.5): problems as JSONL, the sandboxed verifier, CodeWorld
+# ----------------------------------------------------------------------------------------------------------------
+# A.5, word for word (TACO and LiveCodeBench; EvalPlus uses no system prompt).
+CODING_SYSTEM_PROMPT = (
+    "You are an expert Python programmer. You will be given a question (problem specification) and will generate "
+    "a correct Python program that matches the specification and passes all tests.")
+
+
+@dataclass
+class CodeProblem:
+    """One single-turn problem: the statement, and its tests as stdin/stdout pairs and/or assert code that runs
+    after the program (function-call tests). variant / schema name a toy family; real benchmarks leave them ""."""
+    task_id: str
+    text: str
+    tests: list = field(default_factory=list)     # [{"input": str, "output": str}]
+    asserts: str = ""
+    schema: str = ""
+    variant: str = ""
+
+
+def _tests_from_io(io, where: str) -> tuple[list, str]:
+    """TACO's `input_output` (a JSON string or object: inputs, outputs, optional fn_name) -> (stdin tests, asserts)."""
+    io = json.loads(io) if isinstance(io, str) else io
+    if not isinstance(io, dict) or not isinstance(io.get("inputs"), list) or not isinstance(io.get("outputs"), list):
+        raise ValueError(f"{where}: field 'input_output' must hold lists 'inputs' and 'outputs'")
+    if len(io["inputs"]) != len(io["outputs"]):
+        raise ValueError(f"{where}: 'input_output' has {len(io['inputs'])} inputs but {len(io['outputs'])} outputs")
+    if io.get("fn_name"):   # call-based: each input is the argument list, each output the return value
+        checks = [f"assert {io['fn_name']}(*{a!r}) == {o!r}" for a, o in zip(io["inputs"], io["outputs"])]
+        return [], "\n".join(checks)
+    return [{"input": _text(a), "output": _text(o)} for a, o in zip(io["inputs"], io["outputs"])], ""
+
+
+def _text(x) -> str:
+    return "\n".join(map(str, x)) if isinstance(x, list) else str(x)
+
+
+def _tests_from_lcb(cases, where: str) -> tuple[list, str]:
+    """LiveCodeBench's test cases (a JSON string or list of {input, output, testtype}) -> stdin tests; functional
+    cases are not supported (they need the starter code's class), and say so."""
+    cases = json.loads(cases) if isinstance(cases, str) else cases
+    if not isinstance(cases, list):
+        raise ValueError(f"{where}: test cases must be a list")
+    if any(c.get("testtype", "stdin") != "stdin" for c in cases):
+        raise ValueError(f"{where}: functional LiveCodeBench tests are not supported, only stdin ones")
+    return [{"input": c["input"], "output": c["output"]} for c in cases], ""
+
+
+def problem_from_row(row: dict, where: str) -> CodeProblem:
+    """One JSONL row in any of four layouts, told apart by their field names:
+    ours (task_id, text, tests / asserts), TACO (question, input_output), LiveCodeBench (question_content,
+    public_test_cases, private_test_cases), EvalPlus / HumanEval (task_id, prompt, test, entry_point)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "text" in row:
+        tests, asserts = row.get("tests", []), row.get("asserts", "")
+        if not isinstance(tests, list) or any(not isinstance(t, dict) or set(t) != {"input", "output"} for t in tests):
+            raise ValueError(f"{where}: field 'tests' must be a list of {{\"input\", \"output\"}} objects")
+        text = row["text"]
+    elif "question" in row and "input_output" in row:
+        tests, asserts = _tests_from_io(row["input_output"], where)
+        text = row["question"]
+    elif "question_content" in row:
+        tests, asserts = _tests_from_lcb(row.get("public_test_cases", []), where)
+        tests += _tests_from_lcb(row.get("private_test_cases", []), where)[0]
+        text = row["question_content"]
+    elif {"prompt", "test", "entry_point"} <= set(row):
+        tests, asserts = [], row["test"] + f"\n\ncheck({row['entry_point']})\n"
+        text = row["prompt"]
+    else:
+        raise ValueError(f"{where}: no known problem layout (need 'text', or TACO's 'question' + 'input_output', "
+                         f"LiveCodeBench's 'question_content', or EvalPlus's 'prompt' + 'test' + 'entry_point')")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: the problem statement is empty")
+    if not tests and not asserts:
+        raise ValueError(f"{where}: the problem has no tests")
+    task_id = str(row.get("task_id", row.get("question_id", row.get("id", where))))
+    return CodeProblem(task_id, text, tests, asserts, str(row.get("schema", "")), str(row.get("variant", "")))
+
+
+def load_problems(path: str) -> list[CodeProblem]:
+    """Read code problems from JSONL; a bad line raises ValueError naming `path:line` and the reason."""
+    return read_jsonl(path, problem_from_row)
+
+
+# -- the sandbox -------------------------------------------------------------------------------------------------
+# What it does, layer by layer (README "The code verifier" says what it does NOT protect against):
+#   1. a separate process (`python -I`: no user site, no PYTHON* variables), in its own session and process group;
+#   2. a fresh temporary working directory, deleted afterwards;
+#   3. kernel limits set in the child before the program runs: CPU seconds (SIGXCPU), address space (memory: a
+#      MemoryError), file size (stdout and stderr are files, so endless output dies of SIGXFSZ), no core dumps,
+#      no new processes (RLIMIT_NPROC; the kernel does not enforce it for root);
+#   4. no network: a new, empty network namespace where the kernel allows it (root, or unprivileged user
+#      namespaces); otherwise the Python guard below only;
+#   5. a Python-level guard: fork/exec/spawn/kill/setsid and file removal raise, the subprocess, multiprocessing,
+#      socket and ctypes modules cannot be imported, and open() for writing outside the working directory raises;
+#   6. a wall-time limit, after which (and after every run) the whole process group is killed with SIGKILL.
+@dataclass
+class SandboxLimits:
+    wall_s: float = 5.0        # wall-clock seconds per run
+    cpu_s: int = 4             # CPU seconds per run
+    memory_mb: int = 512       # address-space cap
+    output_kb: int = 256       # cap on stdout, stderr and any file written
+
+
+@dataclass
+class RunResult:
+    status: str                # ok | error (non-zero exit) | timeout | cpu limit | output limit | killed
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+SANDBOX_GUARD = r'''
+import builtins, io, os, resource, sys
+cpu, mem, fsize, python_guard = (int(x) for x in sys.argv[1:5])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+try:   # a new, empty network namespace: CLONE_NEWNET, else CLONE_NEWUSER | CLONE_NEWNET (unprivileged)
+    import ctypes
+    _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.unshare(0x40000000) != 0:
+        _libc.unshare(0x10000000 | 0x40000000)
+    del _libc, ctypes
+except Exception:
+    pass
+WORK = os.getcwd()
+_open, _os_open = builtins.open, os.open
+src = _open("prog.py").read()
+def _inside(path):
+    real = os.path.realpath(os.fsdecode(path))
+    return real == WORK or real.startswith(WORK + os.sep)
+def _guarded_open(file, mode="r", *a, **k):
+    if not isinstance(file, int) and any(c in mode for c in "wax+") and not _inside(file):
+        raise PermissionError(f"sandbox: writing outside the working directory is refused: {file}")
+    return _open(file, mode, *a, **k)
+def _guarded_os_open(path, flags, *a, **k):
+    if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC) and not _inside(path):
+        raise PermissionError(f"sandbox: writing outside the working directory is refused: {path}")
+    return _os_open(path, flags, *a, **k)
+def _refused(name):
+    def f(*a, **k):
+        raise PermissionError(f"sandbox: os.{name} is refused")
+    return f
+if python_guard:
+    builtins.open = io.open = _guarded_open
+    os.open = _guarded_os_open
+    for _name in ("fork", "forkpty", "system", "popen", "execv", "execve", "execl", "execle", "execlp", "execlpe",
+                  "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
+                  "spawnvpe", "posix_spawn", "posix_spawnp", "kill", "killpg", "setsid", "setpgid", "setpgrp",
+                  "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate", "chmod",
+                  "chown", "lchown", "symlink", "link", "putenv", "unsetenv", "chdir", "fchdir", "chroot"):
+        if hasattr(os, _name):
+            setattr(os, _name, _refused(_name))
+    for _mod in ("subprocess", "_posixsubprocess", "multiprocessing", "socket", "_socket", "ctypes", "_ctypes",
+                 "pty", "asyncio"):
+        sys.modules[_mod] = None
+sys.argv = ["prog.py"]
+del cpu, mem, fsize, python_guard
+exec(compile(src, "prog.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+'''
+
+
+def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(),
+                  python_guard: bool = True) -> RunResult:
+    """Run `code` as a Python program in the sandbox with `stdin`; never raises on anything the program does.
+    python_guard=False keeps only the OS layers (process, limits, namespace, group kill): for tests of those."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    cap = limits.output_kb * 1024
+    with tempfile.TemporaryDirectory(prefix="lopd-run-") as io_dir, \
+            tempfile.TemporaryDirectory(prefix="lopd-sandbox-") as work:
+        with open(os.path.join(work, "prog.py"), "w") as f:
+            f.write(code)
+        paths = {k: os.path.join(io_dir, k) for k in ("stdin", "stdout", "stderr")}
+        with open(paths["stdin"], "w") as f:
+            f.write(stdin)
+        cmd = [sys.executable, "-I", "-c", SANDBOX_GUARD, str(limits.cpu_s), str(limits.memory_mb << 20), str(cap),
+               str(int(python_guard))]
+        t0 = time.time()
+        with open(paths["stdin"]) as fin, open(paths["stdout"], "w") as fout, open(paths["stderr"], "w") as ferr:
+            proc = subprocess.Popen(cmd, cwd=work, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
+                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+            try:
+                proc.wait(timeout=limits.wall_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                try:                                   # the whole group, stragglers included
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+        seconds = time.time() - t0
+        sizes = [os.path.getsize(paths[k]) for k in ("stdout", "stderr")]
+        out, err = (_read_capped(paths[k], cap) for k in ("stdout", "stderr"))
+    rc = proc.returncode
+    status = ("timeout" if timed_out else "output limit" if max(sizes) >= cap else "ok" if rc == 0 else
+              "error" if rc > 0 else {-signal.SIGXCPU: "cpu limit", -signal.SIGXFSZ: "output limit"}.get(rc, "killed"))
+    return RunResult(status, rc, out, err, seconds)
+
+
+def _read_capped(path: str, cap: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(cap).decode("utf-8", "replace")
+
+
+def _same_output(got: str, want: str) -> bool:
+    """Outputs match up to trailing whitespace on each line and trailing blank lines (the TACO convention)."""
+    norm = lambda s: "\n".join(line.rstrip() for line in s.strip("\n").splitlines()).strip()   # noqa: E731
+    return norm(got) == norm(want)
+
+
+def verify(problem: CodeProblem, code: str, limits: SandboxLimits = SandboxLimits()) -> tuple[bool, str]:
+    """Reward 1 iff every test passes: each stdin/stdout pair in its own run, then the asserts after the program.
+    -> (passed, a one-line reason); stops at the first failure."""
+    for i, t in enumerate(problem.tests):
+        r = run_sandboxed(code, t["input"], limits)
+        if r.status != "ok":
+            return False, f"test {i}: {r.status}" + (f" ({_last_line(r.stderr)})" if r.stderr else "")
+        if not _same_output(r.stdout, t["output"]):
+            return False, f"test {i}: wrong output"
+    if problem.asserts:
+        r = run_sandboxed(code + "\n\n" + problem.asserts + "\n", "", limits)
+        if r.status != "ok":
+            return False, f"asserts: {r.status}" + (f" ({_last_line(r.stderr)})" if r.stderr else "")
+    return True, "all tests passed"
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def verify_many(pairs, limits: SandboxLimits = SandboxLimits(), workers: int | None = None) -> list:
+    """verify() over [(problem, code)] in parallel, up to the core count (each run is its own process)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda pc: verify(pc[0], pc[1], limits), pairs))
+
+
+CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
+
+
+def extract_code(reply: str) -> str:
+    """The program in a reply: the last fenced block, else the whole reply (thinking stripped)."""
+    reply = re.sub(r"<think>.*?</think>", "", reply, flags=re.S)
+    blocks = CODE_BLOCK_RE.findall(reply)
+    return blocks[-1] if blocks else reply
+
+
+@dataclass
+class CodeWorld:
+    """The code environment behind ToolWorld's interface, single-turn: reset -> [system, user]; step(reply)
+    extracts the program, verifies it in the sandbox and ends the episode; reward is 1 if all tests passed.
+    Its trace (for the experience bank) is the program that passed."""
+    system_prompt: str = CODING_SYSTEM_PROMPT
+    framing: tuple = inject.CODING_FRAMING
+    retrieval_instruction: str = "Given a programming problem, retrieve a solved problem that needs a similar program"
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    max_steps: int = 1
+    task: CodeProblem | None = None
+    steps: int = 0
+    passed: bool = False
+    trace: list = field(default_factory=list)
+    tools = None
+
+    def reset(self, task: CodeProblem) -> list[dict]:
+        self.task, self.steps, self.passed, self.trace = task, 0, False, []
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.text}]
+
+    def step(self, reply: str) -> StepResult:
+        self.steps += 1
+        code = extract_code(reply)
+        self.passed, detail = verify(self.task, code, self.limits)
+        self.trace = [("program", {"code": code}, detail)]
+        return StepResult([], True, 0, int(not self.passed))
+
+    def reward(self) -> float:
+        return float(self.passed)
+
+    def trace_text(self) -> str:
+        """The experience the bank keeps: the program (A.3's code analogue of the observation-lite trace)."""
+        return self.trace[0][1]["code"] if self.trace else ""
 
 
 def _demo():

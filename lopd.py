@@ -8,6 +8,8 @@
     lopd_step                  Algorithm 1: rollouts -> retrieve -> compose -> re-score -> eq. 13 -> AdamW -> dual step
     teacher_rollout            "base + composer": the frozen base acting behind latents (evaluation)
     rft_step                   the RFT control: NLL on the bank's successes, no teacher (train.py --method rft)
+    grpo_step / opsd_step /    the baselines of B.1 on the same rollout and scoring functions; only the teacher's
+      sdpo_step                context and the loss differ (the table above `BaselineConfig`)
 
     python train.py --steps 5                   # runs lopd_step in the full pipeline
     python -m pytest tests/test_rollout.py tests/test_lopd.py -q
@@ -27,6 +29,11 @@ Deviations from the paper
 1. Generation uses Hugging Face `generate` (KV cache within a turn, left padding, explicit attention masks), not
    SGLang/vLLM; each turn re-encodes the conversation so far.
 2. A reply cut off by the per-turn token budget ends the episode (the reply is kept, unterminated).
+3. Baselines. GRPO takes one update per batch, as LOPD does, so its PPO clip never binds (ρ = 1). OPSD's pool is
+   the bank's successes, and the toy world's oracle trace where a task has none (B.1 asks stronger models).
+   On the toy backbone OPSD's and SDPO's teachers read their trajectory text in the framed span where LOPD's
+   latents go (`text_context_ids`, "span"): the toy learned to read a reference only there. Real models get the
+   B.1 system-message wording (OPSD) and a reprompt appended to the task (SDPO).
 """
 from __future__ import annotations
 
@@ -132,7 +139,8 @@ def _record_step(ep: Episode, env: ToolWorld, reply: str, n_new: int) -> list[st
 
 
 def _finish(ep: Episode, env: ToolWorld):
-    ep.done, ep.reward, ep.trace = True, env.reward(), lite_trace(env.trace)
+    text = env.trace_text() if hasattr(env, "trace_text") else lite_trace(env.trace)   # the bank's experience
+    ep.done, ep.reward, ep.trace = True, env.reward(), text
 
 
 def scripted_episode(tokenizer, env: ToolWorld, task, calls, tools=None, prompt_fn=None) -> Episode:
@@ -341,13 +349,19 @@ def continuation(eps, device):
     return conts, omega
 
 
-def student_logits(student, tokenizer, eps, device):
-    """π_θ^S on the sampled continuation behind the student's own prompt (eq. 8): (B, Tc, V), ids (B, Tc), ω."""
+def continuation_logits(model, tokenizer, prefixes, eps, device):
+    """`model` scores each episode's sampled continuation behind `prefixes` (one id list per episode).
+    -> logits (B, Tc, V), continuation ids (B, Tc), ω (B, Tc). The continuation is never re-tokenized."""
     conts, omega = continuation(eps, device)
-    ids, att, pos, P, _ = pack([e.ids[:e.prompt_len] for e in eps], conts, tokenizer.pad_token_id, device)
-    logits = student(input_ids=ids, attention_mask=att, position_ids=pos).logits          # (B, P+Tc, V)
+    ids, att, pos, P, _ = pack(prefixes, conts, tokenizer.pad_token_id, device)
+    logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits            # (B, P+Tc, V)
     Tc = omega.shape[1]
     return logits[:, P - 1:P - 1 + Tc], ids[:, P:], omega     # logits at column P-1+t predict token t
+
+
+def student_logits(student, tokenizer, eps, device):
+    """π_θ^S on the sampled continuation behind the student's own prompt (eq. 8): (B, Tc, V), ids (B, Tc), ω."""
+    return continuation_logits(student, tokenizer, [e.ids[:e.prompt_len] for e in eps], eps, device)
 
 
 def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None, enable_thinking=False):
@@ -458,3 +472,168 @@ def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: floa
     student.eval()
     ok = _step((opt, None), student, None, clip, math.isfinite(total))
     return {"loss/rft": total, "skipped": int(not ok), "tokens": n_tokens}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Baselines in the same loop (train.py --method grpo|opsd|sdpo; paper B.1)
+# ----------------------------------------------------------------------------------------------------------------
+# Each baseline shares `rollout`, `continuation_logits`, `_step` and the evaluation with LOPD. What differs is only
+# the teacher's context (none; a trajectory as TEXT; latents c_φ for LOPD) and the loss (each keeps its paper's):
+#
+#   method  teacher                          context                            loss
+#   lopd    frozen θ̄ (LoRA off)              latents c_φ of J retrieved trajs    reverse KL, teacher top-M (eq. 13)
+#   grpo    none                             none                               PPO-clip, group-normalised Â
+#   opsd    frozen θ̄                         a successful traj. of the SAME task forward KL, full vocabulary
+#   sdpo    EMA of θ (rate 0.05)             a successful SIBLING in the group   reverse KL, student top-K + tail
+@dataclass
+class BaselineConfig:
+    group: int = 4             # G rollouts per task (GRPO, SDPO; B.1)
+    clip_eps: float = 0.2      # ε_lo = ε_hi (GRPO; B.1)
+    top_k: int = 20            # SDPO's top-K support (the same M = 20 as LOPD)
+    ema_rate: float = 0.05     # SDPO's teacher update rate (B.1)
+    success: float = 1.0       # reward threshold of a "successful" trajectory (the bank's)
+    context: str = "system"    # where the text goes: system | user | span (see `text_context_ids`)
+    micro_batch: int = 8
+    clip: float = 1.0
+
+
+# B.1, OPSD: appended to the system message (the paper's wording).
+OPSD_CONTEXT = (
+    "The following is a reference plan for the upcoming task. Use it only as guidance for your own reasoning; you "
+    "must still interact with the environment to complete the task.\n\n{text}\n\nAfter reading the reference "
+    "solution above, make sure you truly understand the reasoning behind each step. Now, using your own words and "
+    "independent reasoning, derive the same final answer.")
+# SDPO: a successful attempt from the same group, appended to the task (our wording of SDPO's reprompt).
+SDPO_CONTEXT = "\n\nA successful attempt at this task:\n{text}\n\nNow complete the task yourself."
+
+
+def text_context_ids(tokenizer, messages, text, template, where, framing, tools=None, enable_thinking=False):
+    """The teacher's prompt ids with a trajectory as TEXT (OPSD, SDPO), where LOPD's teacher has latents.
+
+    where="system": the template is appended to the system message; "user": to the first user message;
+    "span": the text's own ids fill the framed placeholder span of A.5, exactly where LOPD's latents go. The toy
+    backbone learned to read a reference only there (toy.py, "in-context reading"), so the toy uses "span"."""
+    if where == "span":
+        ref = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, s = inject.latent_prompt_ids(tokenizer, messages, len(ref), framing, tools, enable_thinking)
+        return ids[:s] + ref + ids[s + len(ref):]
+    role = {"system": "system", "user": "user"}[where]
+    msgs = [dict(m) for m in messages]
+    i = next(k for k, m in enumerate(msgs) if m["role"] == role)
+    msgs[i]["content"] += ("\n\n" if role == "system" else "") + template.format(text=text)
+    return prompt_ids(tokenizer, msgs, tools, enable_thinking)
+
+
+def frozen_base(composer):
+    """θ̄ as a callable model: the backbone with every adapter off (the teacher of LOPD and of OPSD)."""
+    def forward(**kw):
+        with composer.adapter_disabled():
+            return composer.peft(**kw)
+    return forward
+
+
+def _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg: BaselineConfig, make_env, tools,
+                         enable_thinking, device):
+    """The teacher re-scores the student's ids behind its text context (one text per episode). -> (B, Tc, V)"""
+    framing = make_env().framing
+    prefixes = [text_context_ids(tokenizer, make_env().reset(e.task), x, template, cfg.context, framing, tools,
+                                 enable_thinking) for e, x in zip(eps, texts)]
+    with torch.no_grad():
+        return continuation_logits(teacher, tokenizer, prefixes, eps, device)[0]          # (B, Tc, V)
+
+
+def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: SampleConfig, make_env=ToolWorld,
+              tools=None):
+    """GRPO: G rollouts per task, Â group-normalised, PPO-clip. No teacher, no context.
+
+    One update per batch (as LOPD), so π_old is the policy that sampled: ρ = 1 at the update, the clip never
+    binds, and π_old's log-probs need no extra forward (they are the detached current ones)."""
+    group_tasks = [t for t in tasks for _ in range(cfg.group)]                               # rows of a group adjacent
+    eps = rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+    rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
+    adv = losses.group_advantages(rewards, cfg.group)                                       # (B,)
+    device, n_tokens = next(student.parameters()).device, sum(sum(e.mask) for e in eps)
+    student.train()
+    total, clipped = 0.0, 0.0
+    for i in range(0, len(eps), cfg.micro_batch):
+        ls, ids, omega = student_logits(student, tokenizer, eps[i:i + cfg.micro_batch], device)  # (b, Tc, V)
+        logp = losses.token_logprobs(ls, ids, omega)                                        # (b, Tc)
+        loss, frac = losses.ppo_clip_loss(logp, logp.detach(), adv[i:i + cfg.micro_batch].to(device), omega,
+                                          cfg.clip_eps, cfg.clip_eps, n_tokens)
+        loss.backward()
+        total, clipped = total + loss.item(), max(clipped, frac)
+    student.eval()
+    ok = _step((opt, None), student, None, cfg.clip, math.isfinite(total))
+    return {"reward/student": rewards.mean().item(), "loss/grpo": total, "grpo/clip_frac": clipped,
+            "grpo/zero_adv_groups": int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()),
+            "skipped": int(not ok), "tokens": n_tokens}, eps
+
+
+def _distill_step(student, teacher, tokenizer, eps, texts, template, loss_fn, opt, cfg, make_env, tools,
+                  enable_thinking):
+    """Shared by OPSD and SDPO: rows with a text context are distilled, normalised by their token count."""
+    device = next(student.parameters()).device
+    rows = [i for i, x in enumerate(texts) if x is not None]
+    n_tokens = sum(sum(eps[i].mask) for i in rows)
+    student.train()
+    total = 0.0
+    for k in range(0, len(rows), cfg.micro_batch):
+        mb = rows[k:k + cfg.micro_batch]
+        lt = _text_teacher_logits(teacher, tokenizer, [eps[i] for i in mb], [texts[i] for i in mb], template, cfg,
+                                  make_env, tools, enable_thinking, device)                  # (b, Tc, V)
+        ls, _, omega = student_logits(student, tokenizer, [eps[i] for i in mb], device)       # (b, Tc, V)
+        loss = loss_fn(ls, lt, omega, n_tokens)
+        loss.backward()
+        total += loss.item()
+    student.eval()
+    ok = _step((opt, None), student, None, cfg.clip, math.isfinite(total))
+    return {"loss/distill": total, "context/rows": len(rows), "skipped": int(not ok), "tokens": n_tokens}
+
+
+def opsd_step(student, base, tokenizer, tasks, pool, opt, cfg: BaselineConfig, sample_cfg: SampleConfig,
+              make_env=ToolWorld, tools=None):
+    """OPSD: the frozen base θ̄ sees a successful trajectory of the SAME task as text; forward KL, full vocabulary.
+    pool: task_id -> trace text (`opsd_pool`); a task missing from it gives no teacher signal."""
+    eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
+    texts = [pool.get(t.task_id) for t in tasks]
+    m = _distill_step(student, base, tokenizer, eps, texts, OPSD_CONTEXT,
+                      lambda ls, lt, om, n: losses.forward_kl_full(ls, lt, om, n), opt, cfg, make_env, tools,
+                      sample_cfg.enable_thinking)
+    return {"reward/student": sum(e.reward for e in eps) / len(eps), **m}, eps
+
+
+def opsd_pool(bank, tasks, make_env=ToolWorld, success: float = 1.0) -> dict:
+    """B.1's shared pool of verified-successful trajectories: the bank's own (base rollouts, already counted as
+    generations), and where a task has none, the environment's oracle trace if it offers one (the toy world does;
+    B.1 asks stronger models here). -> {task_id: trace text}, and the number filled by the oracle."""
+    pool = {e["task_id"]: e["trace"] for e in bank if e.get("reward", 1.0) >= success}
+    oracle = getattr(make_env(), "oracle_trace", None)
+    missing = [t for t in tasks if t.task_id not in pool]
+    if oracle is not None:
+        pool.update({t.task_id: oracle(t) for t in missing})
+    return pool, len(missing) if oracle is not None else 0
+
+
+def sdpo_step(student, ema_teacher, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: SampleConfig,
+              make_env=ToolWorld, tools=None):
+    """SDPO: G rollouts per task; each rollout's teacher is the EMA θ̄_ema behind a successful SIBLING's trace (never
+    its own); reverse KL over the student's top-K + tail; then θ̄_ema ← (1 − rate)θ̄_ema + rate·θ.
+    A rollout with no successful sibling gets no teacher signal."""
+    group_tasks = [t for t in tasks for _ in range(cfg.group)]
+    eps = rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+    texts = sibling_contexts(eps, cfg.group, cfg.success)
+    m = _distill_step(student, ema_teacher, tokenizer, eps, texts, SDPO_CONTEXT,
+                      lambda ls, lt, om, n: losses.reverse_kl_student_topk(ls, lt, om, cfg.top_k, n), opt, cfg,
+                      make_env, tools, sample_cfg.enable_thinking)
+    losses.ema_update(ema_teacher.parameters(), student.parameters(), cfg.ema_rate)
+    return {"reward/student": sum(e.reward for e in eps) / len(eps), **m}, eps
+
+
+def sibling_contexts(eps, group: int, success: float = 1.0):
+    """For each rollout, the trace of the first successful OTHER rollout of its group, or None."""
+    out = []
+    for i, e in enumerate(eps):
+        g = i // group * group
+        sib = [eps[j] for j in range(g, g + group) if j != i and eps[j].reward >= success]
+        out.append(sib[0].trace if sib else None)
+    return out

@@ -7,6 +7,8 @@ Implements §3.3 of "Latent On-Policy Self-Distillation" (paper/lopd-paper.md), 
   (12) Δ = E_τ[ Σ ω·A(τ)·δ / Σ ω ],  A(τ) = 2r(τ) − 1                      outcome-weighted privilege
   (13) L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖²,   β ← max(0, β + η_β(m − Δ))
 and the masked NLL that the cold start (eq. 14), the toy's SFT and the RFT control share (`masked_nll`).
+Baselines (B.1), each with its own paper's loss: GRPO's group-normalised advantages and PPO-clip surrogate,
+OPSD's full-vocabulary forward KL, SDPO's reverse KL over the student's top-K + tail and its EMA teacher update.
 Every loss is a pure function of tensors (no model inside). Math runs in fp32, or float64 when given float64
 (so that torch.autograd.gradcheck can run on these functions).
 
@@ -229,3 +231,64 @@ def masked_nll(logits, ids, mask, n_tokens=None):
     """
     n = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
     return -token_logprobs(logits, ids, mask).sum() / n
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Baselines (train.py --method grpo|opsd|sdpo, paper B.1). Each keeps its own paper's loss and KL direction.
+# ----------------------------------------------------------------------------------------------------------------
+def group_advantages(rewards, group: int, eps: float = 1e-4):
+    """GRPO's group-normalised advantage: Â_i = (r_i − mean_g r) / (std_g r + eps) within each group of G.
+
+    rewards (B,) with B = n_groups·G, rows of one group adjacent -> (B,) fp32. std is the unbiased sample std
+    (as TRL's GRPOTrainer); a group whose rewards are all equal gets Â = 0 (no signal)."""
+    r = _fp32(rewards).reshape(-1, group)                               # (n_groups, G)
+    mean, std = r.mean(1, keepdim=True), r.std(1, keepdim=True)         # (n_groups, 1) each
+    return ((r - mean) / (std + eps)).reshape(-1)                       # (B,)
+
+
+def ppo_clip_loss(logp, logp_old, advantages, mask, eps_lo=0.2, eps_hi=0.2, n_tokens=None):
+    """GRPO's clipped surrogate, token level: −Σ ω·min(ρ Â, clip(ρ, 1−ε_lo, 1+ε_hi) Â) / n_tokens, ρ = π/π_old.
+
+    logp (B, T) log π_θ(a_t) with gradient, logp_old (B, T) the same under the policy that sampled (no gradient),
+    advantages Â (B,) one per trajectory, mask ω (B, T) -> (scalar loss, clip fraction over ω tokens).
+    n_tokens: the whole batch's Σ ω when micro-batching. With one update per batch ρ = 1 and the clip never
+    binds: the gradient is then Σ ω Â ∇log π / n_tokens, plain REINFORCE with a group baseline."""
+    ratio = torch.exp(logp - logp_old.detach())                         # (B, T) ρ
+    adv = _fp32(advantages).unsqueeze(1)                                # (B, 1)
+    # the pessimistic bound: min of the unclipped and the clipped surrogate
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv)   # (B, T)
+    n = mask.sum() if n_tokens is None else n_tokens
+    clipped = ((ratio < 1 - eps_lo) | (ratio > 1 + eps_hi)).float()     # (B, T)
+    return -(surrogate * mask).sum() / n, ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def forward_kl_full(student_logits, teacher_logits, mask, n_tokens=None):
+    """OPSD's (and SDFT's) loss: Σ ω·KL(πT ‖ πS) / n_tokens over the FULL vocabulary, FORWARD KL (teacher first):
+    Σ_v πT(v) log(πT(v)/πS(v)). The teacher is a target: its side is detached, only θ learns.
+
+    student_logits, teacher_logits (B, T, V) aligned with mask ω (B, T) -> scalar fp32."""
+    logp_s = supervised_logprobs(student_logits, mask)                  # (N, V)
+    logp_t = supervised_logprobs(teacher_logits, mask).detach()         # (N, V)
+    kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)                     # (N,)
+    n = mask.sum() if n_tokens is None else n_tokens
+    return kl.sum() / n
+
+
+def reverse_kl_student_topk(student_logits, teacher_logits, mask, top_k=20, n_tokens=None):
+    """SDPO's loss: reverse KL(p̃S ‖ sg p̃T) over the STUDENT's top-K ids plus a tail bucket (SDPO picks the
+    support from the student; LOPD's eq. 9 from the teacher). The EMA teacher is a target: detached.
+
+    student_logits, teacher_logits (B, T, V) aligned with mask ω (B, T) -> scalar fp32."""
+    logp_s = supervised_logprobs(student_logits, mask)                  # (N, V)
+    logp_t = supervised_logprobs(teacher_logits, mask).detach()         # (N, V)
+    # topm_tail(a, b) takes b's top ids: passing the student second puts the support on the student
+    logq_t, logq_s = topm_tail(logp_t, logp_s, top_k)                   # (N, K+1) each
+    n = mask.sum() if n_tokens is None else n_tokens
+    return bucket_reverse_kl(logq_s, logq_t).sum() / n
+
+
+@torch.no_grad()
+def ema_update(teacher_params, student_params, rate: float):
+    """SDPO's teacher: θ̄ ← (1 − rate)·θ̄ + rate·θ, in place, parameter by parameter (rate 0.05 in B.1)."""
+    for t, s in zip(teacher_params, student_params):
+        t.mul_(1 - rate).add_(s.detach().to(t.dtype), alpha=rate)

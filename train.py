@@ -3,6 +3,8 @@
     python train.py                              # toy world, toy backbone, CPU, a few minutes
     python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
     python train.py --ablations                  # the table: LOPD variants and controls, 3 seeds
+    python train.py --figure4                    # reward against generations: LOPD, GRPO, OPSD, SDPO, 3 seeds
+    python train.py --method grpo                # a baseline on the same loop (grpo | opsd | sdpo | rft)
 
 Stages, each cached in --out (a rerun skips what is finished):
   1. backbone      build or reuse the toy backbone (toy.py), or load --model
@@ -22,7 +24,13 @@ Controls (is the student's gain due to latent privileged context?):
                         student optimizer and step count (`lopd.rft_step`)
   --retrieval other     the composer reads experiences of OTHER variants (shops) only
   --retrieval none      the composer reads no reference (and the task, where --composer-input has it)
-Every method's `generations` counter starts at the rollouts spent building the bank.
+Every method that uses the bank (lopd, rft, opsd) starts its `generations` counter at the bank's rollouts.
+
+Baselines on the same loop (B.1; lopd.py's table says what differs: the teacher's context and the loss):
+  --method grpo         G = 4 rollouts per task, group-normalised advantages, PPO-clip ε = 0.2, no teacher
+  --method opsd         frozen teacher reading a successful trajectory of the same task as text, forward KL
+  --method sdpo         EMA teacher (rate 0.05) reading a successful sibling of the group as text, reverse KL
+  python train.py --figure4     Figure 4: lopd, grpo, opsd, sdpo x 3 seeds on one budget -> OUT/figure4.csv/.md/.png
 
 Real backbones: bf16 weights with the trained ones (student, composer) in fp32 under bf16 autocast (`precision`),
 SDPA attention, --grad-ckpt, micro-batches normalised by the iteration's token count; --student-lora trains θ as
@@ -57,6 +65,9 @@ class Args:
     """Every setting of a run. Fields left at None take the paper default, or the toy default for the toy model."""
     model: str = ""
     """HF causal-LM id or local folder; empty = build (or reuse) the offline toy backbone in OUT/backbone"""
+    env: str = "tools"
+    """tools: the tool-use world (multi-turn) | code: single-turn programming problems verified in a sandbox
+(needs --tasks: train.jsonl and test.jsonl in our, TACO, LiveCodeBench or EvalPlus layout; envs.py)"""
     tasks: str = ""
     """folder with train.jsonl and test.jsonl (envs.py task format); empty = generate the toy world's splits"""
     out: str = "runs/toy"
@@ -93,7 +104,17 @@ class Args:
     cold_clip: float = 3.0
     """cold-start gradient clipping (A.2: 3.0)"""
     method: str = "lopd"
-    """lopd (Algorithm 1) | rft (control: NLL on the bank's successes, no teacher, same optimizer and steps)"""
+    """lopd (Algorithm 1) | rft (control: NLL on the bank's successes, no teacher, same optimizer and steps) |
+grpo | opsd | sdpo (baselines, B.1: the same loop, rollouts and evaluation; lopd.py says what differs)"""
+    group: int = 4
+    """G, rollouts per task for grpo and sdpo (B.1: 4); rollouts-per-step / G tasks a step"""
+    clip_eps: float = 0.2
+    """GRPO's PPO clip ε (B.1: 0.2)"""
+    ema_rate: float = 0.05
+    """SDPO's EMA teacher update rate (B.1: 0.05)"""
+    text_context: str = None
+    """where OPSD's and SDPO's teachers read their trajectory text: system | user | span (the framed span where
+LOPD's latents go; the toy backbone reads a reference only there)"""
     retrieval: str = "same"
     """what the composer reads: same (Ret(x), the method) | other (controls: entries of other variants only) |
 none (no reference; the task too only where --composer-input has it)"""
@@ -134,6 +155,8 @@ none (no reference; the task too only where --composer-input has it)"""
     eval_every: int = None
     """every N iterations, evaluate the student and the teacher (reward/teacher: base + composer, to watch it
 drift) on 50 held-out tasks (0 = only at the end)"""
+    eval_tasks: int = 100
+    """held-out tasks of each --eval-every evaluation (the final evaluation uses all of them)"""
     save_every: int = 10
     """write a checkpoint every N iterations"""
     resume: bool = False
@@ -149,8 +172,11 @@ composer encoder and student) instead of a full copy"""
     """gradient checkpointing in the student's and the teacher's backbones (memory for compute)"""
     ablations: bool = False
     """run the paper's ablation table instead: vanilla, base + composer, LOPD m=0.05, m=0, frozen composer"""
+    figure4: bool = False
+    """run Figure 4 instead: LOPD, GRPO, OPSD and SDPO on the same generation budget, the student evaluated every
+--eval-every steps; OUT/figure4.csv, figure4.md and (with matplotlib) figure4.png"""
     seeds: int = 3
-    """seeds for --ablations (seed, seed+1, ...); each row is reported as mean ± std"""
+    """seeds for --ablations and --figure4 (seed, seed+1, ...); rows are reported as mean ± std"""
 
 
 # Where the toy world needs its own value, and why. Real models take PAPER_DEFAULTS.
@@ -165,11 +191,13 @@ TOY_DEFAULTS = {
     "composer_lr": 1e-5,   # the paper's: at 1e-4 joint training first lowered the teacher (0.74 -> 0.66 at step 20)
     "max_new_tokens": 64,
     "max_env_steps": 10,   # toy procedures take 2-6 calls (+ commit + "Task Completed")
-    "eval_every": 20,      # teacher drift: base + composer and the student on 50 held-out tasks every 20 steps
+    "eval_every": 10,      # teacher drift, and Figure 4's points: the student (and the teacher) every 10 steps
+    "text_context": "span",   # OPSD/SDPO text where the toy backbone reads a reference (toy.py, in-context reading)
 }
 PAPER_DEFAULTS = {"latents": 32, "composer_input": "task+reference", "cold_steps": 500, "cold_lr": 1e-5,
                   "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
-                  "max_new_tokens": 1024, "max_env_steps": 30, "eval_every": 0}
+                  "max_new_tokens": 1024, "max_env_steps": 30, "eval_every": 0, "text_context": "system"}
+METHODS = ("lopd", "rft", "grpo", "opsd", "sdpo")
 
 
 def parse_args(argv=None) -> Args:
@@ -210,8 +238,14 @@ def _check(p, a: Args):
         p.error(f"--device must be auto, cpu, cuda or mps, not {a.device!r}")
     if a.dtype not in ("auto", "float32", "bfloat16", "float16"):
         p.error(f"--dtype must be auto, float32, bfloat16 or float16, not {a.dtype!r}")
-    if a.method not in ("lopd", "rft"):
-        p.error(f"--method must be lopd or rft, not {a.method!r}")
+    if a.method not in METHODS:
+        p.error(f"--method must be one of {', '.join(METHODS)}, not {a.method!r}")
+    if a.method in ("grpo", "sdpo") and a.rollouts_per_step % a.group:
+        p.error(f"--rollouts-per-step {a.rollouts_per_step} must be a multiple of --group {a.group}")
+    if a.method == "sdpo" and a.student_lora:
+        p.error("--method sdpo keeps an EMA copy of a full student; it does not support --student-lora")
+    if a.text_context not in ("system", "user", "span"):
+        p.error(f"--text-context must be system, user or span, not {a.text_context!r}")
     if a.composer_input not in ("task+reference", "reference"):
         p.error(f"--composer-input must be task+reference or reference, not {a.composer_input!r}")
     if a.retrieval not in lopd.RETRIEVAL_MODES:
@@ -220,6 +254,10 @@ def _check(p, a: Args):
         p.error(f"--delta-per must be trajectory or token, not {a.delta_per!r}")
     if a.model and not os.path.isdir(a.model) and (a.model.startswith((".", "/")) or a.model.count("/") != 1):
         p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
+    if a.env not in ("tools", "code"):
+        p.error(f"--env must be tools or code, not {a.env!r}")
+    if a.env == "code" and not a.tasks:
+        p.error("--env code needs --tasks DIR with train.jsonl and test.jsonl of problems (no toy code world yet)")
     if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
         p.error(f"--tasks {a.tasks!r}: expected a folder holding train.jsonl and test.jsonl")
     for name in ("n_ret", "latents", "rollouts_per_step", "micro_batch", "top_m", "steps"):
@@ -377,8 +415,8 @@ def precision(model):
 def load_splits(args: Args):
     """Training and held-out tasks: --tasks folder, or the toy world's seeded splits (saved to OUT/tasks)."""
     if args.tasks:
-        return (envs.load_tasks(os.path.join(args.tasks, "train.jsonl")),
-                envs.load_tasks(os.path.join(args.tasks, "test.jsonl")))
+        load = envs.load_problems if args.env == "code" else envs.load_tasks
+        return load(os.path.join(args.tasks, "train.jsonl")), load(os.path.join(args.tasks, "test.jsonl"))
     train, test = envs.make_splits(args.seed, args.n_train, args.n_test)
     os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
     for name, tasks in (("train", train), ("test", test)):
@@ -387,7 +425,11 @@ def load_splits(args: Args):
 
 
 def env_factory(args: Args):
-    """The environment the run uses: the toy backbone reads the short system prompt and framing, real models A.5's."""
+    """The environment the run uses: the toy backbone reads the short system prompt and framing, real models A.5's.
+    Its `tools` (JSON schemas, or None for code) go to the chat template."""
+    if args.env == "code":
+        framing = inject.TOY_FRAMING if is_toy(args) else inject.CODING_FRAMING
+        return lambda: envs.CodeWorld(framing=framing)
     if is_toy(args):
         prompt, framing = envs.TOY_SYSTEM_PROMPT, inject.TOY_FRAMING
     else:
@@ -429,7 +471,8 @@ def base_rollouts(args, model, tok, train, log):
     t0 = time.time()
     tasks = [t for t in train for _ in range(args.bank_rollouts)]
     with tqdm(total=len(tasks), desc="base rollouts", leave=False) as bar:
-        eps = lopd.rollout(model, tok, tasks, sample_config(args), env_factory(args), envs.TOOLS, progress=bar)
+        make_env = env_factory(args)
+        eps = lopd.rollout(model, tok, tasks, sample_config(args), make_env, make_env().tools, progress=bar)
     write_jsonl(path, [episode_record(e) for e in eps])
     log("base_rollouts", n=len(eps), seconds=round(time.time() - t0, 1), **lopd.summarize(eps))
     return eps
@@ -498,7 +541,8 @@ def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entri
     latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, args.n_ret, args.retrieval))  # (B, J·K, d)
     eps = [episodes[e["meta"]["episode"]] for e in entries]
     ids, att, omega, starts = cold_start_batch(tok, [make_env().reset(t) for t in tasks], eps,
-                                               latents.shape[1], make_env().framing, envs.TOOLS, args.enable_thinking)
+                                               latents.shape[1], make_env().framing, make_env().tools,
+                                               args.enable_thinking)
     dev = latents.device
     return cold_start_loss(composer, ids.to(dev), att.to(dev), omega.to(dev), starts.to(dev), latents)
 
@@ -547,7 +591,7 @@ def lopd_config(args: Args) -> lopd.LOPDConfig:
 def make_optimizers(args, student, composer):
     """AdamW for θ, and for φ unless the composer is frozen (B.1: AdamW, lr 1e-5, clip 1.0)."""
     opt_s = torch.optim.AdamW(student.parameters(), lr=args.lr)
-    frozen = args.freeze_composer or args.method == "rft"
+    frozen = args.freeze_composer or args.method != "lopd"
     opt_c = None if frozen else torch.optim.AdamW(composer.trainable_parameters(), lr=args.composer_lr)
     return opt_s, opt_c
 
@@ -567,7 +611,7 @@ def set_rng_state(state: dict, task_rng: random.Random):
     task_rng.setstate(state["tasks"])
 
 
-def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng):
+def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng, ema=None):
     """OUT/ckpt/step-NNNNNN: the student as an HF folder, the composer, optimizer states, β, step, RNG states.
     Written under a temporary name and renamed, then OUT/ckpt/LATEST (a one-line file, replaced atomically) points
     to it; older steps are deleted last. A kill at any moment leaves LATEST naming a complete checkpoint."""
@@ -576,6 +620,8 @@ def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng):
     shutil.rmtree(tmp, ignore_errors=True)
     student.save_pretrained(os.path.join(tmp, "student"))
     composer.save(os.path.join(tmp, "composer"))
+    if ema is not None:                       # SDPO's EMA teacher
+        ema.save_pretrained(os.path.join(tmp, "ema_teacher"))
     torch.save({"opt_s": opts[0].state_dict(), "opt_c": opts[1].state_dict() if opts[1] else None, "beta": beta,
                 "step": step, "generations": gens, "rng": rng_state(task_rng)}, os.path.join(tmp, "state.pt"))
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -596,9 +642,11 @@ def latest_checkpoint(out: str):
     return os.path.join(out, "ckpt", open(pointer).read().strip())
 
 
-def load_checkpoint(path, student, composer, opts, task_rng):
+def load_checkpoint(path, student, composer, opts, task_rng, ema=None):
     """Restore what save_checkpoint wrote into the live objects; returns (β, step, generations)."""
     load_student_weights(student, os.path.join(path, "student"))
+    if ema is not None:
+        load_student_weights(ema, os.path.join(path, "ema_teacher"))
     reset_composer(composer, os.path.join(path, "composer"))
     state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
     opts[0].load_state_dict(state["opt_s"])
@@ -609,45 +657,91 @@ def load_checkpoint(path, student, composer, opts, task_rng):
 
 
 def joint_training(run):
-    """Stage 5: args.steps iterations of Algorithm 1. Returns the trained student θ."""
+    """Stage 5: args.steps iterations of args.method (Algorithm 1 for lopd). Returns the trained student θ."""
     args, composer, student, log = run["args"], run["composer"], run["student"], run["log"]
-    cfg, scfg, make_env = lopd_config(args), sample_config(args), env_factory(args)
-    c0 = {} if args.method == "rft" else lopd.anchor_cache(composer, run["retriever"], run["train"], args.n_ret,
-                                                            args.retrieval)
+    state = method_state(args, run)
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
-    gens = len(run["episodes"])      # the bank's rollouts count towards every method's generations (honest budgets)
+    gens = len(run["episodes"]) if args.method in USES_BANK else 0   # honest budgets: the bank's rollouts count
     seed_everything(args.seed + 3)   # the joint stage's randomness does not depend on which stages were cached
     ckpt = latest_checkpoint(args.out) if args.resume else None
     if ckpt:
-        beta, start, gens = load_checkpoint(ckpt, student, composer, opts, task_rng)
+        beta, start, gens = load_checkpoint(ckpt, student, composer, opts, task_rng, state.get("ema"))
         print(f"resumed from {ckpt} at step {start}")
-    successes = [e for e in run["episodes"] if e.reward >= args.bank_threshold]      # RFT's data: the bank
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
                      leave=False):
         t0 = time.time()
         with precision(composer.peft):
-            if args.method == "rft":   # the control: same optimizer and step count, no teacher, no new rollouts
-                m = lopd.rft_step(student, run["tok"], task_rng.choices(successes, k=args.rollouts_per_step),
-                                  opts[0], args.micro_batch, args.clip)
-            else:
-                tasks = task_rng.sample(run["train"], args.rollouts_per_step)
-                beta, m, _ = lopd.lopd_step(student, composer, run["tok"], tasks, run["retriever"], c0, beta, opts,
-                                             cfg, scfg, make_env, envs.TOOLS)
-                gens += len(tasks)
+            beta, m, spent = train_step(args, run, state, student, opts, beta, task_rng)
+        gens += spent
         if args.eval_every and (step + 1) % args.eval_every == 0:
             m.update(drift_eval(args, composer, student, run))
         log(args.method, step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            save_checkpoint(args, student, composer, opts, beta, step + 1, gens, task_rng)
+            save_checkpoint(args, student, composer, opts, beta, step + 1, gens, task_rng, state.get("ema"))
     return student
 
 
-def drift_eval(args, composer, student, run, n: int = 50) -> dict:
-    """reward/teacher (base + composer) and reward/eval (student) on the first n held-out tasks."""
-    rows = evaluate(args, composer, student, run["retriever"], run["tok"], run["test"][:n],
-                    which=("base + composer", "LOPD student"))
-    return {"reward/teacher": rows["base + composer"]["reward"], "reward/eval": rows["LOPD student"]["reward"]}
+# Methods whose data includes the experience bank (its base rollouts count towards their generations).
+USES_BANK = ("lopd", "rft", "opsd")
+
+
+def method_state(args, run) -> dict:
+    """What a method keeps across steps: LOPD the anchor's c_φ0 per task, RFT the bank's successes, OPSD its
+    pool of same-task successful traces, SDPO its EMA teacher."""
+    if args.method == "lopd":
+        return {"c0": lopd.anchor_cache(run["composer"], run["retriever"], run["train"], args.n_ret, args.retrieval)}
+    if args.method == "rft":
+        return {"successes": [e for e in run["episodes"] if e.reward >= args.bank_threshold]}
+    if args.method == "opsd":
+        pool, n_oracle = lopd.opsd_pool(run["retriever"].bank, run["train"], env_factory(args), args.bank_threshold)
+        run["log"]("opsd_pool", tasks=len(pool), from_oracle=n_oracle)
+        return {"pool": pool}
+    if args.method == "sdpo":
+        ema = copy.deepcopy(run["student"]).eval()
+        ema.requires_grad_(False)
+        return {"ema": ema}
+    return {}
+
+
+def baseline_config(args: Args) -> lopd.BaselineConfig:
+    return lopd.BaselineConfig(group=args.group, clip_eps=args.clip_eps, top_k=args.top_m, ema_rate=args.ema_rate,
+                               success=args.bank_threshold, context=args.text_context, micro_batch=args.micro_batch,
+                               clip=args.clip)
+
+
+def train_step(args, run, state, student, opts, beta, task_rng):
+    """One step of args.method on the shared loop. Returns (β, metrics, generations spent). Every method draws
+    rollouts_per_step generations: LOPD and OPSD as one rollout of that many tasks, GRPO and SDPO as G of each."""
+    tok, scfg, make_env, bcfg = run["tok"], sample_config(args), env_factory(args), baseline_config(args)
+    tools = make_env().tools
+    if args.method == "rft":   # the control: same optimizer and step count, no teacher, no new rollouts
+        return beta, lopd.rft_step(student, tok, task_rng.choices(state["successes"], k=args.rollouts_per_step),
+                                   opts[0], args.micro_batch, args.clip), 0
+    per_task = args.group if args.method in ("grpo", "sdpo") else 1
+    tasks = task_rng.sample(run["train"], args.rollouts_per_step // per_task)
+    if args.method == "lopd":
+        beta, m, _ = lopd.lopd_step(student, run["composer"], tok, tasks, run["retriever"], state["c0"], beta, opts,
+                                     lopd_config(args), scfg, make_env, tools)
+    elif args.method == "grpo":
+        m, _ = lopd.grpo_step(student, tok, tasks, opts[0], bcfg, scfg, make_env, tools)
+    elif args.method == "opsd":
+        m, _ = lopd.opsd_step(student, lopd.frozen_base(run["composer"]), tok, tasks, state["pool"], opts[0], bcfg,
+                              scfg, make_env, tools)
+    else:
+        m, _ = lopd.sdpo_step(student, state["ema"], tok, tasks, opts[0], bcfg, scfg, make_env, tools)
+    return beta, m, len(tasks) * per_task
+
+
+def drift_eval(args, composer, student, run) -> dict:
+    """reward/eval (the student alone) and, for LOPD, reward/teacher (base + composer) on the first --eval-tasks
+    held-out tasks. The other methods never change the composer, so their teacher row cannot drift."""
+    which = ("base + composer", "LOPD student") if args.method == "lopd" else ("LOPD student",)
+    rows = evaluate(args, composer, student, run["retriever"], run["tok"], run["test"][:args.eval_tasks], which=which)
+    out = {"reward/eval": rows["LOPD student"]["reward"]}
+    if "base + composer" in rows:
+        out["reward/teacher"] = rows["base + composer"]["reward"]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -658,17 +752,25 @@ def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
     """The rows of Table 3 on held-out tasks, each from the same seed; the training RNG streams are restored."""
     import eval as ev
     cfg, make_env, rows = sample_config(args, temperature), env_factory(args), {}
+    tools = make_env().tools
     saved = rng_state(random.Random())
-    for name, run in (("vanilla", lambda: ev.eval_vanilla(composer, tok, tasks, cfg, make_env)),
+    for name, run in (("vanilla", lambda: ev.eval_vanilla(composer, tok, tasks, cfg, make_env, tools)),
                       ("base + composer", lambda: ev.eval_teacher(composer, retriever, tok, tasks, cfg, make_env,
-                                                                  args.n_ret, mode=args.retrieval)),
-                      ("LOPD student", lambda: ev.eval_student(student, tok, tasks, cfg, make_env))):
+                                                                  args.n_ret, tools, mode=args.retrieval)),
+                      ("LOPD student", lambda: ev.eval_student(student, tok, tasks, cfg, make_env, tools))):
         if name not in which or (name == "LOPD student" and student is None):
             continue
         seed_everything(args.seed + 1)
         with precision(composer.peft):
             rows[name] = lopd.summarize(run())
     set_rng_state(saved, random.Random())
+    return rows
+
+
+def name_student_row(args, rows: dict) -> dict:
+    """A baseline's student is reported under its method's name ("GRPO student"), not as the LOPD student."""
+    if args.method != "lopd" and "LOPD student" in rows:
+        rows[f"{args.method.upper()} student"] = rows.pop("LOPD student")
     return rows
 
 
@@ -685,7 +787,8 @@ def final_eval(args: Args, n_test: int = 0, temperature=None, controls: bool = F
         load_student_weights(student, os.path.join(ckpt, "student"))
         reset_composer(run["composer"], os.path.join(ckpt, "composer"))
     tasks = run["test"][:n_test] if n_test else run["test"]
-    rows = evaluate(args, run["composer"], student, run["retriever"], run["tok"], tasks, temperature)
+    rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], tasks,
+                                           temperature))
     if controls:
         rows.update({k: v for k, v in world_check(args, run, tasks).items() if k not in rows})
     ev.write_results(args.out, rows)
@@ -758,7 +861,11 @@ def ablation_seed(args: Args) -> dict:
                  for k, v in world_check(args, run, run["test"]).items()})
     base_student = run["student"] if isinstance(run["student"], LoraStudent) else copy.deepcopy(run["student"])
     for name, change in VARIANTS.items():
-        vargs = dataclasses.replace(args, out=os.path.join(args.out, _slug(name)), **change)
+        # only LOPD itself is evaluated along the way (its curve is Figure 4's): the others' evaluations would add
+        # ~40% to the table's time, and its rows read the end only
+        drift = args.eval_every if name == "LOPD (m = 0.05)" else 0
+        vargs = dataclasses.replace(args, out=os.path.join(args.out, _slug(name)), resume=True, eval_every=drift,
+                                    **change)
         os.makedirs(vargs.out, exist_ok=True)
         reset_composer(run["composer"], os.path.join(args.out, "composer0"))
         if vargs.retrieval != "same":            # its own φ0, cold-started on what it will read
@@ -807,16 +914,135 @@ def ablation_table(per_seed) -> str:
     return "\n".join(lines) + f"\n\n{len(per_seed)} seeds; mean ± std over seeds.\n"
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Figure 4 at toy scale: reward against generations, every method on the same loop and budget
+# ----------------------------------------------------------------------------------------------------------------
+FIGURE4_METHODS = ("lopd", "grpo", "opsd", "sdpo")
+
+
+def method_dir(seed_out: str, method: str) -> str:
+    """A method's run inside a seed folder; LOPD's is the ablation table's "LOPD (m = 0.05)" run (one run, both)."""
+    return os.path.join(seed_out, _slug("LOPD (m = 0.05)") if method == "lopd" else method)
+
+
+def figure4_seed(args: Args) -> list[dict]:
+    """One seed: every method from the same θ̄ (LOPD and OPSD also from the same bank, LOPD from the same φ0).
+    Returns CSV rows: method, seed, step, generations (with the bank where the method uses it), training
+    generations (without), reward of the student alone on the first --eval-tasks held-out tasks."""
+    run = prepare(args)
+    base_student = run["student"] if isinstance(run["student"], LoraStudent) else copy.deepcopy(run["student"])
+    vanilla = evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"][:args.eval_tasks],
+                       which=("vanilla",))["vanilla"]["reward"]
+    rows = []
+    for method in FIGURE4_METHODS:
+        margs = dataclasses.replace(args, method=method, out=method_dir(args.out, method), resume=True)
+        os.makedirs(margs.out, exist_ok=True)
+        reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+        fresh = base_student.reset() if isinstance(base_student, LoraStudent) else copy.deepcopy(base_student)
+        joint_training({**run, "args": margs, "student": fresh, "log": Log(margs.out)})
+        bank = len(run["episodes"]) if method in USES_BANK else 0
+        rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
+                         reward=vanilla))
+        last = {}
+        for rec in map(json.loads, open(os.path.join(margs.out, "metrics.jsonl"))):
+            if rec.get("stage") == method and "reward/eval" in rec:
+                last[rec["step"]] = rec          # a resumed run may have logged a step twice: the last one counts
+        rows += [dict(method=method, seed=args.seed, step=k + 1, generations=r["generations"],
+                      training_generations=r["generations"] - bank, reward=r["reward/eval"])
+                 for k, r in sorted(last.items())]
+    return rows
+
+
+def figure4(args: Args):
+    """`python train.py --figure4`: FIGURE4_METHODS × args.seeds seeds; OUT/figure4.csv, figure4.md, figure4.png."""
+    if not args.model:
+        import toy
+        args = dataclasses.replace(args, model=toy.default_backbone(os.path.join(args.out, "backbone")))
+    rows = [r for i in range(args.seeds)
+            for r in figure4_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))]
+    with open(os.path.join(args.out, "figure4.csv"), "w") as f:
+        f.write("method,seed,step,generations,training_generations,reward\n")
+        f.writelines(f"{r['method']},{r['seed']},{r['step']},{r['generations']},{r['training_generations']},"
+                     f"{r['reward']}\n" for r in rows)
+    table = figure4_table(rows)
+    with open(os.path.join(args.out, "figure4.md"), "w") as f:
+        f.write(table)
+    print("\n" + table)
+    plot_figure4(rows, os.path.join(args.out, "figure4.png"))
+
+
+def _curves(rows) -> dict:
+    """{method: [(training generations, mean reward over seeds, std)]} at each evaluated step."""
+    out = {}
+    for m in dict.fromkeys(r["method"] for r in rows):
+        steps = sorted({r["step"] for r in rows if r["method"] == m})
+        pts = []
+        for s in steps:
+            vals = [r["reward"] for r in rows if r["method"] == m and r["step"] == s]
+            gen = next(r["training_generations"] for r in rows if r["method"] == m and r["step"] == s)
+            pts.append((gen, float(np.mean(vals)), float(np.std(vals))))
+        out[m] = pts
+    return out
+
+
+def figure4_table(rows) -> str:
+    """Reward (mean ± std over seeds) at each evaluated generation count, and the paper's efficiency question:
+    how many generations LOPD needs to reach GRPO's final reward, as a share of GRPO's."""
+    curves = _curves(rows)
+    gens = [g for g, _, _ in curves[next(iter(curves))]]
+    lines = ["| training generations | " + " | ".join(m.upper() for m in curves) + " |",
+             "|---|" + "---|" * len(curves)]
+    for i, g in enumerate(gens):
+        lines.append(f"| {g} | " + " | ".join(f"{c[i][1]:.3f} ± {c[i][2]:.3f}" if i < len(c) else ""
+                                                for c in curves.values()) + " |")
+    bank = next((r["generations"] for r in rows if r["method"] == "lopd" and r["step"] == 0), 0)
+    if "lopd" in curves and "grpo" in curves:
+        target, total = curves["grpo"][-1][1], curves["grpo"][-1][0]
+        hit = next((g for g, mean, _ in curves["lopd"] if mean >= target), None)
+        lines.append("")
+        lines.append(f"GRPO's final reward {target:.3f} after {total} generations. " + (
+            f"LOPD first reaches it after {hit} training generations ({hit / total:.0%} of GRPO's; "
+            f"{(hit + bank) / total:.0%} counting the {bank} rollouts that built its bank)." if hit is not None
+            else "LOPD does not reach it within the budget."))
+    seeds = len({r["seed"] for r in rows})
+    return "\n".join(lines) + f"\n\n{seeds} seeds; mean ± std over seeds; the student alone on held-out tasks.\n"
+
+
+def plot_figure4(rows, path: str):
+    """Reward against training generations, one line per method (skipped with a message without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: figure4.png skipped (figure4.csv and figure4.md are written)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, pts in _curves(rows).items():
+        g, mean, std = (np.array(x) for x in zip(*pts))
+        ax.plot(g, mean, marker="o", label=m.upper())
+        ax.fill_between(g, mean - std, mean + std, alpha=0.15)
+    ax.set_xlabel("training generations (rollouts)")
+    ax.set_ylabel("held-out reward, student alone")
+    ax.set_title("Figure 4 at toy scale")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main(argv=None):
     t0 = time.time()
     args = parse_args(argv)
     if args.ablations:
         return ablations(args)
+    if args.figure4:
+        return figure4(args)
     run = prepare(args)
     student = None
     if args.steps > 0:
         student = joint_training(run)
-    rows = evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"])
+    rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"]))
     import eval as ev
     ev.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)})
     print("\n" + ev.markdown_table(rows))

@@ -134,3 +134,31 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(folders):
     assert results[0][0] == pytest.approx(results[1][0], abs=1e-6)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_code_env_runs_the_pipeline_with_a_real_model_folder(folders, tmp_path):
+    """--env code --tasks DIR: single-turn problems (TACO layout here), verified in the sandbox, same pipeline."""
+    tasks = tmp_path / "problems"
+    tasks.mkdir()
+    rows = [{"question": f"Read an integer n and print n + {k}.",
+             "input_output": json.dumps({"inputs": ["1\n", "5\n"], "outputs": [f"{1 + k}\n", f"{5 + k}\n"]})}
+            for k in range(8)]
+    (tasks / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:6]) + "\n")
+    (tasks / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows[6:]) + "\n")
+    out = tmp_path / "run"
+    train.main(tiny_args(folders["qwen3"], out, "--env", "code", "--tasks", str(tasks)))
+    steps = [json.loads(line) for line in open(out / "metrics.jsonl") if '"stage": "lopd"' in line]
+    assert [r["step"] for r in steps] == [0, 1]
+    rows = json.load(open(out / "results.json"))["rows"]
+    assert set(rows) == {"vanilla", "base + composer", "LOPD student"}
+    assert all(0.0 <= r["reward"] <= 1.0 and r["steps"] == 1.0 for r in rows.values())   # single-turn
+    # the experience is the program the model wrote: the reply's text with its end-of-turn token stripped
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(folders["qwen3"])
+    recs = [json.loads(line) for line in open(out / "base_rollouts.jsonl")]
+    assert len(recs) == 12 and all(r["steps"] == 1 and r["reward"] in (0.0, 1.0) for r in recs)
+    for r in recs:
+        reply = tok.decode(r["ids"][r["prompt_len"]:], skip_special_tokens=False).replace(tok.eos_token, "")
+        assert r["trace"] == envs.extract_code(reply)
+    bank = [json.loads(line) for line in open(out / "bank" / "bank.jsonl")]
+    assert sorted(e["trace"] for e in bank) == sorted(r["trace"] for r in recs)   # --bank-threshold 0: all of them

@@ -33,7 +33,7 @@ def build(tok, seed=0, perturb=True):
     model = base_model(tok, seed)
     ref = copy.deepcopy(model)
     torch.manual_seed(seed + 1)
-    comp = C.Composer(model, tok, CFG)
+    comp = C.Composer(model, tok, copy.deepcopy(CFG))   # its own config: a test may change it
     if perturb:
         with torch.no_grad():
             for n, p in comp.peft.named_parameters():
@@ -108,6 +108,26 @@ def test_padding_invariance(tok):
         _, att = comp.encode([long, short])
     assert att[1].sum() < att.shape[1] // 2                                     # much padding in the batch
     assert torch.allclose(a[0], b[1], atol=1e-5)
+
+
+def test_repeated_experiences_are_encoded_once_with_the_same_values_and_gradients(tok):
+    """forward() encodes each distinct text once; the latents and the gradients equal encoding every row alone."""
+    cfg = C.ComposerConfig(n_latents=4, n_layers=3, max_exp_tokens=160, task_conditional=True)
+    comp = C.Composer(base_model(tok), tok, cfg)
+    tasks = ["[alder] a", "[cedar] b", "[alder] c"]
+    exps = [["m1", "m2"], ["m2", "m3"], ["m1", "m1"]]   # 6 rows; task-conditional: 5 distinct texts
+    calls = []
+    real = comp.compress
+    comp.compress = lambda texts: calls.append(len(texts)) or real(texts)
+    c = comp(tasks, exps)                                                       # (3, 2·K, d)
+    assert calls == [5]
+    q = comp.qformer.queries
+    (g_dedup,) = torch.autograd.grad((c ** 2).sum(), q)
+    rows = [real([C.ENCODER_TEMPLATE.format(task=x, experience=m)]) for x, ms in zip(tasks, exps) for m in ms]
+    brute = torch.cat(rows, 0).reshape(3, 2 * cfg.n_latents, -1)                # every row encoded alone
+    (g_brute,) = torch.autograd.grad((brute ** 2).sum(), q)
+    assert torch.allclose(c.float(), brute, atol=1e-5)
+    assert torch.allclose(g_dedup, g_brute, atol=1e-4)
 
 
 def test_adapter_disabled_is_bit_exact_base(tok):

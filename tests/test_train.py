@@ -209,6 +209,30 @@ def test_rft_control_run(runs, backbone, tmp_path):
     assert any(not torch.equal(base[k], trained[k]) for k in base)
 
 
+def test_each_baseline_runs_in_a_subprocess(runs, backbone, tmp_path):
+    """--method grpo|opsd|sdpo at tiny size, the three started together; each logs its own stage, spends 4
+    generations a step (GRPO and SDPO: one task x G = 4), counts the bank only where it uses it, and changes θ."""
+    from safetensors.torch import load_file
+    procs = {}
+    for method in ("grpo", "opsd", "sdpo"):
+        out = tmp_path / method
+        out.mkdir()
+        for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
+            subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / name)], check=True)
+        procs[method] = (out, start(train_cmd(backbone, out, "--method", method, "--steps", "2"), out / "log"))
+    base = load_file(os.path.join(backbone, "model.safetensors"))
+    for method, (out, proc) in procs.items():
+        _, stdout, _ = finish(proc)
+        recs = records(str(out), method)
+        bank = 60 if method == "opsd" else 0
+        assert [r["generations"] for r in recs] == [bank + 4, bank + 8], method
+        assert all(r["skipped"] == 0 and "reward/student" in r for r in recs), recs
+        assert f"| {method.upper()} student |" in stdout
+        trained = load_file(os.path.join(train.latest_checkpoint(str(out)), "student", "model.safetensors"))
+        assert any(not torch.equal(base[k], trained[k]) for k in base), method
+    assert os.path.isdir(os.path.join(train.latest_checkpoint(str(procs["sdpo"][0])), "ema_teacher"))
+
+
 @pytest.mark.parametrize("flag, value, named", [("--model", "/nonexistent/folder", "/nonexistent/folder"),
                                                 ("--device", "tpu", "--device"), ("--method", "ppo", "--method"),
                                                 ("--retrieval", "all", "--retrieval")])

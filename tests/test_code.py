@@ -1,0 +1,217 @@
+"""Tests for the code domain (envs.py): the sandboxed verifier, problem loading, CodeWorld.
+
+Run: python -m pytest tests/test_code.py -q      (about 20 s; each case runs real programs in the sandbox)
+Every hostile program below is run for real. What the sandbox does not protect against is in README
+("The code verifier").
+"""
+import json
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import envs  # noqa: E402
+
+FAST = envs.SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_kb=64)
+
+
+def run(code, stdin="", limits=FAST, **kw):
+    return envs.run_sandboxed(code, stdin, limits, **kw)
+
+
+def n_processes():
+    return sum(name.isdigit() for name in os.listdir("/proc"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The verifier's limits
+# ------------------------------------------------------------------------------------------------------------
+def test_busy_infinite_loop_dies_of_its_cpu_limit():
+    r = run("while True:\n    pass\n")
+    assert r.status == "cpu limit" and r.seconds < FAST.wall_s + 0.5
+
+
+def test_sleeping_program_dies_at_the_wall_limit():
+    t0 = time.time()
+    r = run("import time\ntime.sleep(60)\n", limits=envs.SandboxLimits(wall_s=1.0))
+    assert r.status == "timeout" and time.time() - t0 < 2.5
+
+
+def test_memory_bomb_is_stopped():
+    for bomb in ("x = bytearray(4 * 1024 ** 3)\n", "x = []\nwhile True:\n    x.append(' ' * 10 ** 6)\n"):
+        r = run(bomb)
+        assert r.status in ("error", "killed", "cpu limit") and r.status != "ok", r
+        assert "MemoryError" in r.stderr or r.status != "error"
+
+
+def test_endless_output_is_capped():
+    r = run("while True:\n    print('x' * 1000)\n")
+    assert r.status == "output limit"
+    assert len(r.stdout) <= FAST.output_kb * 1024 and r.seconds < FAST.wall_s
+
+
+def test_writes_outside_the_working_directory_are_refused(tmp_path):
+    target, keep = tmp_path / "outside.txt", tmp_path / "keep.txt"
+    keep.write_text("precious")
+    for code in (f"open({str(target)!r}, 'w').write('x')\n",
+                 f"import os\nos.close(os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT))\n",
+                 f"import os\nos.remove({str(keep)!r})\n",
+                 f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')\n"):
+        r = run(code)
+        assert r.status == "error" and "sandbox" in r.stderr, (code, r)
+    assert not target.exists() and keep.read_text() == "precious"
+    inside = run("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())\n")
+    assert inside.status == "ok" and inside.stdout.strip() == "ok"      # its own directory is writable
+
+
+@pytest.fixture
+def listener():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(0.3)
+    yield srv
+    srv.close()
+
+
+def connect_code(port):
+    return (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            "s.sendall(b'leak')\nprint('connected')\n")
+
+
+def assert_no_connection(srv):
+    with pytest.raises(socket.timeout):
+        srv.accept()
+
+
+def test_network_is_unreachable(listener):
+    r = run(connect_code(listener.getsockname()[1]))
+    assert r.status == "error" and "connected" not in r.stdout
+    assert_no_connection(listener)
+
+
+def test_network_namespace_alone_blocks_the_network(listener):
+    """The OS layer without the Python guard (the socket module importable): the namespace must block it."""
+    probe = run("import ctypes\nprint(ctypes.CDLL(None).unshare(0x40000000) == 0 or "
+                "ctypes.CDLL(None).unshare(0x50000000) == 0)\n", python_guard=False)
+    if probe.stdout.strip() != "True":
+        pytest.skip("this kernel allows no new network namespace here: only the Python guard blocks the network")
+    r = run(connect_code(listener.getsockname()[1]), python_guard=False)
+    assert r.status == "error" and "connected" not in r.stdout, r
+    assert_no_connection(listener)
+
+
+def test_fork_bomb_is_survived_and_leaves_no_process():
+    before = n_processes()
+    for bomb in ("import os\nwhile True:\n    os.fork()\n",
+                 "import subprocess\nwhile True:\n    subprocess.Popen(['sleep', '100'])\n",
+                 "import multiprocessing\nwhile True:\n    multiprocessing.Process(target=print).start()\n"):
+        r = run(bomb)
+        assert r.status == "error", (bomb, r)
+    time.sleep(0.2)
+    assert n_processes() <= before + 2                  # nothing left behind (other jobs may start one or two)
+    assert run("print(1 + 1)\n").stdout.strip() == "2"  # and the verifier still works
+
+
+def test_stragglers_of_the_process_group_are_killed():
+    """Even without the Python guard a child that outlives the program dies with the group."""
+    code = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\nprint('parent done')\n"
+    before = n_processes()
+    r = run(code, python_guard=False)
+    assert r.status == "ok" and "parent done" in r.stdout
+    time.sleep(0.2)
+    assert n_processes() <= before + 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Verification: pass/fail against the tests
+# ------------------------------------------------------------------------------------------------------------
+SUM = envs.CodeProblem("p-sum", "Read two integers, print their sum.",
+                       tests=[{"input": "1 2\n", "output": "3\n"}, {"input": "-5 5", "output": "0"}])
+REV = envs.CodeProblem("p-rev", "Write rev(s) returning s reversed.",
+                       asserts="assert rev('abc') == 'cba'\nassert rev('') == ''")
+
+
+def test_correct_program_passes_and_wrong_ones_fail():
+    assert envs.verify(SUM, "a, b = map(int, input().split())\nprint(a + b)\n", FAST) == (True, "all tests passed")
+    ok, why = envs.verify(SUM, "a, b = map(int, input().split())\nprint(a * b)\n", FAST)
+    assert not ok and why == "test 0: wrong output"
+    ok, why = envs.verify(SUM, "print(3)\n", FAST)            # right on the first test only
+    assert not ok and why == "test 1: wrong output"
+    assert envs.verify(REV, "def rev(s):\n    return s[::-1]\n", FAST)[0]
+    ok, why = envs.verify(REV, "def rev(s):\n    return s\n", FAST)
+    assert not ok and "AssertionError" in why
+    ok, why = envs.verify(SUM, "def (:\n", FAST)
+    assert not ok and "SyntaxError" in why
+
+
+def test_outputs_match_up_to_trailing_whitespace_only():
+    assert envs._same_output("3  \n\n", "3") and envs._same_output("a\nb\n", "a \nb")
+    assert not envs._same_output("3 0", "30") and not envs._same_output("a\n\nb", "a\nb")
+
+
+def test_verify_many_runs_in_parallel_and_keeps_order():
+    codes = ["a, b = map(int, input().split())\nprint(a + b)\n", "print(0)\n", "import time\ntime.sleep(0.5)\n"
+             "a, b = map(int, input().split())\nprint(a + b)\n"] * 2
+    t0 = time.time()
+    got = envs.verify_many([(SUM, c) for c in codes], FAST, workers=2)
+    assert [g[0] for g in got] == [True, False, True] * 2
+    assert time.time() - t0 < 2 * 0.5 * 2 + 3            # the two sleepers overlap with other runs
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Problem files and CodeWorld
+# ------------------------------------------------------------------------------------------------------------
+def test_problem_layouts_of_taco_livecodebench_and_evalplus(tmp_path):
+    rows = [
+        {"task_id": "ours", "text": "Print 1.", "tests": [{"input": "", "output": "1"}]},
+        {"question": "Sum.", "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})},
+        {"question": "Call.", "input_output": {"inputs": [[2, 3]], "outputs": [5], "fn_name": "add"}},
+        {"question_id": "lcb1", "question_content": "Echo.",
+         "public_test_cases": json.dumps([{"input": "x\n", "output": "x\n", "testtype": "stdin"}]),
+         "private_test_cases": [{"input": "y\n", "output": "y\n", "testtype": "stdin"}]},
+        {"task_id": "HumanEval/0", "prompt": "def inc(x):\n", "entry_point": "inc",
+         "test": "def check(candidate):\n    assert candidate(1) == 2\n"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ours, taco, call, lcb, plus = envs.load_problems(str(path))
+    assert ours.task_id == "ours" and ours.tests == [{"input": "", "output": "1"}]
+    assert taco.tests == [{"input": "1 2\n", "output": "3\n"}] and taco.task_id == f"{path}:2"
+    assert envs.verify(call, "def add(a, b):\n    return a + b\n", FAST)[0]
+    assert not envs.verify(call, "def add(a, b):\n    return a - b\n", FAST)[0]
+    assert lcb.task_id == "lcb1" and [t["input"] for t in lcb.tests] == ["x\n", "y\n"]
+    assert envs.verify(lcb, "print(input())\n", FAST)[0]
+    assert envs.verify(plus, "def inc(x):\n    return x + 1\n", FAST)[0]
+    assert not envs.verify(plus, "def inc(x):\n    return x\n", FAST)[0]
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"text": "x"}', "no tests"),
+    ('{"text": "x", "tests": [{"input": "1"}]}', "field 'tests'"),
+    ('{"question": "q", "input_output": {"inputs": [1], "outputs": []}}', "1 inputs but 0 outputs"),
+    ('{"statement": "x"}', "no known problem layout"),
+])
+def test_bad_problem_line_names_file_and_line(tmp_path, line, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok", "tests": [{"input": "", "output": ""}]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:2: .*{reason}"):
+        envs.load_problems(str(path))
+
+
+def test_code_world_interface():
+    env = envs.CodeWorld(limits=FAST)
+    msgs = env.reset(SUM)
+    assert msgs[0] == {"role": "system", "content": envs.CODING_SYSTEM_PROMPT} and msgs[1]["content"] == SUM.text
+    program = "a, b = map(int, input().split())\nprint(a + b)\n"
+    result = env.step(f"<think>\nadd them\n</think>\nHere:\n```python\n{program}```")
+    assert result.done and result.observations == [] and env.reward() == 1.0
+    assert env.trace_text() == program
+    env.reset(SUM)
+    result = env.step("I cannot solve this.")           # no program at all: reward 0, no exception
+    assert result.done and env.reward() == 0.0 and result.errors == 1
