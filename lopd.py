@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -124,10 +126,23 @@ def summarize(episodes) -> dict:
 
 def _record_step(ep: Episode, env: ToolWorld, reply: str, n_new: int) -> list[str]:
     """Execute one reply in the environment and update the episode's counts; returns the observations."""
+    n_before = len(env.trace)
+    return _count_step(ep, env, env.step(reply), n_before, n_new)
+
+
+def _step_all(envs_, replies) -> list:
+    """env.step(reply) for each live episode. An environment that runs programs to verify them (CodeWorld sets
+    `parallel_steps`) steps in threads, one sandboxed process each, up to the core count; the tool world in order."""
+    if envs_ and getattr(envs_[0], "parallel_steps", False):
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return list(pool.map(lambda pair: pair[0].step(pair[1]), zip(envs_, replies)))
+    return [env.step(reply) for env, reply in zip(envs_, replies)]
+
+
+def _count_step(ep: Episode, env: ToolWorld, result, n_before: int, n_new: int) -> list[str]:
+    """Update the episode's counts from a step's result (the calls after env.trace[n_before]); -> observations."""
     ep.steps += 1
     ep.first_len = ep.first_len or n_new
-    n_before = len(env.trace)
-    result = env.step(reply)
     for name, args, _ in env.trace[n_before:]:
         key = name + json.dumps(args, sort_keys=True)
         ep.repeated_calls += key in ep.seen_calls
@@ -241,11 +256,14 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
             bound = None if embed_fn is None else (  # tell embed_fn which tasks the rows are
                 lambda ids, att, rows=[start + i for i in live]: embed_fn(ids, att, rows))
             replies = generate_replies(model, tokenizer, [eps[i].ids for i in live], cfg, bound)
-            for i, (new, lp, finished) in zip(live, replies):
+            texts = [tokenizer.decode(new, skip_special_tokens=False).replace(tokenizer.eos_token, "")
+                     for new, _, _ in replies]
+            n_before = [len(envs[i].trace) for i in live]
+            results = _step_all([envs[i] for i in live], texts)
+            for k, (i, (new, lp, finished)) in enumerate(zip(live, replies)):
                 ep, env = eps[i], envs[i]
                 ep.add(new, sampled=True, logps=lp)
-                text = tokenizer.decode(new, skip_special_tokens=False).replace(tokenizer.eos_token, "")
-                obs = _record_step(ep, env, text, len(new))
+                obs = _count_step(ep, env, results[k], n_before[k], len(new))
                 if ep.done or not finished:
                     _finish(ep, env)
                     continue

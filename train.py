@@ -155,7 +155,7 @@ none (no reference; the task too only where --composer-input has it)"""
     eval_every: int = None
     """every N iterations, evaluate the student and the teacher (reward/teacher: base + composer, to watch it
 drift) on 50 held-out tasks (0 = only at the end)"""
-    eval_tasks: int = 100
+    eval_tasks: int = 50
     """held-out tasks of each --eval-every evaluation (the final evaluation uses all of them)"""
     save_every: int = 10
     """write a checkpoint every N iterations"""
@@ -191,7 +191,7 @@ TOY_DEFAULTS = {
     "composer_lr": 1e-5,   # the paper's: at 1e-4 joint training first lowered the teacher (0.74 -> 0.66 at step 20)
     "max_new_tokens": 64,
     "max_env_steps": 10,   # toy procedures take 2-6 calls (+ commit + "Task Completed")
-    "eval_every": 10,      # teacher drift, and Figure 4's points: the student (and the teacher) every 10 steps
+    "eval_every": 20,      # teacher drift: base + composer and the student on --eval-tasks held-out tasks
     "text_context": "span",   # OPSD/SDPO text where the toy backbone reads a reference (toy.py, in-context reading)
 }
 PAPER_DEFAULTS = {"latents": 32, "composer_input": "task+reference", "cold_steps": 500, "cold_lr": 1e-5,
@@ -826,6 +826,9 @@ def prepare(args: Args):
 VARIANTS = {"LOPD (m = 0.05)": {}, "LOPD (m = 0)": {"margin": 0.0}, "frozen composer": {"freeze_composer": True},
             "LOPD, other-variant retrieval": {"retrieval": "other"},
             "LOPD, task-only composer": {"retrieval": "none"}, "RFT": {"method": "rft"}}
+# Both commands evaluate the student every 10 steps on 100 held-out tasks: Figure 4's points. The table's LOPD run
+# is Figure 4's LOPD curve (`method_dir`), so it is trained once for both.
+CURVE = {"eval_every": 10, "eval_tasks": 100}
 PAPER_ROWS = {"vanilla": 0.486, "base + composer": 0.631, "LOPD (m = 0.05)": 0.637, "LOPD (m = 0)": 0.551,
               "frozen composer": 0.573}
 
@@ -892,6 +895,7 @@ def ablations(args: Args):
     if not args.model:
         import toy
         args = dataclasses.replace(args, model=toy.default_backbone(os.path.join(args.out, "backbone")))
+    args = dataclasses.replace(args, **CURVE)
     per_seed = [ablation_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))
                 for i in range(args.seeds)]
     table = ablation_table(per_seed)
@@ -958,6 +962,7 @@ def figure4(args: Args):
     if not args.model:
         import toy
         args = dataclasses.replace(args, model=toy.default_backbone(os.path.join(args.out, "backbone")))
+    args = dataclasses.replace(args, **CURVE)
     rows = [r for i in range(args.seeds)
             for r in figure4_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))]
     with open(os.path.join(args.out, "figure4.csv"), "w") as f:

@@ -215,3 +215,18 @@ def test_code_world_interface():
     env.reset(SUM)
     result = env.step("I cannot solve this.")           # no program at all: reward 0, no exception
     assert result.done and env.reward() == 0.0 and result.errors == 1
+
+
+def test_rollout_steps_a_batch_of_code_worlds_in_parallel():
+    """lopd._step_all: CodeWorld's programs run in threads, one sandboxed process each (1 s of sleep each here)."""
+    import lopd
+    slow = "import time\ntime.sleep(1.0)\na, b = map(int, input().split())\nprint(a + b)\n"
+    worlds = [envs.CodeWorld(limits=FAST) for _ in range(4)]
+    for w in worlds:
+        w.reset(envs.CodeProblem("p", "sum", tests=[{"input": "1 2", "output": "3"}]))
+    t0 = time.time()
+    results = lopd._step_all(worlds, [f"```python\n{slow}```"] * 4)
+    took = time.time() - t0
+    assert [w.reward() for w in worlds] == [1.0] * 4 and all(r.done for r in results)
+    workers = min(4, os.cpu_count() or 1)
+    assert took < 4 * 1.0 / workers + 1.2 if workers > 1 else took >= 4.0   # sequential would take 4 s

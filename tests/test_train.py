@@ -253,3 +253,33 @@ def test_bad_task_line_fails_naming_file_and_line(backbone, tmp_path):
     (tasks / "test.jsonl").write_text(good + "\n")
     with pytest.raises(ValueError, match=r"train\.jsonl:2"):
         train.main(train_cmd(backbone, tmp_path / "run", "--tasks", str(tasks))[2:])
+
+
+def test_figure4_command_writes_the_curves(runs, backbone, tmp_path):
+    """--figure4 at tiny size (one seed, 10 steps: one evaluated point after step 0) from run a's cached stages."""
+    out = tmp_path / "f4"
+    (out / "seed0").mkdir(parents=True)
+    for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
+        subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / "seed0" / name)], check=True)
+    train.main(train_cmd(backbone, out, "--figure4", "--seeds", "1", "--steps", "10")[2:])
+    lines = read(os.path.join(out, "figure4.csv")).splitlines()
+    assert lines[0] == "method,seed,step,generations,training_generations,reward"
+    rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
+    assert [(r["method"], r["step"]) for r in rows] == [(m, s) for m in train.FIGURE4_METHODS for s in ("0", "10")]
+    for r in rows:
+        bank = 60 if r["method"] in ("lopd", "opsd") else 0
+        assert int(r["generations"]) == bank + int(r["training_generations"]) == bank + 4 * int(r["step"])
+    assert len({r["reward"] for r in rows if r["step"] == "0"}) == 1     # every curve starts at the same vanilla
+    assert "| training generations | LOPD | GRPO | OPSD | SDPO |" in read(os.path.join(out, "figure4.md"))
+
+
+def test_figure4_table_reports_where_lopd_reaches_grpos_final_reward():
+    def rows(method, rewards, bank=0):
+        return [dict(method=method, seed=seed, step=10 * k, generations=bank + 320 * k, training_generations=320 * k,
+                     reward=r + 0.02 * seed) for seed in (0, 1) for k, r in enumerate(rewards)]
+    data = rows("lopd", [0.40, 0.55, 0.62, 0.64], bank=2000) + rows("grpo", [0.40, 0.45, 0.50, 0.60])
+    table = train.figure4_table(data)
+    # GRPO's final mean is 0.61 after 960 generations; LOPD's mean first reaches it at 640 (0.63 >= 0.61)
+    assert "GRPO's final reward 0.610 after 960 generations" in table
+    assert "after 640 training generations (67% of GRPO's; 275% counting the 2000 rollouts" in table
+    assert "| 320 | 0.560 ± 0.010 | 0.460 ± 0.010 |" in table
