@@ -49,9 +49,10 @@ Deviations from the paper
 3. Every task involves one customer and at most one item: a 0.5 M-parameter model trained for minutes cannot tell
    two item codes of one task apart ("item K3, new item K9" failed in every episode); such schemas would only
    cap every row of the table without testing the method.
-4. The code domain has no toy world yet: `--env code` runs real models on problem files (TACO, LiveCodeBench,
-   EvalPlus); a toy code world the offline backbone can learn is still to be built. LiveCodeBench's functional
-   (class-method) tests are refused with a clear error; its stdin tests load.
+4. The code domain's toy world is half built: its generator and oracle exist (`make_code_splits`: ten families of
+   one-line programs, four judges with unstated output conventions), but no offline backbone has learned it, so
+   `--env code` runs real models on problem files (TACO, LiveCodeBench, EvalPlus) only. LiveCodeBench's
+   functional (class-method) tests are refused with a clear error; its stdin tests load.
 """
 from __future__ import annotations
 
@@ -908,6 +909,75 @@ class CodeWorld:
     def trace_text(self) -> str:
         """The experience the bank keeps: the program (A.3's code analogue of the observation-lite trace)."""
         return self.trace[0][1]["code"] if self.trace else ""
+
+
+# -- the toy code world: families of one-line programs, judges with unstated output conventions -------------------
+# It mirrors the tool world. A problem states WHAT to compute from one input line ("Print the line reversed.
+# Judge: cedar."); each judge ("variant") has its own pair of output conventions that the statement never states:
+# whether the answer is prefixed with "Answer: ", and whether a last line "END" follows. The tests compare outputs
+# exactly, so a convention applied where the judge does not want it fails as surely as a missing one. A solved
+# problem of the same judge shows both conventions; one from another judge misleads.
+# (Generator and oracle only: the offline toy backbone that learns to write these programs is not built yet.)
+CODE_FAMILIES = {   # family: (statement, the expression of the answer, computed from the line s)
+    "reverse": ("Print the line reversed.", "s[::-1]"),
+    "upper": ("Print the line in capitals.", "s.upper()"),
+    "lower": ("Print the line in small letters.", "s.lower()"),
+    "words": ("Print how many words the line has.", "len(s.split())"),
+    "first": ("Print the first word of the line.", "s.split()[0]"),
+    "last": ("Print the last word of the line.", "s.split()[-1]"),
+    "sum": ("The line holds integers: print their sum.", "sum(map(int, s.split()))"),
+    "max": ("The line holds integers: print the largest.", "max(map(int, s.split()))"),
+    "sort": ("The line holds integers: print them sorted, space separated.",
+             "' '.join(sorted(s.split(), key=int))"),
+    "count": ("Print how many times the letter {char} occurs in the line.", "s.count({char!r})"),
+}
+JUDGES = dict(zip(SHOP_NAMES, CONVENTIONS))      # judge: (answer prefixed with "Answer: ", a last line "END")
+
+
+def _code_input(rng: random.Random, family: str) -> str:
+    if family in ("sum", "max", "sort"):
+        return " ".join(str(rng.randrange(-9, 10)) for _ in range(rng.randrange(2, 6)))
+    letters = "abcdeKLMN"
+    return " ".join("".join(rng.choice(letters) for _ in range(rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4)))
+
+
+def code_oracle(problem: CodeProblem) -> str:
+    """The program that passes: the family's expression, with the judge's conventions."""
+    prefix, end = JUDGES[problem.variant]
+    char = re.search(r"letter (\w)", problem.text)                 # the "count" family names its letter
+    expr = CODE_FAMILIES[problem.schema][1].format(char=char.group(1) if char else "")
+    lines = ["s = input()", f"print('Answer:', {expr})" if prefix else f"print({expr})"]
+    return "\n".join(lines + (["print('END')"] if end else [])) + "\n"
+
+
+def make_code_problem(rng: random.Random, task_id: str, judge: str | None = None, family: str | None = None,
+                      n_tests: int = 3) -> CodeProblem:
+    """One toy code problem; its tests are the oracle's outputs on random lines (computed here, not run)."""
+    judge, family = judge or rng.choice(SHOP_NAMES), family or rng.choice(sorted(CODE_FAMILIES))
+    char = rng.choice("abcde")
+    text = CODE_FAMILIES[family][0].format(char=char) + f" Judge: {judge}."
+    prefix, end = JUDGES[judge]
+    tests = []
+    for _ in range(n_tests):
+        s = _code_input(rng, family)
+        value = eval(CODE_FAMILIES[family][1].format(char=char), {}, {"s": s})   # our own fixed expressions only
+        out = ("Answer: " if prefix else "") + str(value) + ("\nEND" if end else "")
+        tests.append({"input": s + "\n", "output": out + "\n"})
+    return CodeProblem(task_id, text, tests, schema=family, variant=judge)
+
+
+def make_code_splits(seed: int = 0, n_train: int = 400, n_test: int = 100):
+    """Seeded train and test splits of toy code problems, disjoint by statement AND tests."""
+    rng = random.Random(seed)
+    seen, splits = set(), {"test": [], "train": []}
+    for split, n in (("test", n_test), ("train", n_train)):
+        while len(splits[split]) < n:
+            p = make_code_problem(rng, f"code-{split}-{len(splits[split]):05d}")
+            key = p.text + json.dumps(p.tests)
+            if key not in seen:
+                seen.add(key)
+                splits[split].append(p)
+    return splits["train"], splits["test"]
 
 
 def _demo():

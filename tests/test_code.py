@@ -230,3 +230,32 @@ def test_rollout_steps_a_batch_of_code_worlds_in_parallel():
     assert [w.reward() for w in worlds] == [1.0] * 4 and all(r.done for r in results)
     workers = min(4, os.cpu_count() or 1)
     assert took < 4 * 1.0 / workers + 1.2 if workers > 1 else took >= 4.0   # sequential would take 4 s
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The toy code world's generator (its toy backbone is not built yet)
+# ------------------------------------------------------------------------------------------------------------
+def test_toy_code_problems_need_their_judges_conventions():
+    """The oracle passes; the same program with any other judge's conventions fails; the statement never says."""
+    train, test = envs.make_code_splits(seed=3, n_train=24, n_test=8)
+    assert {p.schema for p in train + test} <= set(envs.CODE_FAMILIES) and len({p.variant for p in train}) == 4
+    pairs = []
+    for p in train[:12]:
+        pairs.append((p, envs.code_oracle(p)))
+        for judge in envs.JUDGES:
+            if judge != p.variant:
+                other = envs.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema, variant=judge)
+                pairs.append((p, envs.code_oracle(other)))
+    results = envs.verify_many(pairs, FAST)
+    for k, (ok, why) in enumerate(results):
+        assert ok == (k % 4 == 0), (pairs[k][0].text, pairs[k][1], why)
+    for p in train + test:
+        assert "Answer" not in p.text and "END" not in p.text and p.text.endswith(f"Judge: {p.variant}.")
+
+
+def test_toy_code_splits_are_seeded_and_disjoint():
+    a_train, a_test = envs.make_code_splits(seed=1, n_train=30, n_test=10)
+    b_train, b_test = envs.make_code_splits(seed=1, n_train=30, n_test=10)
+    assert [(p.text, p.tests) for p in a_train + a_test] == [(p.text, p.tests) for p in b_train + b_test]
+    key = lambda p: p.text + json.dumps(p.tests)                          # noqa: E731
+    assert not {key(p) for p in a_train} & {key(p) for p in a_test}
