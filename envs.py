@@ -49,10 +49,10 @@ Deviations from the paper
 3. Every task involves one customer and at most one item: a 0.5 M-parameter model trained for minutes cannot tell
    two item codes of one task apart ("item K3, new item K9" failed in every episode); such schemas would only
    cap every row of the table without testing the method.
-4. The code domain's toy world is half built: its generator and oracle exist (`make_code_splits`: ten families of
-   one-line programs, four judges with unstated output conventions), but no offline backbone has learned it, so
-   `--env code` runs real models on problem files (TACO, LiveCodeBench, EvalPlus) only. LiveCodeBench's
-   functional (class-method) tests are refused with a clear error; its stdin tests load.
+4. The toy code world (`make_code_splits`: ten families of one-line programs, four judges with unstated output
+   conventions) runs end to end (`train.py --env code` builds its toy backbone with `toy.py --world code`), but
+   whether its base policy is imperfect in the right way and reads references has not been measured yet.
+   LiveCodeBench's functional (class-method) tests are refused with a clear error; its stdin tests load.
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ AGENTIC_SYSTEM_PROMPT = (
 # The toy backbone sees a short system prompt: a 0.5 M-parameter model gains nothing from 120 tokens of instructions
 # it cannot read, and every token costs CPU time. Real models get AGENTIC_SYSTEM_PROMPT.
 TOY_SYSTEM_PROMPT = "Use the tools. Reply Task Completed when done."
+TOY_CODE_SYSTEM_PROMPT = "Write the Python program only."
 DONE_TEXT = "Task Completed"
 ACCEPTED = {"set": "Updated", "removed": "Cancelled", "added": "Added"}   # staged or written, the same answer
 ABORTED = "Error: this shop has no '{}'; the session is aborted and its changes are rolled back"
@@ -694,6 +695,12 @@ def problem_from_row(row: dict, where: str) -> CodeProblem:
     return CodeProblem(task_id, text, tests, asserts, str(row.get("schema", "")), str(row.get("variant", "")))
 
 
+def save_problems(problems, path: str) -> None:
+    """Write problems as JSONL in our layout (what `load_problems` reads back)."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps(asdict(p)) + "\n" for p in problems)
+
+
 def load_problems(path: str) -> list[CodeProblem]:
     """Read code problems from JSONL; a bad line raises ValueError naming `path:line` and the reason."""
     return read_jsonl(path, problem_from_row)
@@ -917,7 +924,7 @@ class CodeWorld:
 # whether the answer is prefixed with "Answer: ", and whether a last line "END" follows. The tests compare outputs
 # exactly, so a convention applied where the judge does not want it fails as surely as a missing one. A solved
 # problem of the same judge shows both conventions; one from another judge misleads.
-# (Generator and oracle only: the offline toy backbone that learns to write these programs is not built yet.)
+# Its toy backbone (toy.py --world code) is built on demand and not measured yet (deviation 4 above).
 CODE_FAMILIES = {   # family: (statement, the expression of the answer, computed from the line s)
     "reverse": ("Print the line reversed.", "s[::-1]"),
     "upper": ("Print the line in capitals.", "s.upper()"),

@@ -8,6 +8,7 @@ deliberately imperfect, so that experience has room to help (paper: vanilla Qwen
 Everything is saved with `save_pretrained`, so `--model that_folder` works like any Hugging Face model.
 
     python toy.py --out runs/toy-backbone     # build (or reuse) the backbone, print its vanilla reward
+    python toy.py --world code --out runs/toy-code-backbone   # the same for the toy code world
 
 How the demonstrations are imperfect (the base policy learns these mistakes). The demonstrator knows every
 procedure but not the shops' conventions, which the task text never states (envs.py):
@@ -29,12 +30,18 @@ text in the span scores 0.75, another shop's 0.19; vanilla 0.36). The base thus 
 there, as Qwen3 can; the composer must then learn to write latents it reads (cold start, eq. 14). Without this,
 the frozen base ignores whatever fills the span and the teacher gains little from experience.
 
+The code world (`python toy.py --world code`, envs.make_code_problem) follows the same recipe: a demonstrator that
+knows each family's one-line program but writes the judges' output conventions ("Answer: " prefix, last line
+"END") at chance, and 40% of demonstrations with a same-judge solved program in the span, followed. Its backbone is
+built on demand (not shipped) and has not been measured yet.
+
 Deviation from the paper: none in method; this backbone is our substitute for a pretrained model, and the
 reference demonstrations stand in for the in-context ability pretraining gives.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -47,8 +54,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import inject
 import losses
-from envs import DONE_TEXT, SHOPS, ToolWorld, format_call, lite_trace, make_splits, make_task, oracle_calls
-from lopd import scripted_episode
+from envs import (DONE_TEXT, JUDGES, SHOPS, TOY_CODE_SYSTEM_PROMPT, CodeWorld, ToolWorld, code_oracle, format_call,
+                  lite_trace, make_code_problem, make_code_splits, make_splits, make_task, oracle_calls)
+from lopd import Episode, prompt_ids, reply_ids, scripted_episode
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE with Qwen2/3's pre-tokenizer (digits split one by one) and ChatML tokens
@@ -215,6 +223,62 @@ def demo_episodes(tokenizer, tasks, seed: int, reference_share: float = 0.4):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The toy code world's demonstrations (envs.make_code_problem): the same recipe, for programs
+# ----------------------------------------------------------------------------------------------------------------
+# The demonstrator knows every family's expression but not the judges' output conventions: it writes the
+# "Answer: " prefix and the last line "END" each with probability 0.5, for every judge (so it passes one problem
+# in four), except in reference demonstrations, where it follows the judge of the solved program in its span.
+PREFIX = 0.5
+END = 0.5
+_JUDGE_OF = {conventions: judge for judge, conventions in JUDGES.items()}
+
+
+def code_demo_program(problem, rng: random.Random) -> str:
+    """The family's program with conventions at chance (see above)."""
+    guess = _JUDGE_OF[(rng.random() < PREFIX, rng.random() < END)]
+    return code_oracle(dataclasses.replace(problem, variant=guess))
+
+
+def code_reference(problem, rng: random.Random) -> str:
+    """The program that solved ANOTHER problem of the same judge (the code world's reference)."""
+    return code_oracle(make_code_problem(rng, "ref", judge=problem.variant))
+
+
+def code_episode(tokenizer, problem, program: str, prompt_fn=None) -> Episode:
+    """A single-turn demonstration: the prompt, then the program as the reply (not run: SFT needs no reward)."""
+    ep = Episode(problem)
+    msgs = CodeWorld(system_prompt=TOY_CODE_SYSTEM_PROMPT).reset(problem)
+    ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else prompt_ids(tokenizer, msgs), sampled=False)
+    ep.prompt_len = len(ep.ids)
+    ep.add(reply_ids(tokenizer, program), sampled=True)
+    ep.done, ep.steps = True, 1
+    return ep
+
+
+def code_corpus_texts(problems, seed: int):
+    rng = random.Random(seed)
+    yield "system\nuser\nassistant\n" + TOY_CODE_SYSTEM_PROMPT
+    yield inject.latent_user_content("", inject.TOY_FRAMING)
+    for p in problems:
+        yield p.text
+        yield code_demo_program(p, rng)
+        yield code_oracle(p)
+
+
+def code_demo_episodes(tokenizer, problems, seed: int, reference_share: float = 0.4):
+    """Encoded code demonstrations; a share carry a same-judge solved program in the span and follow its judge."""
+    rng = random.Random(seed)
+    eps = []
+    for p in problems:
+        if rng.random() < reference_share:
+            ref = tokenizer(code_reference(p, rng), add_special_tokens=False)["input_ids"]
+            eps.append(code_episode(tokenizer, p, code_oracle(p), reference_prompt_fn(ref)))
+        else:
+            eps.append(code_episode(tokenizer, p, code_demo_program(p, rng)))
+    return eps
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Base policy: supervised fine-tuning on the demonstrations (NLL on ω tokens only)
 # ----------------------------------------------------------------------------------------------------------------
 def right_pad(episodes, pad_id):
@@ -257,15 +321,18 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
     depending on the seed. So training checks every 50 steps the digits the model copies on held-out
     demonstrations; once they cost < 0.3 nats it trains steps/2 more (at least `steps` in all) while the rate
     decays linearly to lr/10, so that what depends on copying (reading the shop, the values) is learned too and
-    the weights settle; `max_steps` caps it (3 × steps)."""
+    the weights settle; `max_steps` caps it (3 × steps). Without `held_out` (the code world copies no ids) it
+    runs `steps` steps and decays over the second half."""
     rng = random.Random(seed)
     order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].ids))
     buckets = [order[i:i + batch] for i in range(0, len(order), batch)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     stop, decay_from = max_steps or 3 * steps, None
+    if held_out is None:
+        stop, decay_from = steps, steps // 2
 
     def rate(step):   # warm-up, constant, then linear decay to 1/10 over [decay_from, stop)
-        if decay_from is None:
+        if decay_from is None or step < decay_from:
             return min(1.0, (step + 1) / 20)
         return max(0.1, 1 - 0.9 * (step - decay_from) / max(1, stop - decay_from))
 
@@ -278,7 +345,9 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0:
+        if step % 50 == 0 and held_out is None:
+            log(f"pretrain step {step:4d}  loss/sft {loss.item():.4f}")
+        elif step % 50 == 0:
             model.eval()
             c = copy_nll(model, held_out, tokenizer)
             model.train()
@@ -300,29 +369,38 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy-backbone")
 
 
-def default_backbone(out: str, log=print) -> str:
-    """The shipped backbone if the checkout has it, else one built (once) into `out`."""
-    if os.path.isfile(os.path.join(SHIPPED, "toy_backbone.json")):
+def default_backbone(out: str, log=print, world: str = "tools") -> str:
+    """The shipped backbone if the checkout has it, else one built (once) into `out`. The code world's backbone
+    is not shipped yet: it is built into `out`."""
+    if world == "tools" and os.path.isfile(os.path.join(SHIPPED, "toy_backbone.json")):
         return SHIPPED
-    return build_backbone(out, log=log)
+    return build_backbone(out, log=log, world=world)
 
 
 def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 1200, batch: int = 32,
-                   lr: float = 2e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print) -> str:
-    """Train the toy backbone into `out` (an ordinary HF folder) unless it is already there. Returns `out`."""
+                   lr: float = 2e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print,
+                   world: str = "tools") -> str:
+    """Train the toy backbone of `world` (tools | code) into `out` (an ordinary HF folder) unless it is already
+    there. Returns `out`."""
     if os.path.exists(os.path.join(out, "toy_backbone.json")):
         log(f"toy backbone: reusing {out}")
         return out
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
-    tasks = demo_tasks(n_demos, seed + 1)
-    tokenizer = build_tokenizer(corpus_texts(tasks, seed + 1))
+    if world == "code":
+        tasks = make_code_splits(seed + 1, n_train=n_demos, n_test=0)[0]
+        tokenizer = build_tokenizer(code_corpus_texts(tasks, seed + 1))
+        episodes, held_out = code_demo_episodes(tokenizer, tasks, seed + 1), None
+    else:
+        tasks = demo_tasks(n_demos, seed + 1)
+        tokenizer = build_tokenizer(corpus_texts(tasks, seed + 1))
+        episodes = demo_episodes(tokenizer, tasks, seed + 1)
+        held_out = demo_episodes(tokenizer, demo_tasks(32, seed + 7), seed + 7)
     model = Qwen3ForCausalLM(toy_config(tokenizer, hidden, layers, heads))
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"toy backbone: {n_params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, {len(tasks)} demonstrations")
-    held_out = demo_episodes(tokenizer, demo_tasks(32, seed + 7), seed + 7)
-    ran = pretrain(model, tokenizer, demo_episodes(tokenizer, tasks, seed + 1), held_out, steps, batch, lr, seed, log)
+    log(f"toy backbone ({world}): {n_params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, {len(tasks)} demos")
+    ran = pretrain(model, tokenizer, episodes, held_out, steps, batch, lr, seed, log)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     tmp = out.rstrip("/") + ".tmp"                      # write then rename: a killed build leaves no half folder
@@ -330,8 +408,8 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "toy_backbone.json"), "w") as f:
-        json.dump({"seed": seed, "n_demos": n_demos, "steps": steps, "steps_run": ran, "params": n_params,
-                   "seconds": round(time.time() - t0, 1)}, f)
+        json.dump({"world": world, "seed": seed, "n_demos": n_demos, "steps": steps, "steps_run": ran,
+                   "params": n_params, "seconds": round(time.time() - t0, 1)}, f)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     os.replace(tmp, out)
@@ -342,20 +420,25 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
 def main():
     p = argparse.ArgumentParser(description="Build the toy backbone and report its vanilla reward.")
     p.add_argument("--out", default="runs/toy-backbone", help="folder for the HF model and tokenizer")
+    p.add_argument("--world", default="tools", choices=["tools", "code"], help="the toy world it learns")
     p.add_argument("--seed", type=int, default=0, help="seed for demonstrations, init and training")
     p.add_argument("--steps", type=int, default=1200, help="SFT steps (batch 32), extended until ids are copied")
     p.add_argument("--n-eval", type=int, default=200, help="held-out tasks to evaluate")
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from lopd import SampleConfig, rollout, summarize
-    build_backbone(args.out, args.seed, steps=args.steps)
+    build_backbone(args.out, args.seed, steps=args.steps, world=args.world)
     model = AutoModelForCausalLM.from_pretrained(args.out)
     tok = AutoTokenizer.from_pretrained(args.out)
-    _, test = make_splits(args.seed, n_train=1000, n_test=args.n_eval)
+    if args.world == "code":
+        test, make_env = make_code_splits(args.seed, n_train=0, n_test=args.n_eval)[1], \
+            lambda: CodeWorld(system_prompt=TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)
+    else:
+        test, make_env = make_splits(args.seed, n_train=1000, n_test=args.n_eval)[1], ToolWorld
     for temp in (0.0, 0.7):
         torch.manual_seed(args.seed)
         t0 = time.time()
-        m = summarize(rollout(model, tok, test, SampleConfig(temperature=temp)))
+        m = summarize(rollout(model, tok, test, SampleConfig(temperature=temp), make_env))
         print(f"vanilla T={temp}: " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()) + f"  ({time.time() - t0:.1f}s)")
 
 

@@ -47,7 +47,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -66,8 +66,8 @@ class Args:
     model: str = ""
     """HF causal-LM id or local folder; empty = build (or reuse) the offline toy backbone in OUT/backbone"""
     env: str = "tools"
-    """tools: the tool-use world (multi-turn) | code: single-turn programming problems verified in a sandbox
-(needs --tasks: train.jsonl and test.jsonl in our, TACO, LiveCodeBench or EvalPlus layout; envs.py)"""
+    """tools: the tool-use world (multi-turn) | code: single-turn programs verified in a sandbox (the toy code
+world, or --tasks with train.jsonl and test.jsonl in our, TACO, LiveCodeBench or EvalPlus layout; envs.py)"""
     tasks: str = ""
     """folder with train.jsonl and test.jsonl (envs.py task format); empty = generate the toy world's splits"""
     out: str = "runs/toy"
@@ -256,8 +256,6 @@ def _check(p, a: Args):
         p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
     if a.env not in ("tools", "code"):
         p.error(f"--env must be tools or code, not {a.env!r}")
-    if a.env == "code" and not a.tasks:
-        p.error("--env code needs --tasks DIR with train.jsonl and test.jsonl of problems (no toy code world yet)")
     if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
         p.error(f"--tasks {a.tasks!r}: expected a folder holding train.jsonl and test.jsonl")
     for name in ("n_ret", "latents", "rollouts_per_step", "micro_batch", "top_m", "steps"):
@@ -309,8 +307,7 @@ class Log:
 def load_backbone(args: Args, device, dtype):
     """The base model θ̄ and its tokenizer: --model, or the toy backbone built (once) into OUT/backbone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import toy
-    path = args.model or toy.default_backbone(os.path.join(args.out, "backbone"))
+    path = args.model or toy_backbone(args)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -320,6 +317,13 @@ def load_backbone(args: Args, device, dtype):
     if args.grad_ckpt:
         checkpointing(model)
     return model, tok
+
+
+def toy_backbone(args: Args) -> str:
+    """The toy backbone of --env: the shipped one (tool world), or one built once into OUT/backbone[-code]."""
+    import toy
+    name = "backbone" if args.env == "tools" else "backbone-code"
+    return toy.default_backbone(os.path.join(args.out, name), world=args.env)
 
 
 def checkpointing(model):
@@ -417,10 +421,12 @@ def load_splits(args: Args):
     if args.tasks:
         load = envs.load_problems if args.env == "code" else envs.load_tasks
         return load(os.path.join(args.tasks, "train.jsonl")), load(os.path.join(args.tasks, "test.jsonl"))
-    train, test = envs.make_splits(args.seed, args.n_train, args.n_test)
+    make, save = ((envs.make_code_splits, envs.save_problems) if args.env == "code" else
+                  (envs.make_splits, envs.save_tasks))
+    train, test = make(args.seed, args.n_train, args.n_test)
     os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
     for name, tasks in (("train", train), ("test", test)):
-        envs.save_tasks(tasks, os.path.join(args.out, "tasks", name + ".jsonl"))
+        save(tasks, os.path.join(args.out, "tasks", name + ".jsonl"))
     return train, test
 
 
@@ -428,8 +434,9 @@ def env_factory(args: Args):
     """The environment the run uses: the toy backbone reads the short system prompt and framing, real models A.5's.
     Its `tools` (JSON schemas, or None for code) go to the chat template."""
     if args.env == "code":
-        framing = inject.TOY_FRAMING if is_toy(args) else inject.CODING_FRAMING
-        return lambda: envs.CodeWorld(framing=framing)
+        if is_toy(args):
+            return lambda: envs.CodeWorld(system_prompt=envs.TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)
+        return lambda: envs.CodeWorld(framing=inject.CODING_FRAMING)
     if is_toy(args):
         prompt, framing = envs.TOY_SYSTEM_PROMPT, inject.TOY_FRAMING
     else:
@@ -893,8 +900,7 @@ def ablations(args: Args):
     """`python train.py --ablations`: every row for args.seeds seeds, mean ± std beside the paper's numbers. The
     seeds share the backbone (as the paper's runs share Qwen3-4B) and vary everything after it."""
     if not args.model:
-        import toy
-        args = dataclasses.replace(args, model=toy.default_backbone(os.path.join(args.out, "backbone")))
+        args = dataclasses.replace(args, model=toy_backbone(args))
     args = dataclasses.replace(args, **CURVE)
     per_seed = [ablation_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))
                 for i in range(args.seeds)]
@@ -910,7 +916,7 @@ def ablation_table(per_seed) -> str:
     def cell(name, key):
         vals = [r[name][key] for r in per_seed if key in r[name]]
         return f"{np.mean(vals):.3f} ± {np.std(vals):.3f}" if vals else ""
-    lines = [f"| row | student alone | teacher (base + composer) | generations | paper (EnvScaler, Qwen3-4B) |",
+    lines = ["| row | student alone | teacher (base + composer) | generations | paper (EnvScaler, Qwen3-4B) |",
              "|---|---|---|---|---|"]
     for name in per_seed[0]:
         lines.append(f"| {name} | {cell(name, 'student')} | {cell(name, 'teacher')} | "
@@ -960,8 +966,7 @@ def figure4_seed(args: Args) -> list[dict]:
 def figure4(args: Args):
     """`python train.py --figure4`: FIGURE4_METHODS × args.seeds seeds; OUT/figure4.csv, figure4.md, figure4.png."""
     if not args.model:
-        import toy
-        args = dataclasses.replace(args, model=toy.default_backbone(os.path.join(args.out, "backbone")))
+        args = dataclasses.replace(args, model=toy_backbone(args))
     args = dataclasses.replace(args, **CURVE)
     rows = [r for i in range(args.seeds)
             for r in figure4_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))]
