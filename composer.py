@@ -279,12 +279,15 @@ class Composer(nn.Module):
     def compress(self, texts: list[str]) -> torch.Tensor:
         """E_j for each text (eqs. 5-6): -> (N, K, d) fp32."""
         step = self.cfg.encode_batch_size or len(texts)
+        # chunks of similar length pad less (right padding never changes a real token's state); order restored below
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         chunks = []
         for i in range(0, len(texts), step):
-            hidden, att = self.encode(texts[i:i + step])            # (n, T, d), (n, T)
+            hidden, att = self.encode([texts[j] for j in order[i:i + step]])   # (n, T, d), (n, T)
             # eq. (6): E_j = Comp_χ(H_j; Q_χ), pads masked out of the keys
             chunks.append(self.qformer(hidden.float(), att == 0))  # (n, K, d)
-        return torch.cat(chunks, 0)                                 # (N, K, d)
+        E = torch.cat(chunks, 0)                                    # (N, K, d) in length order
+        return E[torch.argsort(torch.tensor(order, device=E.device))]   # (N, K, d) in the order of `texts`
 
     def forward(self, tasks: list[str], experiences: list[list[str]]) -> torch.Tensor:
         """c_φ(x, E) for a batch: tasks B strings, experiences B lists of J strings -> (B, J·K, d), backbone dtype."""

@@ -130,6 +130,18 @@ def test_repeated_experiences_are_encoded_once_with_the_same_values_and_gradient
     assert torch.allclose(g_dedup, g_brute, atol=1e-4)
 
 
+def test_chunked_encoding_in_length_order_returns_the_input_order(tok):
+    """encode_batch_size chunks the texts by length; the latents come back in the order of the texts."""
+    comp, _ = build(tok)
+    texts = [C.REFERENCE_TEMPLATE.format(experience="x" * n) for n in (40, 3, 25, 9, 60)]
+    with torch.no_grad():
+        whole = comp.compress(texts)                                            # (5, K, d), one forward
+        comp.cfg.encode_batch_size = 2
+        chunked = comp.compress(texts)                                          # 3 forwards by length
+        alone = torch.cat([comp.compress([t]) for t in texts])                  # each text alone
+    assert torch.allclose(whole, chunked, atol=1e-5) and torch.allclose(alone, chunked, atol=1e-5)
+
+
 def test_adapter_disabled_is_bit_exact_base(tok):
     comp, ref = build(tok)                                                       # LoRA B perturbed: LoRA is live
     ids = torch.tensor([tok("<|im_start|>user\nCancel Ana's pear order.<|im_end|>\n")["input_ids"]])
