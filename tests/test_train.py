@@ -286,15 +286,15 @@ def test_figure4_table_reports_where_lopd_reaches_grpos_final_reward():
 
 
 def test_toy_code_world_pipeline(tmp_path):
-    """--env code on a tiny toy code backbone: problems generated and saved, single-turn rollouts verified in the
-    sandbox, the whole pipeline and the three rows (the backbone is too small to solve much: pipeline only)."""
+    """python train.py --env code (a subprocess) on a tiny toy code backbone: problems generated and saved,
+    single-turn rollouts verified in the sandbox, the whole pipeline and the three rows (pipeline only)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     bb = toy.build_backbone(str(tmp_path / "code-bb"), seed=0, n_demos=200, steps=40, batch=16, lr=3e-3, hidden=32,
                             layers=2, log=lambda *_: None, world="code")
     torch.set_num_threads(n)
     out = tmp_path / "run"
-    train.main(train_cmd(bb, out, "--env", "code", "--n-train", "12", "--steps", "2")[2:])
+    finish(start(train_cmd(bb, out, "--env", "code", "--n-train", "12", "--steps", "2"), tmp_path / "log"))
     problems = [json.loads(line) for line in read(os.path.join(out, "tasks", "train.jsonl")).splitlines()]
     assert len(problems) == 12 and all(p["variant"] in ("alder", "cedar", "delta", "flint") for p in problems)
     rows = json.loads(read(os.path.join(out, "results.json")))["rows"]
