@@ -393,8 +393,7 @@ def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None, enab
     ids, att, pos, P, pad = pack([p for p, _ in prompts], conts, tokenizer.pad_token_id, device)
     starts = torch.tensor([s for _, s in prompts], device=device) + pad                  # (B,) after left padding
     embeds = inject.embed_with_latents(composer.peft, ids, latents, starts)                # (B, P+Tc, d)
-    with composer.adapter_disabled():
-        logits = composer.peft(inputs_embeds=embeds, attention_mask=att, position_ids=pos).logits
+    logits = frozen_base(composer)(inputs_embeds=embeds, attention_mask=att, position_ids=pos).logits
     return logits[:, P - 1:P - 1 + omega.shape[1]]                                        # (B, Tc, V)
 
 
