@@ -78,10 +78,7 @@ def text_teacher_logits(model, tok, eps, exps):
         msgs = [{"role": "system", "content": envs.TOY_SYSTEM_PROMPT + "\n\nSolved examples:\n" + ref},
                 {"role": "user", "content": e.task.text}]
         prompts.append(lopd.prompt_ids(tok, msgs))
-    conts, _ = lopd.continuation(eps, "cpu")
-    ids, att, pos, P, _ = lopd.pack(prompts, conts, tok.pad_token_id, "cpu")
-    Tc = ids.shape[1] - P
-    return model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, P - 1:P - 1 + Tc]
+    return lopd.continuation_logits(model, tok, prompts, eps, "cpu")[0]                   # (B, Tc, V)
 
 
 def bench_step(model_dir: str, batch: int, repeats: int):

@@ -372,9 +372,10 @@ def continuation_logits(model, tokenizer, prefixes, eps, device):
     -> logits (B, Tc, V), continuation ids (B, Tc), ω (B, Tc). The continuation is never re-tokenized."""
     conts, omega = continuation(eps, device)
     ids, att, pos, P, _ = pack(prefixes, conts, tokenizer.pad_token_id, device)
-    logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits            # (B, P+Tc, V)
     Tc = omega.shape[1]
-    return logits[:, P - 1:P - 1 + Tc], ids[:, P:], omega     # logits at column P-1+t predict token t
+    # only the last Tc+1 columns' logits are computed (HF logits_to_keep): the prefix is never a target
+    logits = model(input_ids=ids, attention_mask=att, position_ids=pos, logits_to_keep=Tc + 1).logits  # (B, Tc+1, V)
+    return logits[:, :Tc], ids[:, P:], omega     # column P-1+t (here t) predicts continuation token t
 
 
 def student_logits(student, tokenizer, eps, device):
@@ -393,8 +394,10 @@ def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None, enab
     ids, att, pos, P, pad = pack([p for p, _ in prompts], conts, tokenizer.pad_token_id, device)
     starts = torch.tensor([s for _, s in prompts], device=device) + pad                  # (B,) after left padding
     embeds = inject.embed_with_latents(composer.peft, ids, latents, starts)                # (B, P+Tc, d)
-    logits = frozen_base(composer)(inputs_embeds=embeds, attention_mask=att, position_ids=pos).logits
-    return logits[:, P - 1:P - 1 + omega.shape[1]]                                        # (B, Tc, V)
+    Tc = omega.shape[1]
+    logits = frozen_base(composer)(inputs_embeds=embeds, attention_mask=att, position_ids=pos,
+                                   logits_to_keep=Tc + 1).logits                         # (B, Tc+1, V)
+    return logits[:, :Tc]                                                                  # (B, Tc, V)
 
 
 def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools=None, enable_thinking=False):

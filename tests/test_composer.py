@@ -142,6 +142,33 @@ def test_chunked_encoding_in_length_order_returns_the_input_order(tok):
     assert torch.allclose(whole, chunked, atol=1e-5) and torch.allclose(alone, chunked, atol=1e-5)
 
 
+def test_qformer_matches_multihead_attention_applied_per_layer():
+    """The QFormer projects keys and values once; nn.MultiheadAttention called in every layer (the textbook
+    block, with the same weights) gives the same latents and the same gradients, padding included."""
+    torch.manual_seed(0)
+    qf = C.QFormer(d=32, n_heads=4, n_latents=5, n_layers=3, ffn_mult=4, emb_rms=0.7)
+    hidden = torch.randn(3, 11, 32, requires_grad=True)                        # (N, T, d)
+    pad = torch.zeros(3, 11, dtype=torch.bool)
+    pad[1, 6:], pad[2, 9:] = True, True                                         # right padding
+    out = qf(hidden, pad)                                                       # (N, K, d)
+
+    blk = qf.block                                                              # the textbook block, by hand
+    kv = qf.norm_kv(hidden)
+    q = qf.queries.expand(3, -1, -1)
+    for _ in range(qf.n_layers):
+        a, _ = blk.attn(blk.norm_q(q), kv, kv, key_padding_mask=pad, need_weights=False)
+        q = q + a
+        q = q + blk.ffn(blk.norm_ff(q))
+    ref = qf.norm_out(q) * qf.emb_rms
+    assert torch.allclose(out, ref, atol=1e-5)
+    w = torch.randn_like(out)
+    params = [hidden, qf.queries, blk.attn.in_proj_weight, blk.attn.out_proj.weight]
+    g_out = torch.autograd.grad((out * w).sum(), params)
+    g_ref = torch.autograd.grad((ref * w).sum(), params)
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(g_out, g_ref))
+    assert hidden.grad is None and g_out[0][1, 6:].abs().max() == 0            # pads get no gradient
+
+
 def test_adapter_disabled_is_bit_exact_base(tok):
     comp, ref = build(tok)                                                       # LoRA B perturbed: LoRA is live
     ids = torch.tensor([tok("<|im_start|>user\nCancel Ana's pear order.<|im_end|>\n")["input_ids"]])
