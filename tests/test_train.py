@@ -244,6 +244,17 @@ def test_bad_flag_exits_nonzero_naming_it(tmp_path, capsys, flag, value, named):
     assert named in err and value in err, err
 
 
+def test_defaults_follow_the_backbone_and_the_world(backbone, tmp_path):
+    """Unset flags take the toy's values on a toy folder, the code world's student rate there, and the paper's
+    values on any other model; a flag given on the command line always wins."""
+    toy = train.parse_args(["--out", str(tmp_path), "--model", backbone])
+    code = train.parse_args(["--out", str(tmp_path), "--model", backbone, "--env", "code"])
+    real = train.parse_args(["--out", str(tmp_path), "--model", str(tmp_path)])   # no toy_backbone.json there
+    given = train.parse_args(["--out", str(tmp_path), "--model", backbone, "--env", "code", "--lr", "2e-5"])
+    assert (toy.lr, code.lr, real.lr, given.lr) == (1e-4, 3e-4, 1e-5, 2e-5)
+    assert (toy.latents, code.latents, real.latents) == (8, 8, 32)
+
+
 def test_bad_task_line_fails_naming_file_and_line(backbone, tmp_path):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
