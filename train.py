@@ -15,9 +15,10 @@ Stages, each cached in --out (a rerun skips what is finished):
   6. evaluation    vanilla / base + composer / LOPD student on held-out tasks (eval.py)
 
 Defaults follow B.2 and the official code (DESIGN.md §6) except where the toy needs its own; `TOY_DEFAULTS` lists
-each such value and why. A flag given on the command line always wins. The one that changes the method: on the
-toy world the composer encodes the reference without the task (`--composer-input reference`; composer.py,
-deviation 5), because with the task it learned the shops' conventions from their names and ignored the reference.
+each such value and why, and `TOY_CODE_DEFAULTS` the toy code world's (a larger student rate). A flag given on the
+command line always wins. The one that changes the method: on the toy world the composer encodes the reference
+without the task (`--composer-input reference`; composer.py, deviation 5), because with the task it learned the
+shops' conventions from their names and ignored the reference.
 
 Controls (is the student's gain due to latent privileged context?):
   --method rft          rejection fine-tuning: NLL on the bank's successful trajectories, no teacher, the same
