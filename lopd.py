@@ -617,8 +617,7 @@ def opsd_step(student, base, tokenizer, tasks, pool, opt, cfg: BaselineConfig, s
     eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
     texts = [pool.get(t.task_id) for t in tasks]
     m = _distill_step(student, base, tokenizer, eps, texts, OPSD_CONTEXT,
-                      lambda ls, lt, om, n: losses.forward_kl_full(ls, lt, om, n), opt, cfg, make_env, tools,
-                      sample_cfg.enable_thinking)
+                      losses.forward_kl_full, opt, cfg, make_env, tools, sample_cfg.enable_thinking)
     return {"reward/student": sum(e.reward for e in eps) / len(eps), **m}, eps
 
 

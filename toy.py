@@ -365,7 +365,7 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
 # Build or reuse the backbone folder
 # ----------------------------------------------------------------------------------------------------------------
 # The backbone `python train.py` uses: built by `python toy.py --out assets/toy-backbone` (seed 0, the defaults
-# below) and committed, 1.9 MB, so that a fresh checkout skips the ~8 minutes of pretraining on two cores, as a
+# below) and committed, 1.9 MB, so that a fresh checkout skips the ~7 minutes of pretraining on two cores, as a
 # run on Qwen3-4B skips pretraining. Like a pretrained model it does not change with train.py --seed.
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy-backbone")
 
@@ -435,8 +435,8 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(args.out)
     tok = AutoTokenizer.from_pretrained(args.out)
     if args.world == "code":
-        test, make_env = make_code_splits(args.seed, n_train=0, n_test=args.n_eval)[1], \
-            lambda: CodeWorld(system_prompt=TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)
+        test = make_code_splits(args.seed, n_train=0, n_test=args.n_eval)[1]
+        make_env = lambda: CodeWorld(system_prompt=TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)  # noqa: E731
     else:
         test, make_env = make_splits(args.seed, n_train=1000, n_test=args.n_eval)[1], ToolWorld
     for temp in (0.0, 0.7):

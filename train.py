@@ -328,7 +328,7 @@ def load_backbone(args: Args, device, dtype):
 
 
 def toy_backbone(args: Args) -> str:
-    """The toy backbone of --env: the shipped one (tool world), or one built once into OUT/backbone[-code]."""
+    """The toy backbone of --env: the shipped one (assets/), or one built once into OUT/backbone[-code]."""
     import toy
     name = "backbone" if args.env == "tools" else "backbone-code"
     return toy.default_backbone(os.path.join(args.out, name), world=args.env)
