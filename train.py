@@ -986,7 +986,7 @@ def figure4(args: Args):
     with open(os.path.join(args.out, "figure4.md"), "w") as f:
         f.write(table)
     print("\n" + table)
-    plot_figure4(rows, os.path.join(args.out, "figure4.png"))
+    plot_figure4(rows, os.path.join(args.out, "figure4.png"), f"Figure 4 at toy scale (--env {args.env})")
 
 
 def _curves(rows) -> dict:
@@ -1018,6 +1018,8 @@ def figure4_table(rows) -> str:
         target, total = curves["grpo"][-1][1], curves["grpo"][-1][0]
         hit = next((g for g, mean, _ in curves["lopd"] if mean >= target), None)
         lines.append("")
+        if target <= curves["grpo"][0][1]:     # then "LOPD reaches it" holds at 0 generations and says nothing
+            lines.append(f"GRPO did not improve on the base ({curves['grpo'][0][1]:.3f} -> {target:.3f}).")
         lines.append(f"GRPO's final reward {target:.3f} after {total} generations. " + (
             f"LOPD first reaches it after {hit} training generations ({hit / total:.0%} of GRPO's; "
             f"{(hit + bank) / total:.0%} counting the {bank} rollouts that built its bank)." if hit is not None
@@ -1026,7 +1028,7 @@ def figure4_table(rows) -> str:
     return "\n".join(lines) + f"\n\n{seeds} seeds; mean ± std over seeds; the student alone on held-out tasks.\n"
 
 
-def plot_figure4(rows, path: str):
+def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
     """Reward against training generations, one line per method (skipped with a message without matplotlib)."""
     try:
         import matplotlib
@@ -1042,7 +1044,7 @@ def plot_figure4(rows, path: str):
         ax.fill_between(g, mean - std, mean + std, alpha=0.15)
     ax.set_xlabel("training generations (rollouts)")
     ax.set_ylabel("held-out reward, student alone")
-    ax.set_title("Figure 4 at toy scale")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -294,6 +294,10 @@ def test_figure4_table_reports_where_lopd_reaches_grpos_final_reward():
     assert "GRPO's final reward 0.610 after 960 generations" in table
     assert "after 640 training generations (67% of GRPO's; 275% counting the 2000 rollouts" in table
     assert "| 320 | 0.560 ± 0.010 | 0.460 ± 0.010 |" in table
+    assert "did not improve" not in table
+    # a GRPO that ends below where it started: "LOPD reaches it at 0 generations" is true and empty, so it is flagged
+    flat = train.figure4_table(rows("lopd", [0.40, 0.42, 0.50, 0.55], bank=2000) + rows("grpo", [0.40, 0.38, 0.36, 0.35]))
+    assert "GRPO did not improve on the base (0.410 -> 0.360)" in flat and "after 0 training generations" in flat
 
 
 def test_toy_code_world_pipeline(tmp_path):
