@@ -958,6 +958,14 @@ def code_oracle(problem: CodeProblem) -> str:
     return "\n".join(lines + (["print('END')"] if end else [])) + "\n"
 
 
+def code_conventions(problem: CodeProblem, reply: str) -> dict:
+    """Which of its judge's output conventions a reply to a toy code problem writes, and whether each is right for
+    that judge (eval.py --conventions: did a student learn WHEN to write them, or only how often?)."""
+    want_prefix, want_end = JUDGES[problem.variant]
+    prefix, end = "Answer" in reply, "END" in reply
+    return {"prefix": prefix, "end": end, "prefix_right": prefix == want_prefix, "end_right": end == want_end}
+
+
 def make_code_problem(rng: random.Random, task_id: str, judge: str | None = None, family: str | None = None,
                       n_tests: int = 3) -> CodeProblem:
     """One toy code problem; its tests are the oracle's outputs on random lines (computed here, not run)."""

@@ -3,6 +3,7 @@
     python eval.py --run runs/toy                    # the three rows, results.md and results.json in the run
     python eval.py --run runs/toy --inspect-latents  # also: the LM-head projection of each latent token (§4.4)
     python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
+    python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
 
 Rows (Table 3):
 - vanilla          the base model θ̄, task only;
@@ -81,6 +82,21 @@ def write_results(out: str, rows: dict, extra: dict | None = None):
         f.write(markdown_table(rows))
 
 
+def conventions_table(tok, episodes: dict) -> str:
+    """Toy code world: per row, how often replies write the `Answer` prefix and the `END` line, and how often each
+    is right for the problem's judge. A student that learned WHEN (per judge) is right well above 0.5; one that
+    only changed HOW OFTEN it writes a convention stays near 0.5 (README, Figure 4 on the toy code world)."""
+    keys = ("prefix", "prefix_right", "end", "end_right")
+    lines = ["| row | pass | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for name, eps in episodes.items():
+        marks = [envs.code_conventions(e.task, tok.decode(e.ids[e.prompt_len:], skip_special_tokens=True))
+                 for e in eps]
+        rates = [sum(m[k] for m in marks) / len(marks) for k in keys]
+        passed = sum(e.reward for e in eps) / len(eps)
+        lines.append(f"| {name} | {passed:.3f} | " + " | ".join(f"{r:.3f}" for r in rates) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def inspect_latents(composer, tok, latents, top: int = 5):
     """§4.4: project each latent token through the LM head and print its nearest vocabulary tokens."""
     head = composer.backbone.get_output_embeddings()
@@ -101,14 +117,22 @@ def main():
     p.add_argument("--world-check", action="store_true",
                    help="also base + composer with other-variant references and with no reference (does the teacher "
                         "use the experience?)")
+    p.add_argument("--conventions", action="store_true",
+                   help="toy code world: per row, which output conventions replies write and whether each is right "
+                        "for the problem's judge")
     a = p.parse_args()
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     args = train.Args(**json.load(open(os.path.join(a.run, "args.json"))))
-    rows, latents = train.final_eval(args, a.n_test, a.temperature, a.world_check)
+    if a.conventions and (args.env != "code" or args.tasks):
+        p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
+    keep = {} if a.conventions else None
+    rows, (composer, tok, first_latents) = train.final_eval(args, a.n_test, a.temperature, a.world_check, keep)
     print(markdown_table(rows))
+    if a.conventions:
+        print(conventions_table(tok, train.name_student_row(args, keep)))
     if a.inspect_latents:
-        inspect_latents(*latents)
+        inspect_latents(composer, tok, first_latents)
 
 
 if __name__ == "__main__":

@@ -763,8 +763,9 @@ def drift_eval(args, composer, student, run) -> dict:
 # Stage 6: evaluation, and the whole pipeline
 # ----------------------------------------------------------------------------------------------------------------
 def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
-             which=("vanilla", "base + composer", "LOPD student")) -> dict:
-    """The rows of Table 3 on held-out tasks, each from the same seed; the training RNG streams are restored."""
+             which=("vanilla", "base + composer", "LOPD student"), keep: dict | None = None) -> dict:
+    """The rows of Table 3 on held-out tasks, each from the same seed; the training RNG streams are restored.
+    `keep`, if given, receives each row's episodes (eval.py --conventions reads them)."""
     import eval as ev
     cfg, make_env, rows = sample_config(args, temperature), env_factory(args), {}
     tools = make_env().tools
@@ -777,7 +778,10 @@ def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
             continue
         seed_everything(args.seed + 1)
         with precision(composer.peft):
-            rows[name] = lopd.summarize(run())
+            eps = run()
+        rows[name] = lopd.summarize(eps)
+        if keep is not None:
+            keep[name] = eps
     set_rng_state(saved, random.Random())
     return rows
 
@@ -789,9 +793,9 @@ def name_student_row(args, rows: dict) -> dict:
     return rows
 
 
-def final_eval(args: Args, n_test: int = 0, temperature=None, controls: bool = False):
+def final_eval(args: Args, n_test: int = 0, temperature=None, controls: bool = False, keep: dict | None = None):
     """eval.py's entry: rebuild the run's pieces from OUT (all stages cached), load the latest checkpoint's student
-    and composer, evaluate (with `controls`, also the world check's rows: `world_check`).
+    and composer, evaluate (with `controls`, also the world check's rows: `world_check`; `keep`: `evaluate`'s).
     Returns (rows, (composer, tokenizer, latents of the first held-out task))."""
     import eval as ev
     run = prepare(args)
@@ -803,7 +807,7 @@ def final_eval(args: Args, n_test: int = 0, temperature=None, controls: bool = F
         reset_composer(run["composer"], os.path.join(ckpt, "composer"))
     tasks = run["test"][:n_test] if n_test else run["test"]
     rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], tasks,
-                                           temperature))
+                                           temperature, keep=keep))
     if controls:
         rows.update({k: v for k, v in world_check(args, run, tasks).items() if k not in rows})
     ev.write_results(args.out, rows)

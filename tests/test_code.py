@@ -259,3 +259,34 @@ def test_toy_code_splits_are_seeded_and_disjoint():
     assert [(p.text, p.tests) for p in a_train + a_test] == [(p.text, p.tests) for p in b_train + b_test]
     key = lambda p: p.text + json.dumps(p.tests)                          # noqa: E731
     assert not {key(p) for p in a_train} & {key(p) for p in a_test}
+
+
+def test_code_conventions_agree_with_the_sandbox_and_the_table_counts_them(tok):
+    """eval.py --conventions: a program written with judge J's conventions passes problem p exactly when both
+    conventions are right for p's judge (the sandbox decides, independently of the string checks); the table's
+    rates are those counts."""
+    import eval as ev
+    from lopd import Episode
+    problems = envs.make_code_splits(seed=5, n_train=0, n_test=8)[1]
+    pairs, marks = [], []
+    for p in problems:
+        for judge in envs.JUDGES:
+            program = envs.code_oracle(envs.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema, variant=judge))
+            pairs.append((p, program))
+            marks.append(envs.code_conventions(p, f"```python\n{program}```"))
+    results = envs.verify_many(pairs, FAST)
+    for (ok, why), m in zip(results, marks):
+        assert ok == (m["prefix_right"] and m["end_right"]), why
+    # the table over one row of those replies, against counts taken here
+    eps = []
+    for (p, program), (ok, _) in zip(pairs, results):
+        reply = f"```python\n{program}```"
+        prompt = tok("Judge: " + p.variant, add_special_tokens=False)["input_ids"]
+        eps.append(Episode(p, ids=prompt + tok(reply, add_special_tokens=False)["input_ids"], prompt_len=len(prompt),
+                           reward=float(ok)))
+    row = ev.conventions_table(tok, {"row": eps}).splitlines()[2]
+    n = len(pairs)
+    expect = [sum(e.reward for e in eps) / n] + [sum(m[k] for m in marks) / n
+                                                 for k in ("prefix", "prefix_right", "end", "end_right")]
+    assert row == "| row | " + " | ".join(f"{x:.3f}" for x in expect) + " |"
+    assert expect[0] == 0.25 and expect[2] == expect[4] == 0.5      # 1 judge in 4 right; each convention 2 in 4
