@@ -124,6 +124,10 @@ def test_eval_script_on_a_finished_run(runs, tmp_path):
     assert rc == 0, err[-3000:]
     for row in ("vanilla", "base + composer", "LOPD student"):
         assert f"| {row} |" in out
+    # --conventions is the toy code world's; on the tool world it is refused with the flag and the run named
+    rc, _, err = finish(start([sys.executable, "eval.py", "--run", runs["a"], "--conventions"], tmp_path / "conv"),
+                        ok=False)
+    assert rc == 2 and "--conventions" in err and runs["a"] in err
 
 
 def test_same_seed_gives_identical_metrics(runs):
@@ -316,3 +320,9 @@ def test_toy_code_world_pipeline(tmp_path):
     assert set(rows) == {"vanilla", "base + composer", "LOPD student"}
     assert all(r["steps"] == 1.0 for r in rows.values())                  # single-turn
     assert [r["step"] for r in records(str(out), "lopd")] == [0, 1]
+    # eval.py --conventions on that run: the three rows' convention rates, each a fraction
+    _, text, _ = finish(start([sys.executable, "eval.py", "--run", str(out), "--n-test", "4", "--conventions"],
+                              tmp_path / "eval"))
+    table = text[text.index("| row | pass | prefix |"):].splitlines()
+    assert [line.split(" | ")[0] for line in table[2:5]] == ["| vanilla", "| base + composer", "| LOPD student"]
+    assert all(0.0 <= float(x) <= 1.0 for line in table[2:5] for x in line.strip(" |").split(" | ")[1:])
