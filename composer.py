@@ -265,17 +265,19 @@ class Composer(nn.Module):
             self._disabled -= 1
 
     def base_forward(self, **kwargs):
-        """A forward of the frozen base θ̄ (LoRA disabled); kwargs as for the HF model (input_ids/inputs_embeds)."""
+        """A forward of the frozen base θ̄ with every adapter off (this LoRA and a --student-lora student's); kwargs as
+        for the HF model (input_ids/inputs_embeds). The teacher of LOPD, and OPSD's frozen teacher as a callable."""
         with self.adapter_disabled():
             return self.peft(**kwargs)
 
-    def teacher_logits(self, input_ids, attention_mask, latents, starts, keep: int = 0):
+    def teacher_logits(self, input_ids, attention_mask, latents, starts, keep: int = 0, position_ids=None):
         """π_θ̄(· | [s; c_φ]) (eq. 7): latents (B, n, d) injected at starts (B,), LoRA off -> logits (B, T, V).
 
         attention_mask (B, T) must come from lengths (inject.py, THE TRAP): the span holds pad ids.
-        keep > 0: logits of the last `keep` positions only, (B, keep, V) (HF's logits_to_keep; 0 = all)."""
+        keep > 0: logits of the last `keep` positions only, (B, keep, V) (HF's logits_to_keep; 0 = all).
+        position_ids (B, T): for left-padded rows (lopd.pack); None lets the model count from 0."""
         embeds = inject.embed_with_latents(self.peft, input_ids, latents, starts)        # (B, T, d)
-        return self.base_forward(inputs_embeds=embeds, attention_mask=attention_mask,
+        return self.base_forward(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
                                  logits_to_keep=keep).logits                             # (B, T or keep, V)
 
     def trainable_parameters(self):

@@ -393,10 +393,9 @@ def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None, enab
                                         enable_thinking) for e in eps]
     ids, att, pos, P, pad = pack([p for p, _ in prompts], conts, tokenizer.pad_token_id, device)
     starts = torch.tensor([s for _, s in prompts], device=device) + pad                  # (B,) after left padding
-    embeds = inject.embed_with_latents(composer.peft, ids, latents, starts)                # (B, P+Tc, d)
     Tc = omega.shape[1]
-    logits = frozen_base(composer)(inputs_embeds=embeds, attention_mask=att, position_ids=pos,
-                                   logits_to_keep=Tc + 1).logits                         # (B, Tc+1, V)
+    # only the last Tc+1 columns: column P-1+t (here t) predicts continuation token t
+    logits = composer.teacher_logits(ids, att, latents, starts, keep=Tc + 1, position_ids=pos)   # (B, Tc+1, V)
     return logits[:, :Tc]                                                                  # (B, Tc, V)
 
 
@@ -542,14 +541,6 @@ def text_context_ids(tokenizer, messages, text, template, where, framing, tools=
     i = next(k for k, m in enumerate(msgs) if m["role"] == role)
     msgs[i]["content"] += ("\n\n" if role == "system" else "") + template.format(text=text)
     return prompt_ids(tokenizer, msgs, tools, enable_thinking)
-
-
-def frozen_base(composer):
-    """θ̄ as a callable model: the backbone with every adapter off (the teacher of LOPD and of OPSD)."""
-    def forward(**kw):
-        with composer.adapter_disabled():
-            return composer.peft(**kw)
-    return forward
 
 
 def _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg: BaselineConfig, make_env, tools,

@@ -741,7 +741,7 @@ def train_step(args, run, state, student, opts, beta, task_rng):
     elif args.method == "grpo":
         m, _ = lopd.grpo_step(student, tok, tasks, opts[0], bcfg, scfg, make_env, tools)
     elif args.method == "opsd":
-        m, _ = lopd.opsd_step(student, lopd.frozen_base(run["composer"]), tok, tasks, state["pool"], opts[0], bcfg,
+        m, _ = lopd.opsd_step(student, run["composer"].base_forward, tok, tasks, state["pool"], opts[0], bcfg,
                               scfg, make_env, tools)
     else:
         m, _ = lopd.sdpo_step(student, state["ema"], tok, tasks, opts[0], bcfg, scfg, make_env, tools)

@@ -198,7 +198,7 @@ def _run_method(world, method, monkeypatch):
         lopd.grpo_step(student, world["tok"], tasks, opt, bcfg, SAMPLE)
     elif method == "opsd":
         pool, _ = lopd.opsd_pool([], tasks * 2)
-        lopd.opsd_step(student, lopd.frozen_base(comp), world["tok"], tasks * 2, pool, opt, bcfg, SAMPLE)
+        lopd.opsd_step(student, comp.base_forward, world["tok"], tasks * 2, pool, opt, bcfg, SAMPLE)
     else:
         import copy
         ema = copy.deepcopy(student).requires_grad_(False)
