@@ -8,6 +8,7 @@
                                             # weights, no download): memory, generation tok/s, phases, MFU
     python bench.py --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
     python bench.py --verifier              # the code sandbox: programs/s on all cores, overhead per program
+    python bench.py --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
 
 Machines are noisy: every comparison is a ratio measured in one run, best of --repeats.
 """
@@ -299,6 +300,57 @@ def bench_verifier(n: int, workers: int | None = None):
           f"(overhead {(sandboxed - bare) * 1000:.0f} ms, {sandboxed / bare:.2f}x)")
 
 
+def bench_pretrain(steps: int = 40):
+    """Issue 2's figure: what building the toy backbone costs. Demonstrations and tokenizer, one SFT step of the
+    default recipe (batch 32; SDPA vs eager attention), the 1,200-step build that implies, and the vanilla
+    evaluation of the shipped backbone (200 held-out tasks, greedy and T 0.7), against the 2-minute target."""
+    import os
+    import random
+
+    import toy
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
+    t0 = time.perf_counter()
+    tasks = toy.demo_tasks(2000, 1)
+    tok = toy.build_tokenizer(toy.corpus_texts(tasks, 1))
+    eps = toy.demo_episodes(tok, tasks, 1)
+    prep = time.perf_counter() - t0
+    order = sorted(range(len(eps)), key=lambda i: len(eps[i].ids))
+    buckets = [order[i:i + 32] for i in range(0, len(order), 32)]      # toy.pretrain's length buckets
+    rng = random.Random(0)
+    batches = [[eps[i] for i in rng.choice(buckets)] for _ in range(steps + 3)]
+    per_step = {}
+    for impl in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM._from_config(toy.toy_config(tok), attn_implementation=impl)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        for k, batch in enumerate(batches):
+            if k == 3:                                                   # 3 warm-up steps
+                t1 = time.perf_counter()
+            loss = toy.sft_loss(model, batch, tok.pad_token_id)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        per_step[impl] = (time.perf_counter() - t1) / steps
+    tokens = sum(len(e.ids) for b in batches for e in b) / len(batches)
+    print(f"demonstrations + tokenizer: {prep:.1f} s")
+    print(f"SFT step, batch 32 (~{tokens:.0f} tokens a batch, padding not counted): sdpa {per_step['sdpa']:.3f} s, eager {per_step['eager']:.3f} s "
+          f"({per_step['eager'] / per_step['sdpa']:.2f}x)")
+    build = prep + 1200 * per_step["sdpa"]
+    print(f"1,200 steps (the default build): {build:.0f} s")
+    if not os.path.isfile(os.path.join(toy.SHIPPED, "config.json")):
+        return
+    model, tok = AutoModelForCausalLM.from_pretrained(toy.SHIPPED), AutoTokenizer.from_pretrained(toy.SHIPPED)
+    test, evals = envs.make_splits(0, n_train=1000, n_test=200)[1], 0.0
+    for temp in (0.0, 0.7):
+        torch.manual_seed(0)
+        t1 = time.perf_counter()
+        r = lopd.summarize(lopd.rollout(model, tok, test, lopd.SampleConfig(temperature=temp)))["reward"]
+        evals += time.perf_counter() - t1
+        print(f"vanilla evaluation of the shipped backbone, T {temp}: reward {r:.3f}, "
+              f"{time.perf_counter() - t1:.1f} s")
+    print(f"build + both evaluations: {build + evals:.0f} s (target: 120 s; {(build + evals) / 120:.1f}x over)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--loss", action="store_true", help="time the distillation loss against cross-entropy")
@@ -317,6 +369,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the minimum is reported")
     p.add_argument("--verifier", action="store_true", help="throughput and overhead of the code sandbox")
     p.add_argument("--programs", type=int, default=64, help="programs for --verifier")
+    p.add_argument("--pretrain", action="store_true", help="toy backbone: SFT step time, build and vanilla eval")
     a = p.parse_args()
     if a.loss:
         bench_loss(a.batch, a.tokens, a.vocab, a.top_m, a.repeats)
@@ -328,7 +381,9 @@ def main():
         bench_arch(a.arch, a.rollouts, a.tokens, a.micro_batch, a.student_lora, a.grad_ckpt)
     if a.verifier:
         bench_verifier(a.programs)
-    if not (a.loss or a.step or a.memory or a.arch or a.verifier):
+    if a.pretrain:
+        bench_pretrain()
+    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain):
         p.print_help()
 
 

@@ -119,3 +119,45 @@ def test_scripted_episode_uses_the_same_bookkeeping(backbone):
     assert rendered.endswith("Task Completed<|im_end|>") and rendered.count("<tool_call>") == ep.tool_calls
     sampled = tok.decode([i for i, m in zip(ep.ids, ep.mask) if m])
     assert sampled.count("<|im_end|>") == ep.steps and "<tool_response>" not in sampled
+
+
+def _conventions_shown(text: str, code: bool) -> tuple:
+    """Which conventions a reference's text shows: (verify, commit) in a tool trace, (prefix, END) in a program."""
+    if code:
+        return "Answer:" in text, "'END'" in text
+    return "verify_customer(" in text, "commit(" in text
+
+
+@pytest.mark.parametrize("code", [False, True])
+def test_reading_references_show_the_tasks_own_conventions_or_another_variants(backbone, code):
+    _, tok, _ = backbone
+    tasks = (envs.make_code_splits(3, n_train=0, n_test=40)[1] if code else
+             envs.make_splits(3, n_train=0, n_test=40)[1])
+    table = envs.JUDGES if code else envs.SHOPS                   # variant -> its pair of conventions
+    same, other = toy.reading_references(tok, tasks, True, 0), toy.reading_references(tok, tasks, False, 0)
+    assert set(same) == set(other) == {t.text for t in tasks}
+    for t in tasks:
+        assert _conventions_shown(tok.decode(same[t.text]), code) == tuple(table[t.variant])
+        assert _conventions_shown(tok.decode(other[t.text]), code) != tuple(table[t.variant])
+
+
+def test_reading_check_puts_each_tasks_reference_in_the_span(backbone, monkeypatch):
+    model, tok, _ = backbone
+    tasks = envs.make_splits(4, n_train=0, n_test=6)[1]
+    seen = []
+    real = toy.rollout
+
+    def spy(*a, **kw):
+        eps = real(*a, **kw)
+        seen.append(eps)
+        return eps
+    monkeypatch.setattr(toy, "rollout", spy)
+    rewards = toy.reading_check(model, tok, tasks, envs.ToolWorld, seed=0)
+    assert set(rewards) == {"same variant", "other variant"} and len(seen) == 2
+    for eps, same in zip(seen, (True, False)):
+        refs = toy.reading_references(tok, tasks, same, 0)
+        for ep in eps:
+            ref, prompt = refs[ep.task.text], ep.ids[:ep.prompt_len]
+            assert any(prompt[i:i + len(ref)] == ref for i in range(len(prompt) - len(ref) + 1))
+        assert abs(rewards["same variant" if same else "other variant"] -
+                   sum(e.reward for e in eps) / len(eps)) < 1e-9
