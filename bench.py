@@ -300,6 +300,25 @@ def bench_verifier(n: int, workers: int | None = None):
           f"(overhead {(sandboxed - bare) * 1000:.0f} ms, {sandboxed / bare:.2f}x)")
 
 
+def sft_step_time(tok, batches, impl: str) -> float:
+    """Seconds per step of toy.pretrain's update (loss, backward, clip, AdamW) on `batches`, after 3 warm-ups."""
+    from transformers import Qwen3ForCausalLM
+
+    import toy
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM._from_config(toy.toy_config(tok), attn_implementation=impl)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    for k, batch in enumerate(batches):
+        if k == 3:
+            t0 = time.perf_counter()
+        loss = toy.sft_loss(model, batch, tok.pad_token_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return (time.perf_counter() - t0) / (len(batches) - 3)
+
+
 def bench_pretrain(steps: int = 40):
     """Issue 2's figure: what building the toy backbone costs. Demonstrations and tokenizer, one SFT step of the
     default recipe (batch 32; SDPA vs eager attention), the 1,200-step build that implies, and the vanilla
@@ -308,9 +327,9 @@ def bench_pretrain(steps: int = 40):
     import random
 
     import toy
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     t0 = time.perf_counter()
-    tasks = toy.demo_tasks(2000, 1)
+    tasks = toy.demo_tasks(2000, 1)                                      # what build_backbone(seed=0) trains on
     tok = toy.build_tokenizer(toy.corpus_texts(tasks, 1))
     eps = toy.demo_episodes(tok, tasks, 1)
     prep = time.perf_counter() - t0
@@ -318,24 +337,12 @@ def bench_pretrain(steps: int = 40):
     buckets = [order[i:i + 32] for i in range(0, len(order), 32)]      # toy.pretrain's length buckets
     rng = random.Random(0)
     batches = [[eps[i] for i in rng.choice(buckets)] for _ in range(steps + 3)]
-    per_step = {}
-    for impl in ("sdpa", "eager"):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM._from_config(toy.toy_config(tok), attn_implementation=impl)
-        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-        for k, batch in enumerate(batches):
-            if k == 3:                                                   # 3 warm-up steps
-                t1 = time.perf_counter()
-            loss = toy.sft_loss(model, batch, tok.pad_token_id)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        per_step[impl] = (time.perf_counter() - t1) / steps
+    sdpa, eager = sft_step_time(tok, batches, "sdpa"), sft_step_time(tok, batches, "eager")
     tokens = sum(len(e.ids) for b in batches for e in b) / len(batches)
+    build = prep + 1200 * sdpa
     print(f"demonstrations + tokenizer: {prep:.1f} s")
-    print(f"SFT step, batch 32 (~{tokens:.0f} tokens a batch, padding not counted): sdpa {per_step['sdpa']:.3f} s, eager {per_step['eager']:.3f} s "
-          f"({per_step['eager'] / per_step['sdpa']:.2f}x)")
-    build = prep + 1200 * per_step["sdpa"]
+    print(f"SFT step, batch 32 (~{tokens:.0f} tokens, padding not counted): sdpa {sdpa:.3f} s, eager {eager:.3f} s "
+          f"({eager / sdpa:.2f}x)")
     print(f"1,200 steps (the default build): {build:.0f} s")
     if not os.path.isfile(os.path.join(toy.SHIPPED, "config.json")):
         return
@@ -346,8 +353,7 @@ def bench_pretrain(steps: int = 40):
         t1 = time.perf_counter()
         r = lopd.summarize(lopd.rollout(model, tok, test, lopd.SampleConfig(temperature=temp)))["reward"]
         evals += time.perf_counter() - t1
-        print(f"vanilla evaluation of the shipped backbone, T {temp}: reward {r:.3f}, "
-              f"{time.perf_counter() - t1:.1f} s")
+        print(f"vanilla evaluation of the shipped backbone, T {temp}: reward {r:.3f}, {time.perf_counter() - t1:.1f} s")
     print(f"build + both evaluations: {build + evals:.0f} s (target: 120 s; {(build + evals) / 120:.1f}x over)")
 
 
