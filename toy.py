@@ -40,7 +40,8 @@ a same-judge program as text in the span 0.935, with another judge's 0.025.
 Why the tool backbone takes 1,200 steps (about 7 minutes on two cores: 0.32 s a step of 32 demonstrations of ~216
 tokens). Copying ids into calls appears after ~250 steps; reading a reference appears last. Decaying the rate from
 step 250 to 400, the base scored 0.145 vanilla, 0.125 with a same-shop reference and 0.155 with another shop's (100
-tasks: it did not read); on a 900-step schedule it read one (0.48 against 0.22); at 1,200 steps 0.755 against 0.215. A
+tasks: it did not read); on a 900-step schedule it read one (0.48 against 0.22); at 1,200 steps 0.755 against 0.215.
+With 70% reference demonstrations it read at 600 steps (0.56 against 0.08) but its vanilla fell to 0.23. A
 two-minute build (~330 steps) would give a base whose teacher cannot use experience, so the backbone is shipped.
 
 Deviation from the paper: none in method; this backbone is our substitute for a pretrained model, and the
