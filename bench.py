@@ -357,7 +357,7 @@ def bench_pretrain(steps: int = 40):
     print(f"build + both evaluations: {build + evals:.0f} s (target: 120 s; {(build + evals) / 120:.1f}x over)")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--loss", action="store_true", help="time the distillation loss against cross-entropy")
     p.add_argument("--step", action="store_true", help="time one LOPD step against an OPSD-style step")
@@ -376,7 +376,10 @@ def main():
     p.add_argument("--verifier", action="store_true", help="throughput and overhead of the code sandbox")
     p.add_argument("--programs", type=int, default=64, help="programs for --verifier")
     p.add_argument("--pretrain", action="store_true", help="toy backbone: SFT step time, build and vanilla eval")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    for flag in ("rollouts", "micro_batch", "batch", "tokens", "vocab", "top_m", "repeats", "programs"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(a, flag)}")
     if a.loss:
         bench_loss(a.batch, a.tokens, a.vocab, a.top_m, a.repeats)
     if a.step:

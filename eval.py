@@ -107,7 +107,7 @@ def inspect_latents(composer, tok, latents, top: int = 5):
         print(f"latent {k:3d}: " + "  ".join(repr(tok.decode([i])) for i in ids))
 
 
-def main():
+def main(argv=None):
     import train  # the run's settings and loaders live in the entry script
     p = argparse.ArgumentParser(description="Evaluate a run on held-out tasks.")
     p.add_argument("--run", required=True, help="run folder written by train.py (holds args.json)")
@@ -120,7 +120,9 @@ def main():
     p.add_argument("--conventions", action="store_true",
                    help="toy code world: per row, which output conventions replies write and whether each is right "
                         "for the problem's judge")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
+        p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     args = train.Args(**json.load(open(os.path.join(a.run, "args.json"))))

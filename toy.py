@@ -434,6 +434,10 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
     if os.path.exists(os.path.join(out, "toy_backbone.json")):
         log(f"toy backbone: reusing {out}")
         return out
+    if os.path.isdir(out) and os.listdir(out):             # never replace a folder that is not a backbone
+        raise FileExistsError(f"toy backbone: {out} holds files but no toy_backbone.json; give an empty or new folder")
+    if steps < 1:
+        raise ValueError(f"toy backbone: steps must be at least 1, not {steps}")
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
@@ -466,14 +470,17 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
     return out
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description="Build the toy backbone and report its vanilla reward.")
     p.add_argument("--out", default="runs/toy-backbone", help="folder for the HF model and tokenizer")
     p.add_argument("--world", default="tools", choices=["tools", "code"], help="the toy world it learns")
     p.add_argument("--seed", type=int, default=0, help="seed for demonstrations, init and training")
     p.add_argument("--steps", type=int, default=1200, help="SFT steps (batch 32), extended until ids are copied")
     p.add_argument("--n-eval", type=int, default=200, help="held-out tasks to evaluate")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for flag, value in (("--steps", args.steps), ("--n-eval", args.n_eval)):
+        if value < 1:
+            p.error(f"{flag} must be at least 1, not {value}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     build_backbone(args.out, args.seed, steps=args.steps, world=args.world)
     model = AutoModelForCausalLM.from_pretrained(args.out)

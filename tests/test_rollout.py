@@ -161,3 +161,22 @@ def test_reading_check_puts_each_tasks_reference_in_the_span(backbone, monkeypat
             assert any(prompt[i:i + len(ref)] == ref for i in range(len(prompt) - len(ref) + 1))
         assert abs(rewards["same variant" if same else "other variant"] -
                    sum(e.reward for e in eps) / len(eps)) < 1e-9
+
+
+def test_build_backbone_never_replaces_a_folder_that_is_not_a_backbone(tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="mine"):
+        toy.build_backbone(str(out), n_demos=20, steps=1, batch=4, hidden=32, log=lambda *_: None)
+    assert (out / "notes.txt").read_text() == "keep me" and sorted(os.listdir(out)) == ["notes.txt"]
+    with pytest.raises(ValueError, match="steps"):
+        toy.build_backbone(str(tmp_path / "new"), steps=0, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--n-eval"])
+def test_toy_command_line_names_a_bad_flag(tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as err:
+        toy.main(["--out", str(tmp_path / "bb"), flag, "0"])
+    assert err.value.code == 2 and f"{flag} must be at least 1, not 0" in capsys.readouterr().err
+    assert not (tmp_path / "bb").exists()
