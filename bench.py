@@ -301,7 +301,7 @@ def bench_verifier(n: int, workers: int | None = None):
 
 
 def sft_step_time(tok, batches, impl: str) -> float:
-    """Seconds per step of toy.pretrain's update (loss, backward, clip, AdamW) on `batches`, after 3 warm-ups."""
+    """Seconds per step of toy.pretrain's update (toy.sft_update) on `batches`, after 3 warm-ups."""
     from transformers import Qwen3ForCausalLM
 
     import toy
@@ -311,11 +311,7 @@ def sft_step_time(tok, batches, impl: str) -> float:
     for k, batch in enumerate(batches):
         if k == 3:
             t0 = time.perf_counter()
-        loss = toy.sft_loss(model, batch, tok.pad_token_id)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        toy.sft_update(model, opt, batch, tok.pad_token_id)
     return (time.perf_counter() - t0) / (len(batches) - 3)
 
 
@@ -329,13 +325,9 @@ def bench_pretrain(steps: int = 40):
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     t0 = time.perf_counter()
-    tasks = toy.demo_tasks(2000, 1)                                      # what build_backbone(seed=0) trains on
-    tok = toy.build_tokenizer(toy.corpus_texts(tasks, 1))
-    eps = toy.demo_episodes(tok, tasks, 1)
+    _, tok, eps, _ = toy.demonstrations("tools", 2000, 0)               # what build_backbone(seed=0) trains on
     prep = time.perf_counter() - t0
-    order = sorted(range(len(eps)), key=lambda i: len(eps[i].ids))
-    buckets = [order[i:i + 32] for i in range(0, len(order), 32)]      # toy.pretrain's length buckets
-    rng = random.Random(0)
+    rng, buckets = random.Random(0), toy.length_buckets(eps, 32)
     batches = [[eps[i] for i in rng.choice(buckets)] for _ in range(steps + 3)]
     sdpa, eager = sft_step_time(tok, batches, "sdpa"), sft_step_time(tok, batches, "eager")
     tokens = sum(len(e.ids) for b in batches for e in b) / len(batches)

@@ -358,6 +358,22 @@ def copy_nll(model, episodes, tokenizer) -> float:
     return (nll[sel].mean()).item()
 
 
+def length_buckets(episodes, batch: int) -> list[list[int]]:
+    """Indices of `episodes` sorted by length and cut into batches: little padding within a batch."""
+    order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].ids))
+    return [order[i:i + batch] for i in range(0, len(order), batch)]
+
+
+def sft_update(model, opt, episodes, pad_id: int) -> torch.Tensor:
+    """One SFT step on a batch of episodes: masked NLL, backward, gradient clip at 1, AdamW. Returns the loss."""
+    loss = sft_loss(model, episodes, pad_id)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: float, seed: int, log=print,
              max_steps: int = 0):
     """AdamW at a constant rate after 20 warm-up steps; batches from length buckets to keep padding small.
@@ -370,8 +386,7 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
     the weights settle; `max_steps` caps it (3 × steps). Without `held_out` (the code world copies no ids) it
     runs `steps` steps and decays over the second half."""
     rng = random.Random(seed)
-    order = sorted(range(len(episodes)), key=lambda i: len(episodes[i].ids))
-    buckets = [order[i:i + batch] for i in range(0, len(order), batch)]
+    buckets = length_buckets(episodes, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     stop, decay_from = max_steps or 3 * steps, None
     if held_out is None:
@@ -386,11 +401,7 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
     for step in range(stop):
         for group in opt.param_groups:
             group["lr"] = lr * rate(step)
-        loss = sft_loss(model, [episodes[i] for i in rng.choice(buckets)], tokenizer.pad_token_id)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_update(model, opt, [episodes[i] for i in rng.choice(buckets)], tokenizer.pad_token_id)
         if step % 50 == 0 and held_out is None:
             log(f"pretrain step {step:4d}  loss/sft {loss.item():.4f}")
         elif step % 50 == 0:
@@ -426,6 +437,19 @@ def default_backbone(out: str, log=print, world: str = "tools") -> str:
     return build_backbone(out, log=log, world=world)
 
 
+def demonstrations(world: str, n_demos: int, seed: int):
+    """What the backbone of `world` is trained on: (tasks, tokenizer trained on them, encoded demonstrations,
+    held-out demonstrations for the copy check; None in the code world, which copies no ids)."""
+    if world == "code":
+        tasks = make_code_splits(seed + 1, n_train=n_demos, n_test=0)[0]
+        tokenizer = build_tokenizer(code_corpus_texts(tasks, seed + 1))
+        return tasks, tokenizer, code_demo_episodes(tokenizer, tasks, seed + 1), None
+    tasks = demo_tasks(n_demos, seed + 1)
+    tokenizer = build_tokenizer(corpus_texts(tasks, seed + 1))
+    episodes = demo_episodes(tokenizer, tasks, seed + 1)
+    return tasks, tokenizer, episodes, demo_episodes(tokenizer, demo_tasks(32, seed + 7), seed + 7)
+
+
 def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 1200, batch: int = 32,
                    lr: float = 2e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print,
                    world: str = "tools") -> str:
@@ -441,15 +465,7 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
-    if world == "code":
-        tasks = make_code_splits(seed + 1, n_train=n_demos, n_test=0)[0]
-        tokenizer = build_tokenizer(code_corpus_texts(tasks, seed + 1))
-        episodes, held_out = code_demo_episodes(tokenizer, tasks, seed + 1), None
-    else:
-        tasks = demo_tasks(n_demos, seed + 1)
-        tokenizer = build_tokenizer(corpus_texts(tasks, seed + 1))
-        episodes = demo_episodes(tokenizer, tasks, seed + 1)
-        held_out = demo_episodes(tokenizer, demo_tasks(32, seed + 7), seed + 7)
+    tasks, tokenizer, episodes, held_out = demonstrations(world, n_demos, seed)
     model = Qwen3ForCausalLM(toy_config(tokenizer, hidden, layers, heads))
     n_params = sum(p.numel() for p in model.parameters())
     log(f"toy backbone ({world}): {n_params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, {len(tasks)} demos")
