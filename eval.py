@@ -1,16 +1,20 @@
-"""Evaluation on held-out tasks: vanilla, base + composer, and the LOPD student alone (paper §4, B.3, B.4, §4.4).
+"""Evaluate a finished run on held-out tasks, and look inside its composer (paper §4, B.3, B.4, §4.4).
 
-    python eval.py --run runs/toy                    # the three rows, results.md and results.json in the run
-    python eval.py --run runs/toy --inspect-latents  # also: the LM-head projection of each latent token (§4.4)
+    python eval.py --run runs/toy                    # Table 3's rows again; results.md and results.json in the run
     python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
+    python eval.py --run runs/toy --inspect-latents  # what the composer carries (§4.4; see `latent_contrast`)
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
 
-Rows (Table 3):
-- vanilla          the base model θ̄, task only;
-- base + composer  θ̄ acting behind latents composed from J retrieved training experiences (the teacher);
-- LOPD student     the trained student θ alone: no retrieval, no composer, no latent context.
-Each row reports mean reward, full-pass rate and the behaviour counts of Table 3 (interaction steps, tool calls per
-step, first-step length, repeated tool calls, reward per tool call).
+The rows themselves are train.py's stage 6 (`train.evaluate`: vanilla, base + composer, the LOPD student alone,
+each with Table 3's behaviour counts). This file loads a run through train.py (`train.load_args`, `train.load_run`)
+and adds what only a finished run can show. It imports train.py; train.py never imports it.
+
+Latent inspection (§4.4). The paper projects each latent token through the LM head and reads its nearest words.
+On the toy run that prints the same five tokens for every latent of every task (the latents share a large common
+component), which says nothing about what a latent carries. `latent_contrast` removes what all tasks share: it
+projects each latent minus the mean latent at its position over the held-out tasks. `teacher_shift` shows what the
+experience changes in the teacher: the reply tokens of one episode whose teacher log-probability moves most
+between latents of same-variant references and latents of other variants' references.
 
 Deviation: the paper evaluates on EnvScaler's 200 held-out tasks, BFCL-v3 and ACEBench; the toy world's held-out
 split stands in for the first.
@@ -18,74 +22,34 @@ split stands in for the first.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 
 import torch
-from tqdm import tqdm
 
 import envs
 import lopd
-
-COLUMNS = [("reward", "reward"), ("full_pass", "full pass"), ("steps", "steps"), ("calls_per_step", "calls/step"),
-           ("first_len", "1st-step len"), ("repeated_calls", "repeated calls"), ("reward_per_call", "reward/call")]
-PAPER_TABLE3 = {  # EnvScaler, Qwen3-4B (Table 3)
-    "vanilla": {"reward": 0.486, "steps": 11.12, "calls_per_step": 3.50, "repeated_calls": 8.89,
-                "reward_per_call": 0.038},
-    "base + composer": {"reward": 0.631, "steps": 16.31, "calls_per_step": 1.21, "repeated_calls": 4.49},
-    "LOPD student": {"reward": 0.637, "steps": 17.04, "calls_per_step": 1.11, "repeated_calls": 5.25,
-                     "reward_per_call": 0.050},
-}
+import train
 
 
-def _bar(n, desc):
-    return tqdm(total=n, desc=desc, leave=False)
-
-
-def eval_vanilla(composer, tok, tasks, cfg, make_env, tools=envs.TOOLS):
-    """θ̄ on the task alone. The composer's LoRA lives in the same backbone, so it is switched off (A.4)."""
-    with composer.adapter_disabled(), _bar(len(tasks), "eval vanilla") as bar:
-        return lopd.rollout(composer.peft, tok, tasks, cfg, make_env, tools, progress=bar)
-
-
-def eval_teacher(composer, retriever, tok, tasks, cfg, make_env, n_ret, tools=envs.TOOLS, mode="same"):
-    """θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own. mode: lopd.retrieve's (same | other | none)."""
-    with torch.no_grad():
-        latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, n_ret, mode))    # (B, J·K, d)
-    with _bar(len(tasks), "eval base + composer") as bar:
-        return lopd.teacher_rollout(composer, tok, tasks, latents, cfg, make_env, tools, progress=bar)
-
-
-def eval_student(student, tok, tasks, cfg, make_env, tools=envs.TOOLS):
-    with _bar(len(tasks), "eval student") as bar:
-        return lopd.rollout(student, tok, tasks, cfg, make_env, tools, progress=bar)
-
-
-def markdown_table(rows: dict, paper=PAPER_TABLE3) -> str:
-    """rows: name -> summary dict. Paper values (Table 3) in brackets where the paper has them."""
-    head = "| row | " + " | ".join(c for _, c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS) + "\n"
-    lines = []
-    for name, m in rows.items():
-        cells = []
-        for key, _ in COLUMNS:
-            ref = paper.get(name, {}).get(key)
-            cells.append(f"{m[key]:.3f}" + (f" ({ref})" if ref is not None else ""))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + "\n"
-
-
-def write_results(out: str, rows: dict, extra: dict | None = None):
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"rows": rows, **(extra or {})}, f, indent=1)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n")
-        f.write(markdown_table(rows))
+def final_eval(args: train.Args, n_test: int = 0, temperature=None, controls: bool = False,
+               keep: dict | None = None):
+    """Rebuild the run from OUT (`train.load_run`), evaluate its rows on the first n_test held-out tasks (0: all),
+    with `controls` also the world check's rows; write results.md/json. -> (rows, run, tasks)."""
+    run = train.load_run(args)
+    tasks = run["test"][:n_test] if n_test else run["test"]
+    rows = train.name_student_row(args, train.evaluate(args, run["composer"], run["student"], run["retriever"],
+                                                       run["tok"], tasks, temperature, keep=keep))
+    if controls:
+        rows.update({k: v for k, v in train.world_check(args, run, tasks).items() if k not in rows})
+    train.write_results(args.out, rows)
+    return rows, run, tasks
 
 
 def conventions_table(tok, episodes: dict) -> str:
     """Toy code world: per row, how often replies write the `Answer` prefix and the `END` line, and how often each
     is right for the problem's judge. A student that learned WHEN (per judge) is right well above 0.5; one that
-    only changed HOW OFTEN it writes a convention stays near 0.5 (README, Figure 4 on the toy code world)."""
+    only changed HOW OFTEN it writes a convention stays near 0.5 (docs/results.md, Figure 4 on the code world)."""
     keys = ("prefix", "prefix_right", "end", "end_right")
     lines = ["| row | pass | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for name, eps in episodes.items():
@@ -97,23 +61,76 @@ def conventions_table(tok, episodes: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def inspect_latents(composer, tok, latents, top: int = 5):
-    """§4.4: project each latent token through the LM head and print its nearest vocabulary tokens."""
+# ----------------------------------------------------------------------------------------------------------------
+# §4.4: what the composer carries
+# ----------------------------------------------------------------------------------------------------------------
+def _words(tok, ids) -> str:
+    return "  ".join(repr(tok.decode([i])) for i in ids)
+
+
+@torch.no_grad()
+def latent_contrast(composer, tok, latents, top: int = 5) -> list[str]:
+    """latents (N, n, d) of N tasks. For the first task, each latent minus the mean latent at its position over
+    the N tasks, through the LM head: the words this task's latent favours more than the average latent does.
+    Also the share of the latent's norm that is task-specific. -> one line per latent."""
     head = composer.backbone.get_output_embeddings()
-    with torch.no_grad():
-        logits = head(latents.to(head.weight.dtype))                               # (n, V)
-    for k, row in enumerate(logits):
-        ids = row.topk(top).indices.tolist()
-        print(f"latent {k:3d}: " + "  ".join(repr(tok.decode([i])) for i in ids))
+    mean = latents.mean(0)                                                    # (n, d) what every task shares
+    diff = latents[0] - mean                                                  # (n, d) what this task adds
+    share = diff.norm(dim=-1) / latents[0].norm(dim=-1).clamp_min(1e-12)      # (n,)
+    # the LM head is linear (no bias in these backbones): head(c − c̄) = head(c) − head(c̄)
+    logits = head(diff.to(head.weight.dtype)).float()                        # (n, V)
+    return [f"latent {k:3d} ({share[k]:.0%} task-specific): " + _words(tok, row.topk(top).indices.tolist())
+            for k, row in enumerate(logits)]
+
+
+@torch.no_grad()
+def teacher_shift(composer, tok, ep, lat_same, lat_other, make_env, tools=None, top: int = 8) -> list[str]:
+    """The reply tokens of episode `ep` whose teacher log-probability moves most between latents composed from
+    same-variant references (lat_same, (n, d)) and from other variants' references (lat_other). Positive: the
+    same-variant experience makes the teacher surer of the token the episode took. -> one line per token."""
+    device = lat_same.device
+    lp = [lopd.teacher_logits(composer, tok, [ep], lat[None], make_env, tools).float().log_softmax(-1)[0]
+          for lat in (lat_same, lat_other)]                                   # 2 × (Tc, V)
+    conts, omega = lopd.continuation([ep], device)
+    ids = torch.tensor(conts[0], device=device)                               # (Tc,)
+    at = torch.arange(len(ids), device=device)
+    same, other = lp[0][at, ids], lp[1][at, ids]                              # (Tc,) log π_T(a_t)
+    move = (same - other) * omega[0]                                          # (Tc,) only sampled tokens count
+    lines = []
+    for t in move.abs().topk(min(top, int(omega[0].sum()))).indices.tolist():
+        before = tok.decode(conts[0][max(0, t - 8):t], skip_special_tokens=True).replace("\n", " ")
+        lines.append(f"{move[t]:+6.2f} nats  {tok.decode([conts[0][t]])!r:16} after ...{before[-40:]!r}  "
+                     f"(same-variant {same[t].exp():.2f}, other {other[t].exp():.2f})")
+    return lines
+
+
+def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
+    """Print `latent_contrast` over the first n_tasks held-out tasks and `teacher_shift` on the first task's
+    greedy teacher episode (base + composer with same-variant references)."""
+    composer, tok, ret, make_env = run["composer"], run["tok"], run["retriever"], train.env_factory(args)
+    tools = make_env().tools
+    part = tasks[:n_tasks]
+    with torch.no_grad(), train.precision(composer.peft):
+        latents = lopd.compose(composer, part, lopd.retrieve(ret, part, args.n_ret, "same"))       # (N, J·K, d)
+        other = lopd.compose(composer, part[:1], lopd.retrieve(ret, part[:1], args.n_ret, "other"))[0]
+        greedy = dataclasses.replace(train.sample_config(args), temperature=0.0)
+        ep = lopd.teacher_rollout(composer, tok, part[:1], latents[:1], greedy, make_env, tools)[0]
+        print(f"\nTask {part[0].task_id}: {part[0].text}")
+        print(f"Each latent minus the mean latent over {len(part)} tasks, through the LM head (§4.4):")
+        print("\n".join(latent_contrast(composer, tok, latents)))
+        print(f"\nThe teacher's greedy episode (reward {ep.reward:.2f}): the tokens whose probability moves most "
+              "between same-variant and other-variant references:")
+        print("\n".join(teacher_shift(composer, tok, ep, latents[0], other, make_env, tools)))
 
 
 def main(argv=None):
-    import train  # the run's settings and loaders live in the entry script
     p = argparse.ArgumentParser(description="Evaluate a run on held-out tasks.")
     p.add_argument("--run", required=True, help="run folder written by train.py (holds args.json)")
     p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
-    p.add_argument("--inspect-latents", action="store_true", help="print the LM-head projection of latents (§4.4)")
+    p.add_argument("--inspect-latents", action="store_true",
+                   help="what the composer carries: latents against the mean latent, and the teacher's tokens that "
+                        "move most between same- and other-variant references (§4.4)")
     p.add_argument("--world-check", action="store_true",
                    help="also base + composer with other-variant references and with no reference (does the teacher "
                         "use the experience?)")
@@ -125,16 +142,16 @@ def main(argv=None):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
-    args = train.Args(**json.load(open(os.path.join(a.run, "args.json"))))
+    args = train.load_args(a.run)
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     keep = {} if a.conventions else None
-    rows, (composer, tok, first_latents) = train.final_eval(args, a.n_test, a.temperature, a.world_check, keep)
-    print(markdown_table(rows))
+    rows, run, tasks = final_eval(args, a.n_test, a.temperature, a.world_check, keep)
+    print(train.markdown_table(rows))
     if a.conventions:
-        print(conventions_table(tok, train.name_student_row(args, keep)))
+        print(conventions_table(run["tok"], train.name_student_row(args, keep)))
     if a.inspect_latents:
-        inspect_latents(composer, tok, first_latents)
+        inspect_latents(args, run, tasks)
 
 
 if __name__ == "__main__":

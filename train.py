@@ -1,10 +1,12 @@
 """The command line: the whole LOPD pipeline, from a backbone to a trained student (paper §4.1, A.2, B.2).
 
-    python train.py                              # toy world, toy backbone, CPU, a few minutes
+    python train.py                              # toy world, toy backbone, CPU, about 9 minutes on two cores
     python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
-    python train.py --ablations                  # the table: LOPD variants and controls, 3 seeds
-    python train.py --figure4                    # reward against generations: LOPD, GRPO, OPSD, SDPO, 3 seeds
     python train.py --method grpo                # a baseline on the same loop (grpo | opsd | sdpo | rft)
+
+The paper's ablation table and Figure 4 run this pipeline many times: experiments.py. A finished run is evaluated
+again by eval.py, which loads it through `load_args` and `load_run` here (eval.py imports train.py, never the
+reverse).
 
 Stages, each cached in --out (a rerun skips what is finished):
   1. backbone      build or reuse the toy backbone (toy.py), or load --model
@@ -12,7 +14,7 @@ Stages, each cached in --out (a rerun skips what is finished):
   3. bank          successful rollouts -> experience bank + FAISS index + cached query embeddings (retrieval.py)
   4. cold start    composer φ0 by eq. (14) on the bank's own trajectories (composer.py)
   5. joint         LOPD iterations, Algorithm 1 (lopd.py)
-  6. evaluation    vanilla / base + composer / LOPD student on held-out tasks (eval.py)
+  6. evaluation    vanilla / base + composer / LOPD student on held-out tasks (`evaluate`, Table 3)
 
 Defaults follow B.2 and the official code (DESIGN.md §6) except where the toy needs its own; `TOY_DEFAULTS` lists
 each such value and why, and `TOY_CODE_DEFAULTS` the toy code world's (a larger student rate). A flag given on the
@@ -31,7 +33,6 @@ Baselines on the same loop (B.1; lopd.py's table says what differs: the teacher'
   --method grpo         G = 4 rollouts per task, group-normalised advantages, PPO-clip ε = 0.2, no teacher
   --method opsd         frozen teacher reading a successful trajectory of the same task as text, forward KL
   --method sdpo         EMA teacher (rate 0.05) reading a successful sibling of the group as text, reverse KL
-  python train.py --figure4     Figure 4: lopd, grpo, opsd, sdpo x 3 seeds on one budget -> OUT/figure4.csv/.md/.png
 
 Real backbones: bf16 weights with the trained ones (student, composer) in fp32 under bf16 autocast (`precision`),
 SDPA attention, --grad-ckpt, micro-batches normalised by the iteration's token count; --student-lora trains θ as
@@ -171,13 +172,6 @@ composer encoder and student) instead of a full copy"""
     """rank of the LoRA student (--student-lora)"""
     grad_ckpt: bool = False
     """gradient checkpointing in the student's and the teacher's backbones (memory for compute)"""
-    ablations: bool = False
-    """run the paper's ablation table instead: vanilla, base + composer, LOPD m=0.05, m=0, frozen composer"""
-    figure4: bool = False
-    """run Figure 4 instead: LOPD, GRPO, OPSD and SDPO on the same generation budget, the student evaluated every
---eval-every steps; OUT/figure4.csv, figure4.md and (with matplotlib) figure4.png"""
-    seeds: int = 3
-    """seeds for --ablations and --figure4 (seed, seed+1, ...); rows are reported as mean ± std"""
 
 
 # Where the toy world needs its own value, and why. Real models take PAPER_DEFAULTS.
@@ -671,6 +665,15 @@ def load_checkpoint(path, student, composer, opts, task_rng, ema=None):
     return state["beta"], state["step"], state["generations"]
 
 
+def reset_composer(composer, path: str):
+    """Put the composer back to the weights saved in `path` (φ0 before each variant)."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    from safetensors.torch import load_file
+    set_peft_model_state_dict(composer.peft, load_peft_weights(os.path.join(path, "composer")), "composer")
+    composer.qformer.load_state_dict(load_file(os.path.join(path, "qformer.safetensors")))
+
+
 def joint_training(run):
     """Stage 5: args.steps iterations of args.method (Algorithm 1 for lopd). Returns the trained student θ."""
     args, composer, student, log = run["args"], run["composer"], run["student"], run["log"]
@@ -760,20 +763,58 @@ def drift_eval(args, composer, student, run) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Stage 6: evaluation, and the whole pipeline
+# Stage 6: evaluation (paper §4, Table 3, B.3, B.4), and the whole pipeline
 # ----------------------------------------------------------------------------------------------------------------
+# The three rows of Table 3, each a rollout of the same held-out tasks from the same sampling seed:
+#   vanilla          θ̄ on the task alone (the composer's LoRA off, A.4)
+#   base + composer  θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own
+#   LOPD student     θ alone: no retrieval, no composer, no latent context
+COLUMNS = [("reward", "reward"), ("full_pass", "full pass"), ("steps", "steps"), ("calls_per_step", "calls/step"),
+           ("first_len", "1st-step len"), ("repeated_calls", "repeated calls"), ("reward_per_call", "reward/call")]
+PAPER_TABLE3 = {  # EnvScaler, Qwen3-4B (Table 3)
+    "vanilla": {"reward": 0.486, "steps": 11.12, "calls_per_step": 3.50, "repeated_calls": 8.89,
+                "reward_per_call": 0.038},
+    "base + composer": {"reward": 0.631, "steps": 16.31, "calls_per_step": 1.21, "repeated_calls": 4.49},
+    "LOPD student": {"reward": 0.637, "steps": 17.04, "calls_per_step": 1.11, "repeated_calls": 5.25,
+                     "reward_per_call": 0.050},
+}
+
+
+def _bar(n, desc):
+    return tqdm(total=n, desc=desc, leave=False)
+
+
+def eval_vanilla(composer, tok, tasks, cfg, make_env, tools=envs.TOOLS):
+    """θ̄ on the task alone. The composer's LoRA lives in the same backbone, so it is switched off (A.4)."""
+    with composer.adapter_disabled(), _bar(len(tasks), "eval vanilla") as bar:
+        return lopd.rollout(composer.peft, tok, tasks, cfg, make_env, tools, progress=bar)
+
+
+def eval_teacher(composer, retriever, tok, tasks, cfg, make_env, n_ret, tools=envs.TOOLS, mode="same"):
+    """θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own. mode: lopd.retrieve's (same | other | none)."""
+    with torch.no_grad():
+        latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, n_ret, mode))    # (B, J·K, d)
+    with _bar(len(tasks), "eval base + composer") as bar:
+        return lopd.teacher_rollout(composer, tok, tasks, latents, cfg, make_env, tools, progress=bar)
+
+
+def eval_student(student, tok, tasks, cfg, make_env, tools=envs.TOOLS):
+    """θ alone, from the task (the deployed policy)."""
+    with _bar(len(tasks), "eval student") as bar:
+        return lopd.rollout(student, tok, tasks, cfg, make_env, tools, progress=bar)
+
+
 def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
              which=("vanilla", "base + composer", "LOPD student"), keep: dict | None = None) -> dict:
     """The rows of Table 3 on held-out tasks, each from the same seed; the training RNG streams are restored.
     `keep`, if given, receives each row's episodes (eval.py --conventions reads them)."""
-    import eval as ev
     cfg, make_env, rows = sample_config(args, temperature), env_factory(args), {}
     tools = make_env().tools
     saved = rng_state(random.Random())
-    for name, run in (("vanilla", lambda: ev.eval_vanilla(composer, tok, tasks, cfg, make_env, tools)),
-                      ("base + composer", lambda: ev.eval_teacher(composer, retriever, tok, tasks, cfg, make_env,
-                                                                  args.n_ret, tools, mode=args.retrieval)),
-                      ("LOPD student", lambda: ev.eval_student(student, tok, tasks, cfg, make_env, tools))):
+    for name, run in (("vanilla", lambda: eval_vanilla(composer, tok, tasks, cfg, make_env, tools)),
+                      ("base + composer", lambda: eval_teacher(composer, retriever, tok, tasks, cfg, make_env,
+                                                               args.n_ret, tools, mode=args.retrieval)),
+                      ("LOPD student", lambda: eval_student(student, tok, tasks, cfg, make_env, tools))):
         if name not in which or (name == "LOPD student" and student is None):
             continue
         seed_everything(args.seed + 1)
@@ -786,6 +827,18 @@ def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
     return rows
 
 
+def world_check(args, run, tasks) -> dict:
+    """Does the teacher use the experience? base + composer (φ0) with the same-variant retrieval it was trained
+    on, with references from other variants only, and with no reference (DESIGN.md §5, §7)."""
+    rows = {}
+    for mode, name in (("same", "base + composer"), ("other", "base + composer, other-variant reference"),
+                       ("none", "base + composer, no reference")):
+        margs = dataclasses.replace(args, retrieval=mode)
+        rows[name] = evaluate(margs, run["composer"], None, run["retriever"], run["tok"], tasks,
+                              which=("base + composer",))["base + composer"]
+    return rows
+
+
 def name_student_row(args, rows: dict) -> dict:
     """A baseline's student is reported under its method's name ("GRPO student"), not as the LOPD student."""
     if args.method != "lopd" and "LOPD student" in rows:
@@ -793,28 +846,26 @@ def name_student_row(args, rows: dict) -> dict:
     return rows
 
 
-def final_eval(args: Args, n_test: int = 0, temperature=None, controls: bool = False, keep: dict | None = None):
-    """eval.py's entry: rebuild the run's pieces from OUT (all stages cached), load the latest checkpoint's student
-    and composer, evaluate (with `controls`, also the world check's rows: `world_check`; `keep`: `evaluate`'s).
-    Returns (rows, (composer, tokenizer, latents of the first held-out task))."""
-    import eval as ev
-    run = prepare(args)
-    student = None
-    ckpt = latest_checkpoint(args.out)
-    if ckpt:
-        student = run["student"]
-        load_student_weights(student, os.path.join(ckpt, "student"))
-        reset_composer(run["composer"], os.path.join(ckpt, "composer"))
-    tasks = run["test"][:n_test] if n_test else run["test"]
-    rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], tasks,
-                                           temperature, keep=keep))
-    if controls:
-        rows.update({k: v for k, v in world_check(args, run, tasks).items() if k not in rows})
-    ev.write_results(args.out, rows)
-    with torch.no_grad():
-        latents = lopd.compose(run["composer"], tasks[:1],
-                               lopd.retrieve(run["retriever"], tasks[:1], args.n_ret, args.retrieval))
-    return rows, (run["composer"], run["tok"], latents[0])
+def markdown_table(rows: dict, paper=PAPER_TABLE3) -> str:
+    """rows: name -> summary dict. Paper values (Table 3) in brackets where the paper has them."""
+    head = "| row | " + " | ".join(c for _, c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS) + "\n"
+    lines = []
+    for name, m in rows.items():
+        cells = []
+        for key, _ in COLUMNS:
+            ref = paper.get(name, {}).get(key)
+            cells.append(f"{m[key]:.3f}" + (f" ({ref})" if ref is not None else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def write_results(out: str, rows: dict, extra: dict | None = None):
+    """OUT/results.json (every row's summary) and OUT/results.md (the table)."""
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"rows": rows, **(extra or {})}, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n")
+        f.write(markdown_table(rows))
 
 
 def prepare(args: Args):
@@ -837,239 +888,41 @@ def prepare(args: Args):
                 episodes=episodes, train=train_tasks, test=test_tasks)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The paper's ablation table at toy scale (Table 3 rows and Figure 3)
-# ----------------------------------------------------------------------------------------------------------------
-# Rows trained from the same θ̄ and bank (issue 8's controls beside Figure 3's ablations). A variant with its own
-# --retrieval gets its own cold start with that retrieval, so its composer is trained for what it will read.
-VARIANTS = {"LOPD (m = 0.05)": {}, "LOPD (m = 0)": {"margin": 0.0}, "frozen composer": {"freeze_composer": True},
-            "LOPD, other-variant retrieval": {"retrieval": "other"},
-            "LOPD, task-only composer": {"retrieval": "none"}, "RFT": {"method": "rft"}}
-# Both commands evaluate the student every 10 steps on 100 held-out tasks: Figure 4's points. The table's LOPD run
-# is Figure 4's LOPD curve (`method_dir`), so it is trained once for both.
-CURVE = {"eval_every": 10, "eval_tasks": 100}
-PAPER_ROWS = {"vanilla": 0.486, "base + composer": 0.631, "LOPD (m = 0.05)": 0.637, "LOPD (m = 0)": 0.551,
-              "frozen composer": 0.573}
+def load_args(out: str) -> Args:
+    """The settings a run was started with (OUT/args.json). Fields this version no longer has are dropped and
+    named; a folder without args.json is a ValueError naming it."""
+    path = os.path.join(out, "args.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{out!r}: no args.json there; is it a folder written by train.py?")
+    saved = json.load(open(path))
+    known = {f.name for f in dataclasses.fields(Args)}
+    if set(saved) - known:
+        print(f"{path}: ignoring settings this version does not have: {', '.join(sorted(set(saved) - known))}")
+    return Args(**{k: v for k, v in saved.items() if k in known})
 
 
-def reset_composer(composer, path: str):
-    """Put the composer back to the weights saved in `path` (φ0 before each variant)."""
-    from peft import set_peft_model_state_dict
-    from peft.utils import load_peft_weights
-    from safetensors.torch import load_file
-    set_peft_model_state_dict(composer.peft, load_peft_weights(os.path.join(path, "composer")), "composer")
-    composer.qformer.load_state_dict(load_file(os.path.join(path, "qformer.safetensors")))
-
-
-def world_check(args, run, tasks) -> dict:
-    """Does the teacher use the experience? base + composer (φ0) with the same-variant retrieval it was trained
-    on, with references from other variants only, and with no reference (DESIGN.md §5, §7)."""
-    rows = {}
-    for mode, name in (("same", "base + composer"), ("other", "base + composer, other-variant reference"),
-                       ("none", "base + composer, no reference")):
-        margs = dataclasses.replace(args, retrieval=mode)
-        rows[name] = evaluate(margs, run["composer"], None, run["retriever"], run["tok"], tasks,
-                              which=("base + composer",))["base + composer"]
-    return rows
-
-
-def ablation_seed(args: Args) -> dict:
-    """One seed of the table: shared stages 1-4, then each variant's joint stage from the same θ̄ and φ0.
-    Returns {row: {"student", "teacher", "generations"}} (the student alone and base + composer at the end)."""
+def load_run(args: Args) -> dict:
+    """A run rebuilt from OUT (eval.py, experiments.py): stages 1-4 from their caches (`prepare`), then the latest
+    checkpoint's student and composer. run["student"] is None when the run has no checkpoint."""
     run = prepare(args)
-    rows = {"vanilla": {"student": evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"],
-                                            which=("vanilla",))["vanilla"]["reward"], "generations": 0}}
-    rows.update({k: {"teacher": v["reward"], "generations": len(run["episodes"])}
-                 for k, v in world_check(args, run, run["test"]).items()})
-    base_student = run["student"] if isinstance(run["student"], LoraStudent) else copy.deepcopy(run["student"])
-    for name, change in VARIANTS.items():
-        # only LOPD itself is evaluated along the way (its curve is Figure 4's): the others' evaluations would add
-        # ~40% to the table's time, and its rows read the end only
-        drift = args.eval_every if name == "LOPD (m = 0.05)" else 0
-        vargs = dataclasses.replace(args, out=os.path.join(args.out, _slug(name)), resume=True, eval_every=drift,
-                                    **change)
-        os.makedirs(vargs.out, exist_ok=True)
-        reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-        if vargs.retrieval != "same":            # its own φ0, cold-started on what it will read
-            reset_composer(run["composer"], os.path.join(args.out, "composer_init"))
-            cold_start(vargs, None, run["tok"], run["retriever"], run["episodes"], run["train"], Log(vargs.out),
-                       composer=run["composer"])
-        fresh = base_student.reset() if isinstance(base_student, LoraStudent) else copy.deepcopy(base_student)
-        student = joint_training({**run, "args": vargs, "student": fresh, "log": Log(vargs.out)})
-        ev = evaluate(vargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
-                      which=("base + composer", "LOPD student"))
-        gens = len(run["episodes"]) + (0 if vargs.method == "rft" else vargs.steps * vargs.rollouts_per_step)
-        rows[name] = {"student": ev["LOPD student"]["reward"], "teacher": ev["base + composer"]["reward"],
-                      "generations": gens}
-    return rows
-
-
-def _slug(name: str) -> str:
-    return "".join(c for c in name.lower().replace(" ", "-") if c.isalnum() or c == "-").strip("-")
-
-
-def ablations(args: Args):
-    """`python train.py --ablations`: every row for args.seeds seeds, mean ± std beside the paper's numbers. The
-    seeds share the backbone (as the paper's runs share Qwen3-4B) and vary everything after it."""
-    if not args.model:
-        args = dataclasses.replace(args, model=toy_backbone(args))
-    args = dataclasses.replace(args, **CURVE)
-    per_seed = [ablation_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))
-                for i in range(args.seeds)]
-    table = ablation_table(per_seed)
-    with open(os.path.join(args.out, "ablations.md"), "w") as f:
-        f.write(table)
-    json.dump(per_seed, open(os.path.join(args.out, "ablations.json"), "w"), indent=1)
-    print("\n" + table)
-
-
-def ablation_table(per_seed) -> str:
-    """Markdown: per row the student alone and the teacher (base + composer) as mean ± std, generations spent."""
-    def cell(name, key):
-        vals = [r[name][key] for r in per_seed if key in r[name]]
-        return f"{np.mean(vals):.3f} ± {np.std(vals):.3f}" if vals else ""
-    lines = ["| row | student alone | teacher (base + composer) | generations | paper (EnvScaler, Qwen3-4B) |",
-             "|---|---|---|---|---|"]
-    for name in per_seed[0]:
-        lines.append(f"| {name} | {cell(name, 'student')} | {cell(name, 'teacher')} | "
-                     f"{per_seed[0][name]['generations']} | {PAPER_ROWS.get(name, '')} |")
-    return "\n".join(lines) + f"\n\n{len(per_seed)} seeds; mean ± std over seeds.\n"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Figure 4 at toy scale: reward against generations, every method on the same loop and budget
-# ----------------------------------------------------------------------------------------------------------------
-FIGURE4_METHODS = ("lopd", "grpo", "opsd", "sdpo")
-
-
-def method_dir(seed_out: str, method: str) -> str:
-    """A method's run inside a seed folder; LOPD's is the ablation table's "LOPD (m = 0.05)" run (one run, both)."""
-    return os.path.join(seed_out, _slug("LOPD (m = 0.05)") if method == "lopd" else method)
-
-
-def figure4_seed(args: Args) -> list[dict]:
-    """One seed: every method from the same θ̄ (LOPD and OPSD also from the same bank, LOPD from the same φ0).
-    Returns CSV rows: method, seed, step, generations (with the bank where the method uses it), training
-    generations (without), reward of the student alone on the first --eval-tasks held-out tasks."""
-    run = prepare(args)
-    base_student = run["student"] if isinstance(run["student"], LoraStudent) else copy.deepcopy(run["student"])
-    vanilla = evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"][:args.eval_tasks],
-                       which=("vanilla",))["vanilla"]["reward"]
-    rows = []
-    for method in FIGURE4_METHODS:
-        margs = dataclasses.replace(args, method=method, out=method_dir(args.out, method), resume=True)
-        os.makedirs(margs.out, exist_ok=True)
-        reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-        fresh = base_student.reset() if isinstance(base_student, LoraStudent) else copy.deepcopy(base_student)
-        joint_training({**run, "args": margs, "student": fresh, "log": Log(margs.out)})
-        bank = len(run["episodes"]) if method in USES_BANK else 0
-        rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
-                         reward=vanilla))
-        last = {}
-        for rec in map(json.loads, open(os.path.join(margs.out, "metrics.jsonl"))):
-            if rec.get("stage") == method and "reward/eval" in rec:
-                last[rec["step"]] = rec          # a resumed run may have logged a step twice: the last one counts
-        rows += [dict(method=method, seed=args.seed, step=k + 1, generations=r["generations"],
-                      training_generations=r["generations"] - bank, reward=r["reward/eval"])
-                 for k, r in sorted(last.items())]
-    return rows
-
-
-def figure4(args: Args):
-    """`python train.py --figure4`: FIGURE4_METHODS × args.seeds seeds; OUT/figure4.csv, figure4.md, figure4.png."""
-    if not args.model:
-        args = dataclasses.replace(args, model=toy_backbone(args))
-    args = dataclasses.replace(args, **CURVE)
-    rows = [r for i in range(args.seeds)
-            for r in figure4_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))]
-    with open(os.path.join(args.out, "figure4.csv"), "w") as f:
-        f.write("method,seed,step,generations,training_generations,reward\n")
-        f.writelines(f"{r['method']},{r['seed']},{r['step']},{r['generations']},{r['training_generations']},"
-                     f"{r['reward']}\n" for r in rows)
-    table = figure4_table(rows)
-    with open(os.path.join(args.out, "figure4.md"), "w") as f:
-        f.write(table)
-    print("\n" + table)
-    plot_figure4(rows, os.path.join(args.out, "figure4.png"), f"Figure 4 at toy scale (--env {args.env})")
-
-
-def _curves(rows) -> dict:
-    """{method: [(training generations, mean reward over seeds, std)]} at each evaluated step."""
-    out = {}
-    for m in dict.fromkeys(r["method"] for r in rows):
-        steps = sorted({r["step"] for r in rows if r["method"] == m})
-        pts = []
-        for s in steps:
-            vals = [r["reward"] for r in rows if r["method"] == m and r["step"] == s]
-            gen = next(r["training_generations"] for r in rows if r["method"] == m and r["step"] == s)
-            pts.append((gen, float(np.mean(vals)), float(np.std(vals))))
-        out[m] = pts
-    return out
-
-
-def figure4_table(rows) -> str:
-    """Reward (mean ± std over seeds) at each evaluated generation count, and the paper's efficiency question:
-    how many generations LOPD needs to reach GRPO's final reward, as a share of GRPO's."""
-    curves = _curves(rows)
-    gens = [g for g, _, _ in curves[next(iter(curves))]]
-    lines = ["| training generations | " + " | ".join(m.upper() for m in curves) + " |",
-             "|---|" + "---|" * len(curves)]
-    for i, g in enumerate(gens):
-        lines.append(f"| {g} | " + " | ".join(f"{c[i][1]:.3f} ± {c[i][2]:.3f}" if i < len(c) else ""
-                                                for c in curves.values()) + " |")
-    bank = next((r["generations"] for r in rows if r["method"] == "lopd" and r["step"] == 0), 0)
-    if "lopd" in curves and "grpo" in curves:
-        target, total = curves["grpo"][-1][1], curves["grpo"][-1][0]
-        hit = next((g for g, mean, _ in curves["lopd"] if mean >= target), None)
-        lines.append("")
-        if target <= curves["grpo"][0][1]:     # then "LOPD reaches it" holds at 0 generations and says nothing
-            lines.append(f"GRPO did not improve on the base ({curves['grpo'][0][1]:.3f} -> {target:.3f}).")
-        lines.append(f"GRPO's final reward {target:.3f} after {total} generations. " + (
-            f"LOPD first reaches it after {hit} training generations ({hit / total:.0%} of GRPO's; "
-            f"{(hit + bank) / total:.0%} counting the {bank} rollouts that built its bank)." if hit is not None
-            else "LOPD does not reach it within the budget."))
-    seeds = len({r["seed"] for r in rows})
-    return "\n".join(lines) + f"\n\n{seeds} seeds; mean ± std over seeds; the student alone on held-out tasks.\n"
-
-
-def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
-    """Reward against training generations, one line per method (skipped with a message without matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: figure4.png skipped (figure4.csv and figure4.md are written)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m, pts in _curves(rows).items():
-        g, mean, std = (np.array(x) for x in zip(*pts))
-        ax.plot(g, mean, marker="o", label=m.upper())
-        ax.fill_between(g, mean - std, mean + std, alpha=0.15)
-    ax.set_xlabel("training generations (rollouts)")
-    ax.set_ylabel("held-out reward, student alone")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    ckpt = latest_checkpoint(args.out)
+    if ckpt is None:
+        return {**run, "student": None}
+    load_student_weights(run["student"], os.path.join(ckpt, "student"))
+    reset_composer(run["composer"], os.path.join(ckpt, "composer"))
+    return run
 
 
 def main(argv=None):
     t0 = time.time()
     args = parse_args(argv)
-    if args.ablations:
-        return ablations(args)
-    if args.figure4:
-        return figure4(args)
     run = prepare(args)
     student = None
     if args.steps > 0:
         student = joint_training(run)
     rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"]))
-    import eval as ev
-    ev.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)})
-    print("\n" + ev.markdown_table(rows))
+    write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)})
+    print("\n" + markdown_table(rows))
     print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
 
 

@@ -8,6 +8,7 @@ ones are started together to use both cores. Bad-input cases call `train.main(ar
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import experiments  # noqa: E402
 import toy  # noqa: E402
 import train  # noqa: E402
 
@@ -119,11 +121,14 @@ def test_smoke_run_writes_results_and_one_record_per_step(runs):
 
 
 def test_eval_script_on_a_finished_run(runs, tmp_path):
-    rc, out, err = finish(start([sys.executable, "eval.py", "--run", runs["a"], "--n-test", "4"], tmp_path / "eval"),
-                          ok=False)
+    rc, out, err = finish(start([sys.executable, "eval.py", "--run", runs["a"], "--n-test", "4", "--inspect-latents"],
+                                tmp_path / "eval"), ok=False)
     assert rc == 0, err[-3000:]
     for row in ("vanilla", "base + composer", "LOPD student"):
         assert f"| {row} |" in out
+    # --inspect-latents: one contrast line per latent (3 retrieved × 2 latents), then the teacher's moved tokens
+    assert len(re.findall(r"^latent +\d+ \(\d+% task-specific\): ", out, re.M)) == 6, out[-2000:]
+    assert re.search(r"^[+-] *\d+\.\d\d nats ", out, re.M), out[-2000:]
     # --conventions is the toy code world's; on the tool world it is refused with the flag and the run named
     rc, _, err = finish(start([sys.executable, "eval.py", "--run", runs["a"], "--conventions"], tmp_path / "conv"),
                         ok=False)
@@ -271,16 +276,18 @@ def test_bad_task_line_fails_naming_file_and_line(backbone, tmp_path):
 
 
 def test_figure4_command_writes_the_curves(runs, backbone, tmp_path):
-    """--figure4 at tiny size (one seed, 10 steps: one evaluated point after step 0) from run a's cached stages."""
+    """experiments.py figure4 at tiny size (one seed, 10 steps: one evaluated point after step 0) from run a's
+    cached stages."""
     out = tmp_path / "f4"
     (out / "seed0").mkdir(parents=True)
     for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
         subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / "seed0" / name)], check=True)
-    train.main(train_cmd(backbone, out, "--figure4", "--seeds", "1", "--steps", "10")[2:])
+    experiments.main(["figure4", "--seeds", "1", *train_cmd(backbone, out, "--steps", "10")[2:]])
     lines = read(os.path.join(out, "figure4.csv")).splitlines()
     assert lines[0] == "method,seed,step,generations,training_generations,reward"
     rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
-    assert [(r["method"], r["step"]) for r in rows] == [(m, s) for m in train.FIGURE4_METHODS for s in ("0", "10")]
+    assert [(r["method"], r["step"]) for r in rows] == [(m, s) for m in experiments.FIGURE4_METHODS
+                                                        for s in ("0", "10")]
     for r in rows:
         bank = 60 if r["method"] in ("lopd", "opsd") else 0
         assert int(r["generations"]) == bank + int(r["training_generations"]) == bank + 4 * int(r["step"])
@@ -293,14 +300,15 @@ def test_figure4_table_reports_where_lopd_reaches_grpos_final_reward():
         return [dict(method=method, seed=seed, step=10 * k, generations=bank + 320 * k, training_generations=320 * k,
                      reward=r + 0.02 * seed) for seed in (0, 1) for k, r in enumerate(rewards)]
     data = rows("lopd", [0.40, 0.55, 0.62, 0.64], bank=2000) + rows("grpo", [0.40, 0.45, 0.50, 0.60])
-    table = train.figure4_table(data)
+    table = experiments.figure4_table(data)
     # GRPO's final mean is 0.61 after 960 generations; LOPD's mean first reaches it at 640 (0.63 >= 0.61)
     assert "GRPO's final reward 0.610 after 960 generations" in table
     assert "after 640 training generations (67% of GRPO's; 275% counting the 2000 rollouts" in table
     assert "| 320 | 0.560 ± 0.010 | 0.460 ± 0.010 |" in table
     assert "did not improve" not in table
     # a GRPO that ends below where it started: "LOPD reaches it at 0 generations" is true and empty, so it is flagged
-    flat = train.figure4_table(rows("lopd", [0.40, 0.42, 0.50, 0.55], bank=2000) + rows("grpo", [0.40, 0.38, 0.36, 0.35]))
+    flat = experiments.figure4_table(rows("lopd", [0.40, 0.42, 0.50, 0.55], bank=2000)
+                                     + rows("grpo", [0.40, 0.38, 0.36, 0.35]))
     assert "GRPO did not improve on the base (0.410 -> 0.360)" in flat and "after 0 training generations" in flat
 
 
@@ -326,3 +334,21 @@ def test_toy_code_world_pipeline(tmp_path):
     table = text[text.index("| row | pass | prefix |"):].splitlines()
     assert [line.split(" | ")[0] for line in table[2:5]] == ["| vanilla", "| base + composer", "| LOPD student"]
     assert all(0.0 <= float(x) <= 1.0 for line in table[2:5] for x in line.strip(" |").split(" | ")[1:])
+
+
+def test_latent_contrast_removes_what_every_task_shares():
+    """eval.latent_contrast projects latent − mean latent: identical latents are 0% task-specific, and the words
+    it ranks first are the LM head's argmax of the difference (checked against a direct projection)."""
+    import types
+
+    import eval as ev
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 6, bias=False)
+    fake = types.SimpleNamespace(backbone=types.SimpleNamespace(get_output_embeddings=lambda: head))
+    tok = types.SimpleNamespace(decode=lambda ids: "w" + str(ids[0]))
+    same = torch.randn(1, 3, 4).repeat(5, 1, 1)                              # (N=5 tasks, n=3, d=4)
+    assert all(" (0% task-specific)" in line for line in ev.latent_contrast(fake, tok, same, top=1))
+    lat = same + torch.randn(5, 3, 4)
+    best = head(lat[0] - lat.mean(0)).argmax(-1).tolist()                   # (n,)
+    lines = ev.latent_contrast(fake, tok, lat, top=1)
+    assert [line.split(": ")[1] for line in lines] == [f"'w{b}'" for b in best]
