@@ -1,0 +1,173 @@
+"""The code benchmarks as their releases ship them (envs.py; issue 22): LiveCodeBench code_generation_lite
+(compressed private tests, functional problems), TACO (input_output, fn_name), EvalPlus HumanEval+ / MBPP+ (diff
+testing against the canonical solution on base + plus inputs), and eval.py --tasks.
+
+Run: python -m pytest tests/test_benchmarks.py -q      (a few seconds; every program runs in the sandbox)
+The fixtures (tests/fixtures/*.jsonl) are hand-written rows in each release's layout (make_fixtures.py).
+"""
+import base64
+import json
+import os
+import pickle
+import shutil
+import sys
+import zlib
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import envs  # noqa: E402
+
+FIX = os.path.join(ROOT, "tests", "fixtures")
+FAST = envs.SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=512, output_kb=64)
+
+# task_id -> (a right program, a wrong program, the reason the wrong one must fail for)
+PROGRAMS = {
+    # LCB stdin: the mean printed as 2.5 passes "2.50" by the Decimal rule; a program that only knows the public
+    # example fails on the first compressed private test
+    "abc000_a": ("a, b = map(int, input().split())\nprint((a + b) / 2)\n", "print(2.5)\n", "test 1: wrong output"),
+    # LCB functional: Solution().pairWithSum on the JSON arguments; a tuple result counts as a list; List comes from
+    # the official prelude
+    "9001": ("class Solution:\n    def pairWithSum(self, nums: List[int], target: int) -> List[int]:\n"
+             "        seen = {}\n        for j, x in enumerate(nums):\n            if target - x in seen:\n"
+             "                return (seen[target - x], j)\n            seen[x] = j\n",
+             "class Solution:\n    def pairWithSum(self, nums: List[int], target: int) -> List[int]:\n"
+             "        return [0, 1]\n", "test 1: wrong answer"),
+    "taco-stdin": ("a, b = map(int, input().split())\nprint(a + b)\n", "print(3)\n", "test 1: wrong output"),
+    # TACO call-based: the expected value is wrapped in a list (outputs[i] == [value]); a tuple counts as a list
+    "taco-call": ("def sum_sorted(xs):\n    return sorted(xs), sum(xs)\n",
+                  "def sum_sorted(xs):\n    return xs, sum(xs)\n", "test 0: wrong answer"),
+    # HumanEval+: floats within atol; rounding fails on the base inputs already
+    "HumanEval/2": ("def truncate_number(number):\n    return number - int(number)\n",
+                    "def truncate_number(number):\n    return round(number % 1.0, 1)\n", "base input 1: wrong answer"),
+    # right on every base input, wrong on the plus input 0: only the "+" catches it
+    "HumanEval/31": ("def is_prime(n):\n    return n > 1 and all(n % k for k in range(2, int(n ** 0.5) + 1))\n",
+                     "def is_prime(n):\n    if n == 1:\n        return False\n"
+                     "    return all(n % k for k in range(2, n))\n", "plus input 0: wrong answer"),
+    # MBPP+ set oracle: the order of the shared elements does not matter; the union is wrong
+    "Mbpp/2": ("def similar_elements(a, b):\n    return tuple(sorted(set(b) & set(a), reverse=True))\n",
+               "def similar_elements(a, b):\n    return tuple(set(a) | set(b))\n", "base input 0: wrong answer"),
+    # 4 * a; an int result fails on the plus input 0.3 (expected 1.2)
+    "Mbpp/17": ("def square_perimeter(a):\n    return a * 4\n", "def square_perimeter(a):\n    return int(4 * a)\n",
+                "plus input 0: wrong answer"),
+}
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory):
+    """Every fixture, loaded from a copy (EvalPlus writes its expected-output cache next to the file)."""
+    tmp = tmp_path_factory.mktemp("fixtures")
+    out = {}
+    for name in ("lcb", "taco", "humanevalplus", "mbppplus"):
+        shutil.copy(os.path.join(FIX, name + ".jsonl"), tmp)
+        for i, p in enumerate(envs.load_problems(str(tmp / (name + ".jsonl")), FAST)):
+            out[p.task_id if name != "taco" else ("taco-stdin", "taco-call")[i]] = p
+    return out
+
+
+def test_each_layout_loads_with_the_release_fields(problems):
+    lcb, fn = problems["abc000_a"], problems["9001"]
+    assert lcb.benchmark == "LiveCodeBench" and len(lcb.tests) == 3          # 1 public + 2 compressed private
+    assert lcb.tests[1] == {"input": "-3 -4\n", "output": "-3.5\n"}
+    assert fn.fn_name == "pairWithSum" and fn.calls[1] == [[[3, 2, 4], 6], [1, 2]] and not fn.tests
+    assert "class Solution" in fn.text and fn.text.startswith("### Question:")   # starter code shown
+    taco = problems["taco-call"]
+    assert taco.benchmark == "TACO" and taco.fn_name == "sum_sorted" and taco.calls[0] == [[[3, 1, 2]], [[[1, 2, 3], 6]]]
+    assert problems["taco-stdin"].tests == [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6\n"}]
+    he, mb = problems["HumanEval/31"], problems["Mbpp/2"]
+    assert he.benchmark == "HumanEval+" and mb.benchmark == "MBPP+"
+    assert he.evalplus["expected"]["plus"] == [False, False, True, True]      # canonical solution, run once
+    assert mb.evalplus["expected"]["base"] == [(4, 5), (3, 4)]                  # tuples survive the cache
+    assert problems["HumanEval/2"].evalplus["atol"] == 1e-6
+
+
+def test_right_programs_pass_and_wrong_ones_fail_for_the_right_reason(problems):
+    pairs = [(problems[k], code) for k, (right, wrong, _) in PROGRAMS.items() for code in (right, wrong)]
+    got = envs.verify_many(pairs, FAST)
+    for i, (k, (_, _, reason)) in enumerate(PROGRAMS.items()):
+        assert got[2 * i][0], (k, got[2 * i])
+        assert not got[2 * i + 1][0] and got[2 * i + 1][1] == reason, (k, got[2 * i + 1])
+
+
+def test_evalplus_reports_base_and_plus_separately(problems):
+    right, wrong, _ = PROGRAMS["HumanEval/31"]
+    assert envs.verify_detail(problems["HumanEval/31"], right, FAST)[2] == {"base": True, "plus": True}
+    assert envs.verify_detail(problems["HumanEval/31"], wrong, FAST)[2] == {"base": True, "plus": False}
+    # the original HumanEval test (check()) alone would have passed the wrong program
+    plain = envs.CodeProblem("he", "x", asserts="def check(candidate):\n    assert candidate(6) == False\n"
+                             "    assert candidate(1) == False\n\ncheck(is_prime)\n")
+    assert envs.verify(plain, wrong, FAST)[0]
+
+
+def test_lcb_stdin_rule_is_decimal_and_line_count():
+    assert envs._lcb_same_output("2.5\n", "2.50") and envs._lcb_same_output("  1 2 \n3\n\n", "1 2\n3")
+    assert not envs._lcb_same_output("2.5000001", "2.5") and not envs._lcb_same_output("1\n2", "1 2")
+    assert not envs._lcb_same_output("abc", "abd") and not envs._lcb_same_output("", "0")
+
+
+def test_a_result_object_with_its_own_eq_does_not_pass():
+    cheat = ("class Any:\n    def __eq__(self, other):\n        return True\n"
+             "class Solution:\n    def pairWithSum(self, nums, target):\n        return Any()\n")
+    fn = envs.CodeProblem("f", "x", fn_name="pairWithSum", calls=[[[[2, 7], 9], [0, 1]]], benchmark="LiveCodeBench")
+    ok, why = envs.verify(fn, cheat, FAST)
+    assert not ok and "cannot be compared" in why
+
+
+def _evil_pickles(marker):
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+    handmade = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."    # GLOBAL + REDUCE, protocol 0
+    return [pickle.dumps(Evil()), handmade, pickle.dumps(json.dumps([]), protocol=0).replace(b"V", b"cbuiltins\nstr\n(V", 1)]
+
+
+def test_a_crafted_pickle_with_a_global_is_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    for blob in _evil_pickles(marker):
+        field = base64.b64encode(zlib.compress(blob)).decode()
+        row = {"question_id": "evil", "question_content": "q", "public_test_cases": "[]", "metadata": "{}",
+               "private_test_cases": field}
+        path = tmp_path / "evil.jsonl"
+        path.write_text(json.dumps(row) + "\n")
+        with pytest.raises(ValueError, match=r"evil\.jsonl:1: private_test_cases: the pickle layer was refused"):
+            envs.load_problems(str(path))
+    assert not marker.exists()
+    # the release's own chain round-trips
+    cases = [{"input": "1\n", "output": "1\n", "testtype": "stdin"}]
+    assert envs.decode_lcb_private(envs.encode_lcb_private(cases), "x") == cases
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"question_content": "q", "public_test_cases": "[]", "private_test_cases": "not base64 !"}, "neither JSON nor"),
+    ({"question_content": "q", "private_test_cases": envs.encode_lcb_private([])[:-8]}, "neither JSON nor"),
+    ({"question_content": "q", "public_test_cases": json.dumps([{"input": "1", "output": "1",
+                                                                  "testtype": "functional"}])}, "func_name"),
+    ({"task_id": "Mbpp/9", "prompt": "p", "entry_point": "f", "canonical_solution": "def f(x): return x",
+      "base_input": "[[1]]", "plus_input": []}, "'base_input' must be a list"),
+])
+def test_bad_benchmark_rows_name_file_line_and_reason(tmp_path, row, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:1: .*{reason}"):
+        envs.load_problems(str(path))
+
+
+def test_evalplus_expected_outputs_are_cached_next_to_the_file(tmp_path, monkeypatch):
+    shutil.copy(os.path.join(FIX, "mbppplus.jsonl"), tmp_path)
+    path = str(tmp_path / "mbppplus.jsonl")
+    first = envs.load_problems(path, FAST)
+    assert os.path.isfile(path + ".expected.json")
+    monkeypatch.setattr(envs, "run_calls", lambda *a, **k: pytest.fail("the cache was not used"))
+    again = envs.load_problems(path, FAST)
+    assert [p.evalplus["expected"] for p in again] == [p.evalplus["expected"] for p in first]
+
+
+def test_code_world_uses_no_system_prompt_for_evalplus_and_a5_for_lcb(problems):
+    log = {}
+    env = envs.CodeWorld(limits=FAST, log=log)
+    assert [m["role"] for m in env.reset(problems["HumanEval/31"])] == ["user"]
+    env.step("```python\n" + PROGRAMS["HumanEval/31"][1] + "```")
+    assert env.reward() == 0.0 and log["HumanEval/31"]["base"] and not log["HumanEval/31"]["plus"]
+    msgs = env.reset(problems["9001"])
+    assert msgs[0] == {"role": "system", "content": envs.CODING_SYSTEM_PROMPT}
