@@ -676,7 +676,8 @@ NO_SYSTEM_PROMPT = EVALPLUS + ("HumanEval",)
 #     exactly (no float tolerance). stdin: both outputs stripped and split into lines, each line stripped; the line
 #     counts must agree and each line must be equal as text or as a list of Decimals.
 #   lcb_runner/prompts/code_generation.py: the A.5 system prompt is its SYSTEM_MESSAGE_GENERIC; the user message is
-#     "### Question:" + statement + "### Format:" (starter code, or the stdin instruction) + "### Answer:" (`_lcb_text`).
+#     "### Question:" + statement + "### Format:" (starter code, or the stdin instruction) + "### Answer:"
+#     (`_lcb_text`).
 # EvalPlus, evalplus/evalplus:
 #   evalplus/data/humaneval.py, data/utils.py (completeness_check): a record has task_id, prompt, entry_point,
 #     canonical_solution, contract, base_input, plus_input, atol (HumanEval+ keeps HumanEval's `test` too).
@@ -742,12 +743,15 @@ def _lcb_prelude() -> str:
 
 
 def _taco_prelude() -> str:
-    """The imports TACO's harness puts before every program (metrics/testing_util.py: synthesize_cb_code)."""
-    return ("import sys\nimport time\nimport itertools\nfrom itertools import accumulate, product, permutations, "
-            "combinations\nimport collections\nfrom collections import Counter, OrderedDict, deque, defaultdict, "
-            "ChainMap\nfrom functools import lru_cache\nimport math\nfrom math import sqrt, sin, cos, tan, ceil, fabs, "
-            "floor, gcd, exp, log, log2\nimport fractions\nfrom typing import List, Tuple\ntry:\n    import numpy as np\n"
-            "except Exception:\n    pass\nimport random\nimport heapq\nfrom heapq import *\n")
+    """The imports TACO's harness puts before every program (metrics/testing_util.py: synthesize_cb_code). Its numpy
+    import is tried only: the sandbox's guard refuses what numpy's import does to the environment."""
+    return "\n".join([
+        "import sys", "import time", "import itertools",
+        "from itertools import accumulate, product, permutations, combinations", "import collections",
+        "from collections import Counter, OrderedDict, deque, defaultdict, ChainMap", "from functools import lru_cache",
+        "import math", "from math import sqrt, sin, cos, tan, ceil, fabs, floor, gcd, exp, log, log2",
+        "import fractions", "from typing import List, Tuple", "try:", "    import numpy as np", "except Exception:",
+        "    pass", "import random", "import heapq", "from heapq import *", ""])
 
 
 PRELUDES = {"LiveCodeBench": _lcb_prelude(), "TACO": _taco_prelude()}
@@ -877,9 +881,14 @@ def problem_from_row(row: dict, where: str) -> CodeProblem:
 
 
 def save_problems(problems, path: str) -> None:
-    """Write problems as JSONL in our layout (what `load_problems` reads back)."""
+    """Write problems as JSONL in our layout (what `load_problems` reads back). EvalPlus expected outputs are left
+    out (JSON would turn their tuples into lists): load_problems recomputes or reads them from its cache."""
+    rows = [asdict(p) for p in problems]
+    for row in rows:
+        if row["evalplus"]:
+            row["evalplus"]["expected"] = None
     with open(path, "w") as f:
-        f.writelines(json.dumps(asdict(p)) + "\n" for p in problems)
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def load_problems(path: str, limits: SandboxLimits | None = None) -> list[CodeProblem]:

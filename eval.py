@@ -4,6 +4,7 @@
     python eval.py --run runs/toy --inspect-latents  # also: the LM-head projection of each latent token (§4.4)
     python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
+    python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks
 
 Rows (Table 3):
 - vanilla          the base model θ̄, task only;
@@ -18,6 +19,7 @@ split stands in for the first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -107,6 +109,85 @@ def inspect_latents(composer, tok, latents, top: int = 5):
         print(f"latent {k:3d}: " + "  ".join(repr(tok.decode([i])) for i in ids))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Real code benchmarks (B.3): eval.py --run DIR --tasks FILE [FILE ...]
+# ----------------------------------------------------------------------------------------------------------------
+# Qwen3-4B, paper Table 2. Our copy of the paper lacks the table's cells; these are the values its text quotes
+# (§4.2): LiveCodeBench v5/v6 aggregate LOPD 48.78, vanilla 45.61; EvalPlus aggregate LOPD 81.36. TACO is the
+# training set (no Table 2 value).
+PAPER_TABLE2 = {"LiveCodeBench": "LOPD 48.78, vanilla 45.61 (v5/v6 aggregate)",
+                "HumanEval+": "LOPD 81.36 (EvalPlus aggregate)", "MBPP+": "LOPD 81.36 (EvalPlus aggregate)"}
+
+
+def load_eval_student(args):
+    """The run's student for a benchmark: the backbone with the latest checkpoint's student (a full HF folder, or a
+    LoRA adapter with --student-lora), or the backbone itself if the run has no checkpoint yet.
+    -> (model, tokenizer, row name)."""
+    import train
+    device, dtype = train.pick_device(args.device, args.dtype)
+    model, tok = train.load_backbone(args, device, dtype)
+    ckpt = train.latest_checkpoint(args.out)
+    if ckpt is None:
+        return model, tok, "vanilla (the run has no checkpoint)"
+    path = os.path.join(ckpt, "student")
+    if args.student_lora:
+        from peft import PeftModel
+        adapter = path if os.path.isfile(os.path.join(path, "adapter_config.json")) else os.path.join(path, "student")
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    else:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return model, tok, f"{args.method.upper()} student ({os.path.basename(ckpt)})"
+
+
+def benchmark_rows(problems, log: dict, source: str) -> list[dict]:
+    """pass@1 per benchmark of one file (one sample per problem), and base pass@1 for EvalPlus, from CodeWorld's
+    log (task_id -> {passed, base, plus}); plus pass@1 is EvalPlus's "base and plus"."""
+    rows = []
+    for bench in dict.fromkeys(p.benchmark or "ours" for p in problems):
+        ids = [p.task_id for p in problems if (p.benchmark or "ours") == bench]
+        row = {"benchmark": bench, "file": source, "problems": len(ids),
+               "pass@1": sum(log[i]["passed"] for i in ids) / len(ids)}
+        if bench in envs.EVALPLUS:
+            row["base pass@1"] = sum(log[i].get("base", False) for i in ids) / len(ids)
+        rows.append(row)
+    return rows
+
+
+def benchmark_table(rows: list[dict], student: str) -> str:
+    """Markdown: pass@1 (%) per benchmark (EvalPlus: plus, and base beside it) and the paper's value."""
+    lines = [f"Code benchmarks, {student}: pass@1 (%), one sample per problem", "",
+             "| benchmark | file | problems | pass@1 (EvalPlus: plus) | base pass@1 | Qwen3-4B, paper Table 2 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = f"{100 * r['base pass@1']:.2f}" if "base pass@1" in r else ""
+        lines.append(f"| {r['benchmark']} | {r['file']} | {r['problems']} | {100 * r['pass@1']:.2f} | {base} | "
+                     f"{PAPER_TABLE2.get(r['benchmark'], '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict]:
+    """The run's student on each benchmark file (TACO, LiveCodeBench, HumanEval+, MBPP+ or ours; envs.py): A.5's
+    coding system prompt for TACO / LiveCodeBench, none for EvalPlus (B.3; CodeWorld.reset), the run's sampling
+    settings. Prints the table and writes OUT/benchmarks.json."""
+    import train
+    model, tok, name = load_eval_student(args)
+    cfg, rows = train.sample_config(args, temperature), []
+    for path in files:
+        problems = envs.load_problems(path)
+        problems = problems[:n_test] if n_test else problems
+        log = {}
+        make_env = lambda: envs.CodeWorld(log=log)   # noqa: E731
+        train.seed_everything(args.seed + 1)
+        with train.precision(model), _bar(len(problems), f"eval {os.path.basename(path)}") as bar:
+            lopd.rollout(model, tok, problems, cfg, make_env, None, progress=bar)
+        rows += benchmark_rows(problems, log, os.path.basename(path))
+    print(benchmark_table(rows, name))
+    with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
+        json.dump({"student": name, "rows": rows}, f, indent=1)
+    return rows
+
+
 def main(argv=None):
     import train  # the run's settings and loaders live in the entry script
     p = argparse.ArgumentParser(description="Evaluate a run on held-out tasks.")
@@ -120,12 +201,20 @@ def main(argv=None):
     p.add_argument("--conventions", action="store_true",
                    help="toy code world: per row, which output conventions replies write and whether each is right "
                         "for the problem's judge")
+    p.add_argument("--tasks", nargs="+", default=None, metavar="FILE",
+                   help="evaluate the run's student on these benchmark files instead (TACO, LiveCodeBench, "
+                        "HumanEval+, MBPP+ JSONL; pass@1 per benchmark beside the paper's Table 2)")
     a = p.parse_args(argv)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     args = train.Args(**json.load(open(os.path.join(a.run, "args.json"))))
+    if a.tasks:
+        missing = [f for f in a.tasks if not os.path.isfile(f)]
+        if missing:
+            p.error(f"--tasks: no such file {missing[0]!r}; give JSONL benchmark files")
+        return eval_benchmarks(dataclasses.replace(args, out=a.run), a.tasks, a.n_test, a.temperature)
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     keep = {} if a.conventions else None

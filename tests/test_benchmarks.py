@@ -73,7 +73,8 @@ def test_each_layout_loads_with_the_release_fields(problems):
     assert fn.fn_name == "pairWithSum" and fn.calls[1] == [[[3, 2, 4], 6], [1, 2]] and not fn.tests
     assert "class Solution" in fn.text and fn.text.startswith("### Question:")   # starter code shown
     taco = problems["taco-call"]
-    assert taco.benchmark == "TACO" and taco.fn_name == "sum_sorted" and taco.calls[0] == [[[3, 1, 2]], [[[1, 2, 3], 6]]]
+    assert taco.benchmark == "TACO" and taco.fn_name == "sum_sorted"
+    assert taco.calls[0] == [[[3, 1, 2]], [[[1, 2, 3], 6]]]
     assert problems["taco-stdin"].tests == [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6\n"}]
     he, mb = problems["HumanEval/31"], problems["Mbpp/2"]
     assert he.benchmark == "HumanEval+" and mb.benchmark == "MBPP+"
@@ -115,11 +116,17 @@ def test_a_result_object_with_its_own_eq_does_not_pass():
 
 
 def _evil_pickles(marker):
-    class Evil:
+    """Pickles that would run `touch marker` if unpickled: by __reduce__ (os.system, protocol 4 STACK_GLOBAL),
+    through eval, and a hand-written protocol-0 GLOBAL + REDUCE."""
+    class System:
         def __reduce__(self):
             return os.system, (f"touch {marker}",)
-    handmade = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."    # GLOBAL + REDUCE, protocol 0
-    return [pickle.dumps(Evil()), handmade, pickle.dumps(json.dumps([]), protocol=0).replace(b"V", b"cbuiltins\nstr\n(V", 1)]
+
+    class Eval:
+        def __reduce__(self):
+            return eval, (f"__import__('os').system('touch {marker}')",)
+    handmade = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."
+    return [pickle.dumps(System()), pickle.dumps(Eval(), protocol=2), handmade]
 
 
 def test_a_crafted_pickle_with_a_global_is_refused_and_nothing_runs(tmp_path):
@@ -161,6 +168,12 @@ def test_evalplus_expected_outputs_are_cached_next_to_the_file(tmp_path, monkeyp
     monkeypatch.setattr(envs, "run_calls", lambda *a, **k: pytest.fail("the cache was not used"))
     again = envs.load_problems(path, FAST)
     assert [p.evalplus["expected"] for p in again] == [p.evalplus["expected"] for p in first]
+    monkeypatch.undo()
+    envs.save_problems(first, str(tmp_path / "ours.jsonl"))       # our layout round-trips, tuples and all
+    ours = envs.load_problems(str(tmp_path / "ours.jsonl"), FAST)
+    outputs = lambda ps: [(p.evalplus["expected"]["base"], p.evalplus["expected"]["plus"]) for p in ps]   # noqa: E731
+    assert outputs(ours) == outputs(first)
+    assert ours[0].benchmark == "MBPP+" and envs.verify(ours[0], PROGRAMS["Mbpp/2"][0], FAST)[0]
 
 
 def test_code_world_uses_no_system_prompt_for_evalplus_and_a5_for_lcb(problems):
@@ -171,3 +184,41 @@ def test_code_world_uses_no_system_prompt_for_evalplus_and_a5_for_lcb(problems):
     assert env.reward() == 0.0 and log["HumanEval/31"]["base"] and not log["HumanEval/31"]["plus"]
     msgs = env.reset(problems["9001"])
     assert msgs[0] == {"role": "system", "content": envs.CODING_SYSTEM_PROMPT}
+
+
+def test_benchmark_rows_count_pass_at_1_and_base_apart(problems):
+    import eval as ev
+    he = [problems["HumanEval/2"], problems["HumanEval/31"]]
+    log = {"HumanEval/2": {"passed": True, "base": True, "plus": True},
+           "HumanEval/31": {"passed": False, "base": True, "plus": False}}
+    rows = ev.benchmark_rows(he, log, "he.jsonl")
+    assert rows == [{"benchmark": "HumanEval+", "file": "he.jsonl", "problems": 2, "pass@1": 0.5, "base pass@1": 1.0}]
+    table = ev.benchmark_table(rows, "LOPD student")
+    assert "| HumanEval+ | he.jsonl | 2 | 50.00 | 100.00 | LOPD 81.36" in table and "Qwen3-4B, paper Table 2" in table
+
+
+def test_eval_tasks_prints_pass_at_1_per_benchmark(tmp_path, capsys):
+    """eval.py --run DIR --tasks FILE...: a run folder (the shipped toy code backbone; a checkpoint whose student is
+    a saved copy of it) evaluated on the fixtures of all four layouts."""
+    import eval as ev
+    import train
+    from transformers import AutoModelForCausalLM
+    run = tmp_path / "run"
+    args = train.parse_args(["--env", "code", "--out", str(run), "--device", "cpu", "--max-new-tokens", "8"])
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps(train.dataclasses.asdict(args)))
+    os.makedirs(run / "ckpt" / "step-1")
+    AutoModelForCausalLM.from_pretrained(train.toy_backbone(args)).save_pretrained(run / "ckpt" / "step-1" / "student")
+    (run / "ckpt" / "LATEST").write_text("step-1")
+    files = []
+    for name in ("lcb", "taco", "humanevalplus", "mbppplus"):
+        shutil.copy(os.path.join(FIX, name + ".jsonl"), tmp_path)
+        files.append(str(tmp_path / (name + ".jsonl")))
+    rows = ev.main(["--run", str(run), "--tasks", *files, "--n-test", "1"])
+    out = capsys.readouterr().out
+    assert [r["benchmark"] for r in rows] == ["LiveCodeBench", "TACO", "HumanEval+", "MBPP+"]
+    assert "LOPD student (step-1)" in out and "| LiveCodeBench | lcb.jsonl | 1 |" in out
+    assert all(0 <= r["pass@1"] <= r.get("base pass@1", 1) for r in rows)
+    assert json.load(open(run / "benchmarks.json"))["rows"] == rows
+    with pytest.raises(SystemExit):
+        ev.main(["--run", str(run), "--tasks", str(tmp_path / "missing.jsonl")])
