@@ -1123,7 +1123,7 @@ try:
         fn = module[spec["fn_name"]]
 except BaseException as e:
     signal.setitimer(signal.ITIMER_REAL, 0)
-    _report([{"error": "cannot load %s: %s: %s" % (spec["fn_name"], type(e).__name__, str(e)[:200])}])
+    _report([{"error": "cannot load %s: %s: %s" % (spec["fn_name"], type(e).__name__, str(e)[:200]), "load": 1}])
     raise SystemExit(0)
 results = []
 for args, limit in zip(spec["inputs"], spec["limits"]):
@@ -1149,7 +1149,8 @@ def run_calls(code: str, fn_name: str, inputs: list, limits: SandboxLimits = San
               prelude: str = "", method: bool = True, not_none: str = "") -> tuple[list | None, str]:
     """Load `code` (after `prelude`) in the sandbox and call fn_name(*args) for each args in `inputs` (plain values),
     on Solution() if `method` and the code has that class; stops at the first error.
-    -> ([{"out": value, "s": seconds} | {"error": str}], "") or (None, why no result came back).
+    -> ([{"out": value, "s": seconds} | {"error": str}], "") or (None, why no result came back); a program that
+    does not load (or lacks fn_name) gives [{"error": "cannot load ...", "load": 1}].
     per_call: seconds allowed per call (default limits.wall_s each); the run's own limits grow with their sum.
     not_none: "all" reports `out is not None`, "non-bool" does so unless out is a bool (EvalPlus's MBPP oracles)."""
     import secrets
@@ -1192,6 +1193,8 @@ def _verify_calls(problem: CodeProblem, code: str, limits: SandboxLimits) -> tup
     results, why = run_calls(code, problem.fn_name, args, limits, prelude=PRELUDES.get(problem.benchmark, ""))
     if results is None:
         return False, f"no result: {why}"
+    if results and results[0].get("load"):
+        return False, results[0]["error"]
     same = _taco_call_ok if taco else _lcb_call_ok
     for i, (res, (_, want)) in enumerate(zip(results, problem.calls)):
         if "error" in res:
@@ -1313,8 +1316,8 @@ def _verify_evalplus(problem: CodeProblem, code: str, limits: SandboxLimits) -> 
     results, why = run_calls(code, spec["entry_point"], inputs, limits, per_call, method=False, not_none=not_none)
     n_base = len(spec["base_input"])
     parts = {"base": n_base == 0, "plus": False}
-    if results is None:
-        return False, f"no result: {why}", parts
+    if results is None or (results and results[0].get("load")):
+        return False, results[0]["error"] if results else f"no result: {why}", parts
     for i, res in enumerate(results):
         part, k = ("base", i) if i < n_base else ("plus", i - n_base)
         if "error" in res:

@@ -107,6 +107,13 @@ def test_lcb_stdin_rule_is_decimal_and_line_count():
     assert not envs._lcb_same_output("abc", "abd") and not envs._lcb_same_output("", "0")
 
 
+def test_a_program_without_the_function_fails_as_not_loaded(problems):
+    for key, code in (("9001", "class Solution:\n    pass\n"), ("Mbpp/17", "def perimeter(a):\n    return 4 * a\n"),
+                      ("taco-call", "def sum_sorted(xs:\n")):
+        ok, why = envs.verify(problems[key], code, FAST)
+        assert not ok and why.startswith("cannot load"), (key, why)
+
+
 def test_a_result_object_with_its_own_eq_does_not_pass():
     cheat = ("class Any:\n    def __eq__(self, other):\n        return True\n"
              "class Solution:\n    def pairWithSum(self, nums, target):\n        return Any()\n")
