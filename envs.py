@@ -694,6 +694,9 @@ NO_SYSTEM_PROMPT = EVALPLUS + ("HumanEval",)
 #     is the argument list, Solution() is used when the program has "class Solution", a tuple result counts as a list,
 #     and result == output or result == output[0]; dicts whose keys are digit strings get int keys; an import
 #     prelude goes before the program. stdin inputs/outputs are strings or lists of lines (joined by "\n").
+# DeepCoder-Preview-Dataset (the paper's training set): rllm-org/rllm rllm/rewards/code_reward.py scores the taco
+#   subset's `tests` (a dict of lists, TACO's input_output) with TACO's harness and lcbv5's (a list of cases, func_name
+#   in their metadata) with LiveCodeBench's; the statement is `problem` (also in NVIDIA NeMo-RL's deepcoder loader).
 # Assumptions (not in those sources): TACO's user message uses LiveCodeBench's template; TACO stdin outputs keep our
 # line comparison (TACO's own harness is more lenient: token sets, float closeness); MBPP+ inputs are used as stored
 # (EvalPlus turns some lists back into tuples/sets per task: evalplus/data/mbpp.py mbpp_deserialize_inputs).
@@ -830,6 +833,20 @@ def _lcb_row(row: dict, where: str) -> dict:
             "benchmark": "LiveCodeBench"}
 
 
+def _deepcoder_row(row: dict, where: str) -> dict:
+    """DeepCoder-Preview-Dataset (the paper's "TACO subset of DeepCoder"): problem + tests, a JSON string holding
+    TACO's input_output dict (taco subset) or LiveCodeBench's list of cases (lcbv5 subset, func_name in each case's
+    metadata); scored by TACO's or LiveCodeBench's rules accordingly."""
+    tests = json.loads(row["tests"]) if isinstance(row["tests"], str) else row["tests"]
+    if isinstance(tests, dict):
+        return {**_tests_from_io(tests, where), "benchmark": "TACO",
+                "text": _lcb_text(row["problem"], row.get("starter_code") or "")}
+    meta = (tests[0].get("metadata") or {}) if tests and isinstance(tests[0], dict) else {}
+    meta = json.loads(meta) if isinstance(meta, str) else meta
+    return {**_tests_from_lcb(tests, meta.get("func_name") or "", where), "benchmark": "LiveCodeBench",
+            "text": _lcb_text(row["problem"], row.get("starter_code") or "")}
+
+
 def _evalplus_row(row: dict, where: str) -> dict:
     """An EvalPlus record (HumanEval+ "HumanEval/N", MBPP+ "Mbpp/N"): the reference is prompt + canonical_solution."""
     for key, typ in (("base_input", list), ("plus_input", list), ("canonical_solution", str), ("entry_point", str)):
@@ -845,10 +862,11 @@ def _evalplus_row(row: dict, where: str) -> dict:
 
 
 def problem_from_row(row: dict, where: str) -> CodeProblem:
-    """One JSONL row in any of five layouts, told apart by their field names:
+    """One JSONL row in any of six layouts, told apart by their field names:
     ours (task_id, text, tests / asserts / calls), TACO (question, input_output, starter_code), LiveCodeBench
-    (question_content, public/private_test_cases, metadata, starter_code), EvalPlus HumanEval+ / MBPP+ (prompt,
-    canonical_solution, base_input, plus_input, atol, entry_point), HumanEval (prompt, test, entry_point)."""
+    (question_content, public/private_test_cases, metadata, starter_code), DeepCoder (problem, tests), EvalPlus
+    HumanEval+ / MBPP+ (prompt, canonical_solution, base_input, plus_input, atol, entry_point), HumanEval (prompt,
+    test, entry_point)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "text" in row:
@@ -862,6 +880,8 @@ def problem_from_row(row: dict, where: str) -> CodeProblem:
                   "text": _lcb_text(row["question"], row.get("starter_code") or "")}
     elif "question_content" in row:
         fields = _lcb_row(row, where)
+    elif "problem" in row and "tests" in row:
+        fields = _deepcoder_row(row, where)
     elif {"prompt", "entry_point", "canonical_solution", "base_input", "plus_input"} <= set(row):
         fields = _evalplus_row(row, where)
     elif {"prompt", "test", "entry_point"} <= set(row):
@@ -869,7 +889,8 @@ def problem_from_row(row: dict, where: str) -> CodeProblem:
                   "benchmark": "HumanEval"}
     else:
         raise ValueError(f"{where}: no known problem layout (need 'text', or TACO's 'question' + 'input_output', "
-                         f"LiveCodeBench's 'question_content', EvalPlus's 'prompt' + 'canonical_solution' + "
+                         f"LiveCodeBench's 'question_content', DeepCoder's 'problem' + 'tests', EvalPlus's "
+                         f"'prompt' + 'canonical_solution' + "
                          f"'base_input' + 'plus_input' + 'entry_point', or HumanEval's 'prompt' + 'test' + "
                          f"'entry_point')")
     if not isinstance(fields.get("text"), str) or not fields["text"].strip():

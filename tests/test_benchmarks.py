@@ -38,6 +38,14 @@ PROGRAMS = {
     # TACO call-based: the expected value is wrapped in a list (outputs[i] == [value]); a tuple counts as a list
     "taco-call": ("def sum_sorted(xs):\n    return sorted(xs), sum(xs)\n",
                   "def sum_sorted(xs):\n    return xs, sum(xs)\n", "test 0: wrong answer"),
+    # DeepCoder taco subset: TACO's rules on Solution().maxProfit, the value wrapped in a list
+    "deepcoder-taco": ("class Solution:\n    def maxProfit(self, prices):\n        best, low = 0, prices[0]\n"
+                       "        for p in prices:\n            low = min(low, p)\n            best = max(best, p - low)\n"
+                       "        return best\n",
+                       "class Solution:\n    def maxProfit(self, prices):\n        return max(prices) - min(prices)\n",
+                       "test 0: wrong answer"),
+    # DeepCoder lcbv5 subset: LiveCodeBench's stdin rule
+    "deepcoder-lcb": ("print(sum(c in 'aeiou' for c in input()))\n", "print(3)\n", "test 1: wrong output"),
     # HumanEval+: floats within atol; rounding fails on the base inputs already
     "HumanEval/2": ("def truncate_number(number):\n    return number - int(number)\n",
                     "def truncate_number(number):\n    return round(number % 1.0, 1)\n", "base input 1: wrong answer"),
@@ -59,10 +67,11 @@ def problems(tmp_path_factory):
     """Every fixture, loaded from a copy (EvalPlus writes its expected-output cache next to the file)."""
     tmp = tmp_path_factory.mktemp("fixtures")
     out = {}
-    for name in ("lcb", "taco", "humanevalplus", "mbppplus"):
+    names = {"taco": ("taco-stdin", "taco-call"), "deepcoder": ("deepcoder-taco", "deepcoder-lcb")}
+    for name in ("lcb", "taco", "deepcoder", "humanevalplus", "mbppplus"):
         shutil.copy(os.path.join(FIX, name + ".jsonl"), tmp)
         for i, p in enumerate(envs.load_problems(str(tmp / (name + ".jsonl")), FAST)):
-            out[p.task_id if name != "taco" else ("taco-stdin", "taco-call")[i]] = p
+            out[names[name][i] if name in names else p.task_id] = p
     return out
 
 
@@ -76,6 +85,9 @@ def test_each_layout_loads_with_the_release_fields(problems):
     assert taco.benchmark == "TACO" and taco.fn_name == "sum_sorted"
     assert taco.calls[0] == [[[3, 1, 2]], [[[1, 2, 3], 6]]]
     assert problems["taco-stdin"].tests == [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6\n"}]
+    dc, dl = problems["deepcoder-taco"], problems["deepcoder-lcb"]
+    assert (dc.benchmark, dc.fn_name, dc.calls[0]) == ("TACO", "maxProfit", [[[7, 1, 5, 3, 6, 4]], [5]])
+    assert dl.benchmark == "LiveCodeBench" and dl.tests[1] == {"input": "sky\n", "output": "0\n"}
     he, mb = problems["HumanEval/31"], problems["Mbpp/2"]
     assert he.benchmark == "HumanEval+" and mb.benchmark == "MBPP+"
     assert he.evalplus["expected"]["plus"] == [False, False, True, True]      # canonical solution, run once
