@@ -665,7 +665,8 @@ class CodeProblem:
 EVALPLUS = ("HumanEval+", "MBPP+")      # B.3: no system prompt for these (and plain HumanEval)
 NO_SYSTEM_PROMPT = EVALPLUS + ("HumanEval",)
 
-# -- where each field rule comes from (README "Code benchmarks"), read from the releases' own loaders and harnesses --
+# -- where each field rule comes from, read from the releases' own loaders and harnesses (at LiveCodeBench 28fef95ea8c9,
+# evalplus 26d6d00bb1fd, FlagOpen/TACO 245eba3beb2d, rllm 1a95050504a9) ------------------------------------------
 # LiveCodeBench code_generation_lite, LiveCodeBench/LiveCodeBench:
 #   lcb_runner/benchmarks/code_generation.py: public_test_cases and metadata are JSON strings; private_test_cases is
 #     JSON or else base64 -> zlib -> pickle -> a JSON string (the decode below, minus the pickle's power to run code);
@@ -697,9 +698,13 @@ NO_SYSTEM_PROMPT = EVALPLUS + ("HumanEval",)
 # DeepCoder-Preview-Dataset (the paper's training set): rllm-org/rllm rllm/rewards/code_reward.py scores the taco
 #   subset's `tests` (a dict of lists, TACO's input_output) with TACO's harness and lcbv5's (a list of cases, func_name
 #   in their metadata) with LiveCodeBench's; the statement is `problem` (also in NVIDIA NeMo-RL's deepcoder loader).
-# Assumptions (not in those sources): TACO's user message uses LiveCodeBench's template; TACO stdin outputs keep our
-# line comparison (TACO's own harness is more lenient: token sets, float closeness); MBPP+ inputs are used as stored
-# (EvalPlus turns some lists back into tuples/sets per task: evalplus/data/mbpp.py mbpp_deserialize_inputs).
+# Assumptions and departures (not in those sources): TACO's user message uses LiveCodeBench's template; TACO stdin
+# outputs keep our line comparison (TACO's own harness is more lenient: token sets, float closeness); MBPP+ inputs are
+# used as stored (EvalPlus turns some lists back into tuples/sets per task: evalplus/data/mbpp.py
+# mbpp_deserialize_inputs); EvalPlus's oracles for Mbpp/581 and Mbpp/558 (code of their own) are not reproduced;
+# a blank last line of a functional input is not an argument; TACO's int-key rule keeps the arguments after the
+# first; time limits are the sandbox's (per call: SandboxLimits.wall_s; EvalPlus: max(wall_s, 4 x the reference));
+# numpy cannot be imported in the sandbox (its import sets environment variables, which the guard refuses).
 
 
 class _NoGlobals(pickle.Unpickler):

@@ -117,6 +117,18 @@ def inspect_latents(composer, tok, latents, top: int = 5):
 # training set (no Table 2 value).
 PAPER_TABLE2 = {"LiveCodeBench": "LOPD 48.78, vanilla 45.61 (v5/v6 aggregate)",
                 "HumanEval+": "LOPD 81.36 (EvalPlus aggregate)", "MBPP+": "LOPD 81.36 (EvalPlus aggregate)"}
+# B.3 (Table 5): the code benchmarks' sampling, thinking on. Real models use it; the toy keeps its run's settings.
+B3_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_new_tokens": 16384, "enable_thinking": True}
+
+
+def benchmark_sample_config(args, temperature=None):
+    """B.3's settings for a real model (a --temperature given to eval.py still wins), the run's for the toy."""
+    import train
+    cfg = train.sample_config(args, temperature)
+    if train.is_toy(args):
+        return cfg
+    b3 = {k: v for k, v in B3_SAMPLING.items() if k != "temperature" or temperature is None}
+    return dataclasses.replace(cfg, **b3)
 
 
 def load_eval_student(args):
@@ -168,11 +180,11 @@ def benchmark_table(rows: list[dict], student: str) -> str:
 
 def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict]:
     """The run's student on each benchmark file (TACO, LiveCodeBench, HumanEval+, MBPP+ or ours; envs.py): A.5's
-    coding system prompt for TACO / LiveCodeBench, none for EvalPlus (B.3; CodeWorld.reset), the run's sampling
-    settings. Prints the table and writes OUT/benchmarks.json."""
+    coding system prompt for TACO / LiveCodeBench, none for EvalPlus (B.3; CodeWorld.reset), B.3's sampling
+    (`benchmark_sample_config`). Prints the table and writes OUT/benchmarks.json."""
     import train
     model, tok, name = load_eval_student(args)
-    cfg, rows = train.sample_config(args, temperature), []
+    cfg, rows = benchmark_sample_config(args, temperature), []
     for path in files:
         problems = envs.load_problems(path)
         problems = problems[:n_test] if n_test else problems

@@ -40,8 +40,8 @@ PROGRAMS = {
                   "def sum_sorted(xs):\n    return xs, sum(xs)\n", "test 0: wrong answer"),
     # DeepCoder taco subset: TACO's rules on Solution().maxProfit, the value wrapped in a list
     "deepcoder-taco": ("class Solution:\n    def maxProfit(self, prices):\n        best, low = 0, prices[0]\n"
-                       "        for p in prices:\n            low = min(low, p)\n            best = max(best, p - low)\n"
-                       "        return best\n",
+                       "        for p in prices:\n            low = min(low, p)\n"
+                       "            best = max(best, p - low)\n        return best\n",
                        "class Solution:\n    def maxProfit(self, prices):\n        return max(prices) - min(prices)\n",
                        "test 0: wrong answer"),
     # DeepCoder lcbv5 subset: LiveCodeBench's stdin rule
@@ -241,3 +241,30 @@ def test_eval_tasks_prints_pass_at_1_per_benchmark(tmp_path, capsys):
     assert json.load(open(run / "benchmarks.json"))["rows"] == rows
     with pytest.raises(SystemExit):
         ev.main(["--run", str(run), "--tasks", str(tmp_path / "missing.jsonl")])
+
+
+def test_eval_loads_a_lora_student_and_uses_b3_sampling_for_real_models(tmp_path):
+    """--student-lora: the checkpoint's student is a LoRA adapter saved as LoraStudent saves it (a subfolder named
+    after the adapter); the loaded model equals backbone + that adapter. Real models sample with B.3's settings."""
+    import eval as ev
+    import torch
+    import train
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    args = train.parse_args(["--env", "code", "--out", str(tmp_path), "--device", "cpu", "--student-lora"])
+    base = AutoModelForCausalLM.from_pretrained(train.toy_backbone(args))
+    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                          adapter_name="student")
+    path = tmp_path / "ckpt" / "step-3" / "student"
+    peft.save_pretrained(str(path), selected_adapters=["student"])
+    (tmp_path / "ckpt" / "LATEST").write_text("step-3")
+    model, _, name = ev.load_eval_student(args)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, peft(ids).logits, atol=1e-5)
+    assert name == "LOPD student (step-3)"
+    real = train.dataclasses.replace(args, model=str(tmp_path / "not-a-toy"))
+    cfg = ev.benchmark_sample_config(real)
+    assert (cfg.max_new_tokens, cfg.enable_thinking, cfg.temperature, cfg.top_k) == (16384, True, 0.7, 20)
+    assert ev.benchmark_sample_config(real, temperature=0.0).temperature == 0.0
+    assert ev.benchmark_sample_config(args).max_new_tokens == args.max_new_tokens     # the toy keeps its own
