@@ -4,6 +4,7 @@
     python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
     python eval.py --run runs/toy --inspect-latents  # what the composer carries (§4.4; see `latent_contrast`)
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
+    python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks (B.3)
 
 The rows themselves are train.py's stage 6 (`train.evaluate`: vanilla, base + composer, the LOPD student alone,
 each with Table 3's behaviour counts). This file loads a run through train.py (`train.load_args`, `train.load_run`)
@@ -16,6 +17,10 @@ projects each latent minus the mean latent at its position over the held-out tas
 experience changes in the teacher: the reply tokens of one episode whose teacher log-probability moves most
 between latents of same-variant references and latents of other variants' references.
 
+Code benchmarks (B.3). `--tasks FILE ...` scores the run's student on benchmark files in their released layouts
+(LiveCodeBench, HumanEval+, MBPP+, TACO; envs.py reads them with their harnesses' rules): pass@1 per benchmark, with
+EvalPlus's base and plus separately, beside the values the paper quotes for Qwen3-4B.
+
 Deviation: the paper evaluates on EnvScaler's 200 held-out tasks, BFCL-v3 and ACEBench; the toy world's held-out
 split stands in for the first.
 """
@@ -23,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 import torch
+from tqdm import tqdm
 
 import envs
 import lopd
@@ -123,6 +130,94 @@ def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
         print("\n".join(teacher_shift(composer, tok, ep, latents[0], other, make_env, tools)))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Real code benchmarks (B.3): eval.py --run DIR --tasks FILE [FILE ...]
+# ----------------------------------------------------------------------------------------------------------------
+# Qwen3-4B, paper Table 2. Our copy of the paper lacks the table's cells; these are the values its text quotes
+# (§4.2): LiveCodeBench v5/v6 aggregate LOPD 48.78, vanilla 45.61; EvalPlus aggregate LOPD 81.36. TACO is the
+# training set (no Table 2 value).
+PAPER_TABLE2 = {"LiveCodeBench": "LOPD 48.78, vanilla 45.61 (v5/v6 aggregate)",
+                "HumanEval+": "LOPD 81.36 (EvalPlus aggregate)", "MBPP+": "LOPD 81.36 (EvalPlus aggregate)"}
+# B.3 (Table 5): the code benchmarks' sampling, thinking on. Real models use it; the toy keeps its run's settings.
+B3_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_new_tokens": 16384, "enable_thinking": True}
+
+
+def benchmark_sample_config(args, temperature=None):
+    """B.3's settings for a real model (a --temperature given to eval.py still wins), the run's for the toy."""
+    cfg = train.sample_config(args, temperature)
+    if train.is_toy(args):
+        return cfg
+    b3 = {k: v for k, v in B3_SAMPLING.items() if k != "temperature" or temperature is None}
+    return dataclasses.replace(cfg, **b3)
+
+
+def load_eval_student(args):
+    """The run's student for a benchmark: the backbone with the latest checkpoint's student (a full HF folder, or a
+    LoRA adapter with --student-lora), or the backbone itself if the run has no checkpoint yet.
+    -> (model, tokenizer, row name)."""
+    device, dtype = train.pick_device(args.device, args.dtype)
+    model, tok = train.load_backbone(args, device, dtype)
+    ckpt = train.latest_checkpoint(args.out)
+    if ckpt is None:
+        return model, tok, "vanilla (the run has no checkpoint)"
+    path = os.path.join(ckpt, "student")
+    if args.student_lora:
+        from peft import PeftModel
+        adapter = path if os.path.isfile(os.path.join(path, "adapter_config.json")) else os.path.join(path, "student")
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    else:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    return model, tok, f"{args.method.upper()} student ({os.path.basename(ckpt)})"
+
+
+def benchmark_rows(problems, log: dict, source: str) -> list[dict]:
+    """pass@1 per benchmark of one file (one sample per problem), and base pass@1 for EvalPlus, from CodeWorld's
+    log (task_id -> {passed, base, plus}); plus pass@1 is EvalPlus's "base and plus"."""
+    rows = []
+    for bench in dict.fromkeys(p.benchmark or "ours" for p in problems):
+        ids = [p.task_id for p in problems if (p.benchmark or "ours") == bench]
+        row = {"benchmark": bench, "file": source, "problems": len(ids),
+               "pass@1": sum(log[i]["passed"] for i in ids) / len(ids)}
+        if bench in envs.EVALPLUS:
+            row["base pass@1"] = sum(log[i].get("base", False) for i in ids) / len(ids)
+        rows.append(row)
+    return rows
+
+
+def benchmark_table(rows: list[dict], student: str) -> str:
+    """Markdown: pass@1 (%) per benchmark (EvalPlus: plus, and base beside it) and the paper's value."""
+    lines = [f"Code benchmarks, {student}: pass@1 (%), one sample per problem", "",
+             "| benchmark | file | problems | pass@1 (EvalPlus: plus) | base pass@1 | Qwen3-4B, paper Table 2 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = f"{100 * r['base pass@1']:.2f}" if "base pass@1" in r else ""
+        lines.append(f"| {r['benchmark']} | {r['file']} | {r['problems']} | {100 * r['pass@1']:.2f} | {base} | "
+                     f"{PAPER_TABLE2.get(r['benchmark'], '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict]:
+    """The run's student on each benchmark file (TACO, LiveCodeBench, HumanEval+, MBPP+ or ours; envs.py): A.5's
+    coding system prompt for TACO / LiveCodeBench, none for EvalPlus (B.3; CodeWorld.reset), B.3's sampling
+    (`benchmark_sample_config`). Prints the table and writes OUT/benchmarks.json."""
+    model, tok, name = load_eval_student(args)
+    cfg, rows = benchmark_sample_config(args, temperature), []
+    for path in files:
+        problems = envs.load_problems(path)
+        problems = problems[:n_test] if n_test else problems
+        log = {}
+        make_env = lambda: envs.CodeWorld(log=log)   # noqa: E731
+        train.seed_everything(args.seed + 1)
+        with train.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}", leave=False) as bar:
+            lopd.rollout(model, tok, problems, cfg, make_env, None, progress=bar)
+        rows += benchmark_rows(problems, log, os.path.basename(path))
+    print(benchmark_table(rows, name))
+    with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
+        json.dump({"student": name, "rows": rows}, f, indent=1)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Evaluate a run on held-out tasks.")
     p.add_argument("--run", required=True, help="run folder written by train.py (holds args.json)")
@@ -137,12 +232,20 @@ def main(argv=None):
     p.add_argument("--conventions", action="store_true",
                    help="toy code world: per row, which output conventions replies write and whether each is right "
                         "for the problem's judge")
+    p.add_argument("--tasks", nargs="+", default=None, metavar="FILE",
+                   help="evaluate the run's student on these benchmark files instead (TACO, LiveCodeBench, "
+                        "HumanEval+, MBPP+ JSONL; pass@1 per benchmark beside the paper's Table 2)")
     a = p.parse_args(argv)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     args = train.load_args(a.run)
+    if a.tasks:
+        missing = [f for f in a.tasks if not os.path.isfile(f)]
+        if missing:
+            p.error(f"--tasks: no such file {missing[0]!r}; give JSONL benchmark files")
+        return eval_benchmarks(dataclasses.replace(args, out=a.run), a.tasks, a.n_test, a.temperature)
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     keep = {} if a.conventions else None
