@@ -128,7 +128,7 @@ def test_eval_script_on_a_finished_run(runs, tmp_path):
         assert f"| {row} |" in out
     # --inspect-latents: one contrast line per latent (3 retrieved × 2 latents), then the teacher's moved tokens
     assert len(re.findall(r"^latent +\d+ \(\d+% task-specific\): ", out, re.M)) == 6, out[-2000:]
-    assert re.search(r"^[+-] *\d+\.\d\d nats ", out, re.M), out[-2000:]
+    assert len(re.findall(r"^ *[+-]\d+\.\d\d nats ", out, re.M)) == 8, out[-2000:]
     # --conventions is the toy code world's; on the tool world it is refused with the flag and the run named
     rc, _, err = finish(start([sys.executable, "eval.py", "--run", runs["a"], "--conventions"], tmp_path / "conv"),
                         ok=False)
