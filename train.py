@@ -340,7 +340,7 @@ def load_backbone(args: Args, device, dtype):
 def fit_context(args: Args, model):
     """--max-len no longer than the model's context (config.max_position_embeddings), said in one line."""
     n_ctx = getattr(model.config, "max_position_embeddings", None)
-    if n_ctx and args.max_len > n_ctx:
+    if n_ctx and (args.max_len or 0) > n_ctx:
         print(f"--max-len {args.max_len} is longer than the model's context: episodes end within its {n_ctx} tokens")
         args.max_len = n_ctx
 
@@ -494,9 +494,11 @@ def env_factory(args: Args):
 
 
 def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
+    # a run written before --max-len existed (no max_len in its args.json) had the fixed budget of 768 tokens
+    max_len = lopd.SampleConfig.max_len if args.max_len is None else args.max_len
     return lopd.SampleConfig(temperature=args.temperature if temperature is None else temperature,
                              top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                             max_len=args.max_len, enable_thinking=args.enable_thinking)
+                             max_len=max_len, enable_thinking=args.enable_thinking)
 
 
 def episode_record(ep: lopd.Episode) -> dict:

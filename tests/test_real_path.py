@@ -122,6 +122,7 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
     # the toy keeps its 768-token budget (its results do not move)
     toy_args = train.parse_args(["--out", str(tmp_path / "toy")])
     assert train.sample_config(toy_args).max_len == 768 == lopd.SampleConfig().max_len
+    assert train.sample_config(train.Args()).max_len == 768             # eval.py on a run from before --max-len
 
 
 # ------------------------------------------------------------------------------------------------------------
