@@ -28,7 +28,8 @@ Deviations from the paper
 -------------------------
 1. Generation uses Hugging Face `generate` (KV cache within a turn, left padding, explicit attention masks), not
    SGLang/vLLM; each turn re-encodes the conversation so far.
-2. A reply cut off by the per-turn token budget ends the episode (the reply is kept, unterminated).
+2. A reply cut off by the per-turn token budget ends the episode (the reply is kept, unterminated), and so does a
+   conversation whose next reply might not fit its budget (`SampleConfig.max_len`, train.py --max-len).
 3. Baselines. GRPO takes one update per batch, as LOPD does, so its PPO clip never binds (ρ = 1). OPSD's pool is
    the bank's successes, and the toy world's oracle trace where a task has none (B.1 asks stronger models).
    On the toy backbone OPSD's and SDPO's teachers read their trajectory text in the framed span where LOPD's
