@@ -7,6 +7,7 @@
     python bench.py --arch qwen3-4b --rollouts 32 --tokens 2048   # one LOPD step of a paper backbone (random
                                             # weights, no download): memory, generation tok/s, phases, MFU
     python bench.py --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
+    python bench.py --rollout-memory        # a rollout's peak memory: every step's logits kept (before) vs now
     python bench.py --verifier              # the code sandbox: programs/s on all cores, overhead per program
     python bench.py --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
 
@@ -274,6 +275,99 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
         print(f"  peak RSS         {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:8.2f} GB")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Issue 18: a rollout's peak memory, keeping every step's logits (before) or one step's log-probs (now)
+# ----------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def generate_replies_keeping_logits(model, tokenizer, contexts, cfg, embed_fn=None):
+    """lopd.generate_replies as it was before issue 18, kept to measure against: generate's `output_logits`, stacked
+    to (B, N, V) in fp32, then a log-softmax of the same size, for one gather."""
+    device = next(model.parameters()).device
+    ids, att = lopd.left_pad(contexts, tokenizer.pad_token_id, device)                # (B, L)
+    out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=cfg.max_new_tokens, do_sample=True,
+                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[:, ids.shape[1]:]                                             # (B, N)
+    logits = torch.stack(out.logits, 1).float()                                       # (B, N, V)
+    logp = F.log_softmax(logits, -1).gather(-1, new[:, :, None])[..., 0]              # (B, N)
+    rows = []
+    for i in range(len(contexts)):
+        eos = (new[i] == tokenizer.eos_token_id).nonzero()
+        n = int(eos[0]) + 1 if len(eos) else new.shape[1]
+        rows.append((new[i, :n].tolist(), logp[i, :n].tolist(), bool(len(eos))))
+    return rows
+
+
+def _kib(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS: now, VmHWM: peak)."""
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+
+def rollout_peak(keep_logits: bool, rollouts: int, tokens: int) -> tuple:
+    """In a fresh process: one rollout turn of a mid-size random Qwen3 (d 512, 4 layers, Qwen3's vocabulary of
+    151,936) on `rollouts` toy tasks, `tokens` new tokens each (a random model almost never samples eos). Returns
+    (peak bytes above what the process held before the rollout, seconds). CPU: the kernel's peak-RSS counter,
+    reset before the rollout (/proc/self/clear_refs); CUDA: torch's peak allocation."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    import toy
+    torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))   # ids past its 546 decode to ""
+    config = Qwen3Config(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32).eval()
+    model = model.to("cuda" if cuda else "cpu")
+    if keep_logits:
+        lopd.generate_replies = generate_replies_keeping_logits
+    tasks = envs.make_splits(0, 1, rollouts)[1]
+    cfg = lopd.SampleConfig(max_new_tokens=tokens, batch_size=rollouts)
+    make_env = lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT)         # noqa: E731
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                                                          # peak RSS := current RSS
+        before = _kib("VmRSS")
+    t0 = time.perf_counter()
+    lopd.rollout(model, tok, tasks, cfg, make_env)
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() if cuda else _kib("VmHWM")
+    return peak - before, seconds
+
+
+def bench_rollout_memory(rollouts: int, tokens: int):
+    """Issue 18's figure: a rollout's peak memory before (every step's logits kept) and now (one step's log-probs),
+    each in its own process so that neither inherits the other's peak. The processes allocate every block of 64 KiB
+    or more with mmap (MALLOC_MMAP_THRESHOLD_): under glibc's default the freed (B, V) buffers of each step stay
+    in the heap, and the resident set grows with N although no tensor is kept (0.12 -> 0.28 GB from 8 to 64
+    tokens at B = 8, against a flat 0.08 and 0.07 GB with the fixed threshold)."""
+    import multiprocessing
+    import os
+    ctx = multiprocessing.get_context("spawn")
+    res, saved = {}, os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"                                       # read by each child
+    try:
+        for keep in (True, False):
+            with ctx.Pool(1) as pool:
+                res[keep] = pool.apply(rollout_peak, (keep, rollouts, tokens))
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    logits = rollouts * tokens * 151936 * 4 / GB
+    print(f"one rollout turn, {rollouts} rollouts x {tokens} new tokens, random Qwen3 d 512 x 4 layers, "
+          f"V 151,936 ({'CUDA' if torch.cuda.is_available() else 'CPU, peak RSS'}):")
+    print(f"  before (output_logits, (B, N, V) fp32 = {logits:.2f} GB each copy)  peak +{res[True][0] / GB:6.2f} GB"
+          f"  {res[True][1]:6.1f} s")
+    print(f"  now (one (B, V) step of log-probs)                       peak +{res[False][0] / GB:6.2f} GB"
+          f"  {res[False][1]:6.1f} s")
+    print(f"  ratio before / now {res[True][0] / max(res[False][0], 1):.1f}x")
+
+
 def bench_verifier(n: int, workers: int | None = None):
     """The code verifier (envs.py): programs per second with `workers` parallel runs (default: the core count),
     and the sandbox's overhead per program against a bare `python -c` of the same program."""
@@ -355,13 +449,15 @@ def main(argv=None):
     p.add_argument("--step", action="store_true", help="time one LOPD step against an OPSD-style step")
     p.add_argument("--memory", action="store_true", help="memory plan of the paper's backbones (meta device)")
     p.add_argument("--arch", choices=[*ARCHS, "toy"], help="one LOPD step of this backbone with random weights")
-    p.add_argument("--rollouts", type=int, default=32, help="rollouts for --arch")
+    p.add_argument("--rollout-memory", action="store_true",
+                   help="peak memory of a rollout: every step's logits kept (before issue 18) against now")
+    p.add_argument("--rollouts", type=int, help="rollouts for --arch (default 32) and --rollout-memory (8)")
     p.add_argument("--micro-batch", type=int, default=4, help="rollouts per forward/backward for --arch")
     p.add_argument("--student-lora", action="store_true", help="--arch with the student as a LoRA adapter")
     p.add_argument("--grad-ckpt", action="store_true", help="--arch with gradient checkpointing")
     p.add_argument("--model", default="runs/toy/backbone", help="backbone folder for --step")
     p.add_argument("--batch", type=int, default=16, help="B")
-    p.add_argument("--tokens", type=int, default=512, help="T")
+    p.add_argument("--tokens", type=int, help="T (default 512; for --rollout-memory, new tokens per reply: 256)")
     p.add_argument("--vocab", type=int, default=523, help="V (default: the toy tokenizer's size)")
     p.add_argument("--top-m", type=int, default=20, help="M")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the minimum is reported")
@@ -370,21 +466,24 @@ def main(argv=None):
     p.add_argument("--pretrain", action="store_true", help="toy backbone: SFT step time, build and vanilla eval")
     a = p.parse_args(argv)
     for flag in ("rollouts", "micro_batch", "batch", "tokens", "vocab", "top_m", "repeats", "programs"):
-        if getattr(a, flag) < 1:
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(a, flag)}")
+    if a.rollout_memory:
+        bench_rollout_memory(a.rollouts or 8, a.tokens or 256)
+    rollouts, tokens = a.rollouts or 32, a.tokens or 512
     if a.loss:
-        bench_loss(a.batch, a.tokens, a.vocab, a.top_m, a.repeats)
+        bench_loss(a.batch, tokens, a.vocab, a.top_m, a.repeats)
     if a.step:
         bench_step(a.model, a.batch, a.repeats)
     if a.memory:
         print_memory_table(rollouts=2, tokens=2048)
     if a.arch:
-        bench_arch(a.arch, a.rollouts, a.tokens, a.micro_batch, a.student_lora, a.grad_ckpt)
+        bench_arch(a.arch, rollouts, tokens, a.micro_batch, a.student_lora, a.grad_ckpt)
     if a.verifier:
         bench_verifier(a.programs)
     if a.pretrain:
         bench_pretrain()
-    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain):
+    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout_memory):
         p.print_help()
 
 

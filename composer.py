@@ -47,7 +47,11 @@ Deviations from the paper and the official code
 2. Key-padding mask: pad positions of the encoder input are never attended to, so an experience compresses to
    the same latents alone or in a padded batch (the official code passes no mask).
 3. Output scale matched to the token embeddings (above); the paper does not say how latents are scaled.
-4. QFormer math runs in fp32 (encoder states are upcast); latents are cast to the backbone's dtype at the end.
+4. The composer runs with autocast switched off, whatever its caller's: the encoder in the backbone's own dtype
+   (bf16 weights, the LoRA in fp32 as PEFT keeps it), the QFormer in fp32 (encoder states are upcast); latents
+   are cast to the backbone's dtype at the end. So the cold start (no autocast), the anchor's cached c_φ0 and
+   c_φ in joint training (under train.precision's bf16 autocast on CUDA) are one function: at step 0 the anchor
+   ||c_φ − sg c_φ0||² is exactly zero, not bf16 rounding noise.
 5. Optional, and the toy world's default (train.py --composer-input reference): `task_conditional=False` drops
    the current task from the encoder input, so the encoder reads "Reference past trajectory: \n{m_j}" alone.
    Why: in the toy world the task names its shop, and a task-conditional composer learned each shop's conventions
@@ -70,6 +74,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 
 import inject
@@ -226,6 +231,28 @@ def active_adapter(peft, name: str):
             peft.set_adapter(prev)
 
 
+def adapter_state(module) -> list:
+    """What decides a forward of `module` under PEFT: each LoRA layer inside it, whether its adapters are off
+    (`disable_adapter`) and which are active (`set_adapter`). A checkpointed layer's recompute restores it
+    (`restored_adapter_state`; train.checkpointing), since the backward runs after adapter_disabled() and
+    active_adapter() have closed."""
+    return [(m, m._disable_adapters, m._active_adapter) for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def restored_adapter_state(state):
+    """Inside the block each LoRA layer is as `adapter_state` saw it; after it, as it was. requires_grad flags are
+    not touched (peft's own switches rewrite them, which would change what a recompute differentiates)."""
+    now = [(m, m._disable_adapters, m._active_adapter) for m, _, _ in state]
+    try:
+        for m, off, active in state:
+            m._disable_adapters, m._active_adapter = off, active
+        yield
+    finally:
+        for m, off, active in now:
+            m._disable_adapters, m._active_adapter = off, active
+
+
 class Composer(nn.Module):
     """Φ_φ(x, E) -> c_φ (B, J·K, d). Holds the backbone (as a PeftModel) and the QFormer.
 
@@ -241,6 +268,9 @@ class Composer(nn.Module):
         self.cfg = cfg or ComposerConfig()
         self.tokenizer = tokenizer
         self.peft = _attach_lora(model, self.cfg, adapter_path)
+        # a new PeftModel says training=True whatever the backbone's mode, and lopd.rollout restores the flag it
+        # finds: the frozen backbone would leave every evaluation in training mode (dropout on for the teacher)
+        self.peft.train(self.backbone.training)
         conf = self.backbone.config
         emb = self.peft.get_input_embeddings().weight                                     # (V, d)
         emb_rms = emb.detach().float().pow(2).mean().sqrt().item()
@@ -303,15 +333,19 @@ class Composer(nn.Module):
         return out.last_hidden_state, batch["attention_mask"]       # (N, T, d), (N, T)
 
     def compress(self, texts: list[str]) -> torch.Tensor:
-        """E_j for each text (eqs. 5-6): -> (N, K, d) fp32."""
+        """E_j for each text (eqs. 5-6): -> (N, K, d) fp32.
+
+        Autocast is off inside, whatever the caller's (deviation 4): the anchor's c_φ0 is cached without it and
+        c_φ computed under train.precision's bf16 autocast on CUDA, and they must be one function."""
         step = self.cfg.encode_batch_size or len(texts)
         # chunks of similar length pad less (right padding never changes a real token's state); order restored below
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         chunks = []
-        for i in range(0, len(texts), step):
-            hidden, att = self.encode([texts[j] for j in order[i:i + step]])   # (n, T, d), (n, T)
-            # eq. (6): E_j = Comp_χ(H_j; Q_χ), pads masked out of the keys
-            chunks.append(self.qformer(hidden.float(), att == 0))  # (n, K, d)
+        with torch.autocast(self.qformer.queries.device.type, enabled=False):
+            for i in range(0, len(texts), step):
+                hidden, att = self.encode([texts[j] for j in order[i:i + step]])   # (n, T, d), (n, T)
+                # eq. (6): E_j = Comp_χ(H_j; Q_χ), pads masked out of the keys
+                chunks.append(self.qformer(hidden.float(), att == 0))  # (n, K, d)
         E = torch.cat(chunks, 0)                                    # (N, K, d) in length order
         return E[torch.argsort(torch.tensor(order, device=E.device))]   # (N, K, d) in the order of `texts`
 

@@ -28,7 +28,8 @@ Deviations from the paper
 -------------------------
 1. Generation uses Hugging Face `generate` (KV cache within a turn, left padding, explicit attention masks), not
    SGLang/vLLM; each turn re-encodes the conversation so far.
-2. A reply cut off by the per-turn token budget ends the episode (the reply is kept, unterminated).
+2. A reply cut off by the per-turn token budget ends the episode (the reply is kept, unterminated), and so does a
+   conversation whose next reply might not fit its budget (`SampleConfig.max_len`, train.py --max-len).
 3. Baselines. GRPO takes one update per batch, as LOPD does, so its PPO clip never binds (ρ = 1). OPSD's pool is
    the bank's successes, and the toy world's oracle trace where a task has none (B.1 asks stronger models).
    On the toy backbone OPSD's and SDPO's teachers read their trajectory text in the framed span where LOPD's
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import inject
 import losses
@@ -185,7 +187,8 @@ class SampleConfig:
     top_p: float = 0.95
     top_k: int = 20
     max_new_tokens: int = 64      # per reply
-    max_len: int = 768            # whole conversation; an episode that reaches it ends
+    max_len: int = 768            # the conversation's token budget: an episode ends when its next reply might not
+                                  # fit (train.py --max-len; B.2's 40,960 for real models, 768 for the toy)
     batch_size: int = 64          # episodes generated together
     enable_thinking: bool = False # chat template: Qwen3 thinking mode (prompts, observations, latent prompts)
 
@@ -201,30 +204,53 @@ def left_pad(rows, pad_id, device):
     return ids.to(device), att.to(device)
 
 
+class SampledLogProbs(LogitsProcessor):
+    """log π(a_t) at temperature 1 of each token that `generate` samples, one (B,) gather per step.
+
+    generate calls a logits processor with step t's scores (B, V) and the ids up to step t − 1, so this one keeps
+    step t's log-softmax until the next call (or `finish`) shows which token was drawn. Peak memory is one (B, V)
+    step, where generate's `output_logits` would keep every step, (B, N, V): ~40 GB in fp32 at B = 64, N = 1024,
+    V = 151,936. It runs after generate's own processors (none for the toy or Qwen3: the raw logits) and before
+    the sampling warpers (temperature, top-k, top-p), which it never sees."""
+
+    def __init__(self):
+        self.steps, self.pending = [], None
+
+    def __call__(self, input_ids, scores):
+        if self.pending is not None:                                        # the token drawn at step t − 1
+            self.steps.append(self.pending.gather(-1, input_ids[:, -1:])[:, 0])   # (B,)
+        self.pending = F.log_softmax(scores.float(), -1)                     # (B, V) step t
+        return scores
+
+    def finish(self, new):
+        """new (B, N) the sampled ids -> their log-probs (B, N)."""
+        last = self.pending.gather(-1, new[:, -1:].to(self.pending.device))[:, 0]   # (B,)
+        return torch.stack(self.steps + [last], 1)                          # (B, N)
+
+
 @torch.no_grad()
 def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=None):
     """Sample one reply per context. Returns per row (new ids, their log-probs at temperature 1, finished?).
 
     `embed_fn(ids, attention_mask) -> inputs_embeds` lets a caller replace placeholder embeddings with latents
-    (inject.py); generate then returns only the new tokens."""
+    (inject.py); generate then returns only the new tokens. The log-probs are gathered step by step
+    (`SampledLogProbs`); no loss reads them (GRPO's π_old is the detached re-scored policy, ρ = 1), they are kept
+    with the episode as a check that re-scoring reproduces sampling."""
     device = next(model.parameters()).device
     ids, att = left_pad(contexts, tokenizer.pad_token_id, device)        # (B, L)
-    sample = cfg.temperature > 0
+    sample, logps = cfg.temperature > 0, SampledLogProbs()
     kw = dict(attention_mask=att, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-              output_logits=True, return_dict_in_generate=True)
+              logits_processor=LogitsProcessorList([logps]))
     if sample:
         kw.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     else:
         kw.update(temperature=None, top_p=None, top_k=None)
     if embed_fn is None:
-        out = model.generate(input_ids=ids, **kw)
-        new = out.sequences[:, ids.shape[1]:]                             # (B, N)
+        new = model.generate(input_ids=ids, **kw)[:, ids.shape[1]:]        # (B, N)
     else:
-        out = model.generate(inputs_embeds=embed_fn(ids, att), **kw)
-        new = out.sequences                                               # (B, N): only new tokens
-    logits = torch.stack(out.logits, 1).float()                           # (B, N, V) raw, before sampling warpers
-    logp = F.log_softmax(logits, -1).gather(-1, new[:, :, None])[..., 0]  # (B, N)
+        new = model.generate(inputs_embeds=embed_fn(ids, att), **kw)       # (B, N): only new tokens
+    logp = logps.finish(new)                                              # (B, N)
     rows = []
     for i in range(len(contexts)):
         eos = (new[i] == tokenizer.eos_token_id).nonzero()

@@ -42,17 +42,21 @@ The toy backbone is shipped (toy.SHIPPED); without it, stage 1 builds one (toy.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import random
 import shutil
 import time
+import types
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from tqdm import tqdm
 
 import envs
@@ -154,6 +158,10 @@ none (no reference; the task too only where --composer-input has it)"""
     """token budget of one reply"""
     max_env_steps: int = None
     """environment steps per episode (paper 30)"""
+    max_len: int = None
+    """the conversation's token budget (prompt, replies, observations): an episode ends when its next reply might
+not fit. Paper 40,960 (B.2's total budget for tool use, Qwen3's context; lowered to the model's context length
+where that is shorter); a code episode is one reply, so it never binds there"""
     eval_every: int = None
     """every N iterations, evaluate the student and the teacher (reward/teacher: base + composer, to watch it
 drift) on 50 held-out tasks (0 = only at the end)"""
@@ -186,6 +194,7 @@ TOY_DEFAULTS = {
     "composer_lr": 1e-5,   # the paper's: at 1e-4 joint training first lowered the teacher (0.74 -> 0.66 at step 20)
     "max_new_tokens": 64,
     "max_env_steps": 10,   # toy procedures take 2-6 calls (+ commit + "Task Completed")
+    "max_len": 768,        # a toy episode's conversation: 10 replies of 64 tokens and their observations fit
     "eval_every": 20,      # teacher drift: base + composer and the student on --eval-tasks held-out tasks
     "text_context": "span",   # OPSD/SDPO text where the toy backbone reads a reference (toy.py, in-context reading)
 }
@@ -196,7 +205,8 @@ TOY_DEFAULTS = {
 TOY_CODE_DEFAULTS = {**TOY_DEFAULTS, "lr": 3e-4}
 PAPER_DEFAULTS = {"latents": 32, "composer_input": "task+reference", "cold_steps": 500, "cold_lr": 1e-5,
                   "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
-                  "max_new_tokens": 1024, "max_env_steps": 30, "eval_every": 0, "text_context": "system"}
+                  "max_new_tokens": 1024, "max_env_steps": 30, "max_len": 40960, "eval_every": 0,
+                  "text_context": "system"}
 METHODS = ("lopd", "rft", "grpo", "opsd", "sdpo")
 
 
@@ -321,6 +331,14 @@ def load_backbone(args: Args, device, dtype):
     return model, tok
 
 
+def fit_context(args: Args, model):
+    """--max-len no longer than the model's context (config.max_position_embeddings), said in one line."""
+    n_ctx = getattr(model.config, "max_position_embeddings", None)
+    if n_ctx and (args.max_len or 0) > n_ctx:
+        print(f"--max-len {args.max_len} is longer than the model's context: episodes end within its {n_ctx} tokens")
+        args.max_len = n_ctx
+
+
 def toy_backbone(args: Args) -> str:
     """The toy backbone of --env: the shipped one (assets/), or one built once into OUT/backbone[-code]."""
     import toy
@@ -329,13 +347,35 @@ def toy_backbone(args: Args) -> str:
 
 
 def checkpointing(model):
-    """Activation (gradient) checkpointing, non-reentrant (the teacher's inputs are latents that need gradients).
-    transformers 5.24 renamed gradient_checkpointing_enable (5.17 has only the old name)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """--grad-ckpt: every decoder layer of `model` keeps only its inputs in the forward and is recomputed in the
+    backward (non-reentrant torch.utils.checkpoint; the teacher's inputs are latents that need gradients).
+
+    Our own wrapper, not HF's gradient_checkpointing_enable, for two reasons:
+    - HF checkpoints a layer only in training mode, and the frozen backbone (teacher and encoder) is in eval mode
+      (a frozen teacher must not run dropout). Here a layer is checkpointed whenever autograd records.
+    - The backward runs after adapter_disabled() (the teacher) and active_adapter() (encoder, LoRA student) have
+      closed, so a plain recompute would run the teacher's layers with the LoRA on (a CheckpointError, or wrong
+      gradients). The recompute restores the adapter state of its forward (composer.restored_adapter_state).
+    Idempotent, and kept by copy.deepcopy (the full student is a copy of the backbone)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and "forward" not in vars(layer):
+            layer.forward = types.MethodType(_checkpointed_forward, layer)
+
+
+def _checkpointed_forward(layer, *args, **kwargs):
+    """A decoder layer's forward, checkpointed when autograd records (see `checkpointing`)."""
+    from composer import adapter_state, restored_adapter_state
+    forward = functools.partial(type(layer).forward, layer)
+    if not torch.is_grad_enabled():          # generation and no-grad scoring: as is, KV cache included
+        return forward(*args, **kwargs)
+    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):   # its name across transformers 5.x:
+        if kwargs.get(name) is not None:     # the recompute would append its keys to the KV cache a second time
+            kwargs[name] = None
+    state = adapter_state(layer)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs,
+                                             context_fn=lambda: (contextlib.nullcontext(),
+                                                                 restored_adapter_state(state)))
 
 
 def full_student(args: Args, model):
@@ -413,7 +453,8 @@ def load_student_weights(student, path: str):
 
 def precision(model):
     """bf16 autocast around everything that runs the fp32 student next to the bf16 backbone (CUDA); a no-op in
-    fp32. Losses upcast to fp32 themselves (losses.py)."""
+    fp32. Losses upcast to fp32 themselves (losses.py); the composer switches autocast off for itself (composer.py,
+    deviation 4)."""
     p = next(model.parameters())
     return torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype != torch.float32)
 
@@ -447,9 +488,11 @@ def env_factory(args: Args):
 
 
 def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
+    # a run written before --max-len existed (no max_len in its args.json) had the fixed budget of 768 tokens
+    max_len = lopd.SampleConfig.max_len if args.max_len is None else args.max_len
     return lopd.SampleConfig(temperature=args.temperature if temperature is None else temperature,
                              top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                             enable_thinking=args.enable_thinking)
+                             max_len=max_len, enable_thinking=args.enable_thinking)
 
 
 def episode_record(ep: lopd.Episode) -> dict:
@@ -877,6 +920,7 @@ def prepare(args: Args):
     device, dtype = pick_device(args.device, args.dtype)
     log = Log(args.out)
     model, tok = load_backbone(args, device, dtype)
+    fit_context(args, model)
     student = None if args.student_lora else full_student(args, model)   # before the composer's LoRA goes in
     train_tasks, test_tasks = load_splits(args)
     episodes = base_rollouts(args, model, tok, train_tasks, log)

@@ -1,0 +1,241 @@
+"""Bugs of the real-model path found by reading it against the paper (issue 18): the conversation budget, gradient
+checkpointing of the frozen backbone under PEFT, the sampling-time log-probs, and the composer's precision.
+
+Run: python -m pytest tests/test_real_path.py -q
+Models: tiny random Qwen3 models (hidden 32, 2 layers) with the composer's LoRA in them, and for the budget a copy
+of the shipped toy backbone without its toy_backbone.json marker, which train.py then treats as a real model (a
+random model writes no tool call, and a reply without one ends a tool-world episode).
+"""
+import copy
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import envs  # noqa: E402
+import eval as ev  # noqa: E402
+import inject  # noqa: E402
+import losses  # noqa: E402
+import lopd  # noqa: E402
+import toy  # noqa: E402
+import train  # noqa: E402
+from composer import Composer, ComposerConfig  # noqa: E402
+
+CFG = ComposerConfig(n_latents=2, n_layers=1)
+
+
+def toy_world():
+    return envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)
+
+
+def tiny_qwen3(tok, seed=0):
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096)
+    config.eos_token_id, config.pad_token_id, config.bos_token_id = tok.eos_token_id, tok.pad_token_id, None
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    return model.requires_grad_(False).eval()
+
+
+def perturb_lora(peft, adapter):
+    """LoRA B starts at zero ("on" = "off"); small values make the adapter state matter."""
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n and f".{adapter}." in n:
+                p.normal_(0, 0.05)
+
+
+def models(tok, ckpt: bool, student_kind: str):
+    """θ̄ with the composer's LoRA, and a student: a full copy of θ̄ (made before the LoRA goes in, as train.py
+    does) or a second LoRA adapter on θ̄ (--student-lora). ckpt: train.checkpointing on each, as --grad-ckpt."""
+    base = tiny_qwen3(tok)
+    if ckpt:
+        train.checkpointing(base)
+    student = copy.deepcopy(base).requires_grad_(True) if student_kind == "full" else None
+    torch.manual_seed(1)
+    comp = Composer(base, tok, CFG)
+    perturb_lora(comp.peft, "composer")
+    if student is None:
+        student = train.LoraStudent(comp.peft, 2)
+        perturb_lora(comp.peft, "student")
+    return base, student, comp
+
+
+@pytest.fixture(scope="module")
+def world():
+    tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))
+    tasks = envs.make_splits(0, 3, 1)[0]
+    eps = [lopd.scripted_episode(tok, toy_world(), t, envs.oracle_calls(t)) for t in tasks]
+    exps = [[{"task": t.text, "trace": e.trace}] * 2 for t, e in zip(tasks, eps[::-1])]
+    return dict(tok=tok, tasks=tasks, eps=eps, exps=exps)
+
+
+def evaluation(comp, student, world):
+    """What --eval-every runs between steps: the base (LoRA off), the student, and base + composer rollouts."""
+    cfg = lopd.SampleConfig(temperature=1.0, max_new_tokens=4)
+    tasks = world["tasks"][:2]
+    ev.eval_vanilla(comp, world["tok"], tasks, cfg, toy_world, None)
+    ev.eval_student(student, world["tok"], tasks, cfg, toy_world, None)
+    with torch.no_grad():
+        latents = lopd.compose(comp, tasks, world["exps"][:2])
+    lopd.teacher_rollout(comp, world["tok"], tasks, latents, cfg, toy_world)
+
+
+def lopd_loss(student, comp, world):
+    """eq. (13) on the scripted episodes: gradients reach θ through p_S and φ through p_T and the anchor."""
+    latents = lopd.compose(comp, world["tasks"], world["exps"])                          # (B, J·K, d)
+    ls, lt, ids, omega = lopd.student_teacher_logits(student, comp, world["tok"], world["eps"], latents, toy_world)
+    rewards = torch.tensor([1.0, 0.0, 1.0])
+    return losses.lopd_objective(ls, lt, ids, omega, rewards, 0.3, 0.05, latents, latents.detach() + 0.01, 0.2,
+                                 top_m=5)[0]
+
+
+def grads(student, comp):
+    return [p.grad.clone() for p in [*student.parameters(), *comp.trainable_parameters()]]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 1. the conversation budget: a real model's episode goes on after its first reply
+# ------------------------------------------------------------------------------------------------------------
+def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
+    folder = tmp_path / "model"
+    shutil.copytree(toy.SHIPPED, folder)
+    os.remove(folder / "toy_backbone.json")                              # now a "real" model to train.py
+    args = train.parse_args(["--model", str(folder), "--out", str(tmp_path / "run"), "--max-env-steps", "3"])
+    assert not train.is_toy(args) and (args.max_new_tokens, args.max_len) == (1024, 40960)   # PAPER_DEFAULTS
+    model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    train.fit_context(args, model)                                       # 40,960 > the model's 2,048 positions
+    assert args.max_len == model.config.max_position_embeddings == 2048 and "2048" in capsys.readouterr().out
+    make_env = train.env_factory(args)
+    cfg = train.sample_config(args)
+    torch.manual_seed(0)
+    eps = lopd.rollout(model, tok, envs.make_splits(0, 1, 4)[1], cfg, make_env, make_env().tools)
+    assert max(e.steps for e in eps) == 3                                # --max-env-steps, not one reply
+    for e in eps:
+        assert len(e.ids) <= cfg.max_len
+        assert e.steps == 3 or e.tool_calls < e.steps                    # only the env or a call-less reply ends it
+    # the toy keeps its 768-token budget (its results do not move)
+    toy_args = train.parse_args(["--out", str(tmp_path / "toy")])
+    assert train.sample_config(toy_args).max_len == 768 == lopd.SampleConfig().max_len
+    assert train.sample_config(train.Args()).max_len == 768             # eval.py on a run from before --max-len
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 2. --grad-ckpt: teacher, encoder and student are recomputed, under the adapter state of their forward
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("student_kind", ["full", "lora"])
+def test_checkpointing_gives_the_same_gradients_also_after_an_evaluation(world, student_kind):
+    results = {}
+    for ckpt in (False, True):
+        base, student, comp = models(world["tok"], ckpt, student_kind)
+        for evaluated in (False, True):
+            if evaluated:
+                torch.manual_seed(2)
+                evaluation(comp, student, world)
+            for p in [*student.parameters(), *comp.trainable_parameters()]:
+                p.grad = None
+            loss = lopd_loss(student, comp, world)
+            loss.backward()
+            results[ckpt, evaluated] = loss.item(), grads(student, comp)
+            assert not base.training                                     # the frozen backbone stays in eval mode
+    for evaluated in (False, True):
+        (loss0, g0), (loss1, g1) = results[False, evaluated], results[True, evaluated]
+        assert loss0 == pytest.approx(loss1, abs=1e-6)
+        assert any(g.abs().sum() > 0 for g in g0[-len(list(comp.trainable_parameters())):])   # φ learns
+        for a, b in zip(g0, g1):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def count_layer_calls(layer, adapter_off):
+    """Pre-hook on a decoder layer's first module (inside the checkpointed region, so a recompute calls it again;
+    torch may stop a recompute early, once it has what the backward needs): appends, per call, whether the
+    layer's adapters were off (the teacher) or on (encoder, LoRA student)."""
+    calls = []
+    return calls, layer.input_layernorm.register_forward_pre_hook(lambda *_: calls.append(adapter_off()))
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_teacher_encoder_and_student_layers_are_recomputed_in_the_backward(world, ckpt):
+    base, student, comp = models(world["tok"], ckpt, "full")
+    torch.manual_seed(2)
+    evaluation(comp, student, world)
+    layer = base.model.layers[0]
+    teacher_calls, h1 = count_layer_calls(layer, lambda: layer.self_attn.q_proj.disable_adapters)
+    student_calls, h2 = count_layer_calls(student.model.layers[0], lambda: None)
+    loss = lopd_loss(student, comp, world)
+    forward = sorted(teacher_calls), len(student_calls)
+    assert forward == ([False, True], 1)                                 # encoder (LoRA on), teacher (off); student
+    loss.backward()
+    h1.remove(), h2.remove()
+    recomputed = sorted(teacher_calls[2:]), len(student_calls) - 1
+    # each recompute under its forward's adapter state: the teacher's with the LoRA off, the encoder's with it on
+    assert recomputed == (([False, True], 1) if ckpt else ([], 0))
+
+
+def test_checkpointing_is_idempotent_and_survives_a_deepcopy(world):
+    base = tiny_qwen3(world["tok"])
+    train.checkpointing(base)
+    wrapped = [layer.forward for layer in base.model.layers]
+    train.checkpointing(base)
+    assert [layer.forward for layer in base.model.layers] == wrapped
+    copied = copy.deepcopy(base)
+    for layer, twin in zip(base.model.layers, copied.model.layers):
+        assert twin.forward.__self__ is twin and layer.forward.__self__ is layer   # each runs its own weights
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 3. generation keeps one (B, V) step of log-probs, not (B, N, V)
+# ------------------------------------------------------------------------------------------------------------
+def test_generation_does_not_keep_every_steps_logits(world, monkeypatch):
+    tok, model = world["tok"], tiny_qwen3(world["tok"])
+    seen = {}
+    real = model.generate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(model, "generate", spy)
+    contexts = [lopd.prompt_ids(tok, toy_world().reset(t)) for t in world["tasks"]]
+    torch.manual_seed(0)
+    rows = lopd.generate_replies(model, tok, contexts, lopd.SampleConfig(temperature=1.0, max_new_tokens=12))
+    assert not seen.get("output_logits") and not seen.get("output_scores")
+    # the recorded log-probs are those of the tokens drawn: a forward over context + reply gives them again
+    for ctx, (new, logps, _) in zip(contexts, rows):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ctx + new])).logits[0, len(ctx) - 1:-1]     # (n, V)
+        again = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(new)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logps), again, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_logprobs_gather_the_drawn_token_of_each_step():
+    rec = lopd.SampledLogProbs()
+    g = torch.Generator().manual_seed(0)
+    scores = [torch.randn(2, 7, generator=g) for _ in range(3)]           # 3 steps, B = 2, V = 7
+    new = torch.tensor([[1, 4, 6], [0, 0, 3]])                           # (B, N) drawn ids
+    ids = torch.zeros(2, 5, dtype=torch.long)                            # (B, L) a context
+    for t, s in enumerate(scores):
+        assert rec(torch.cat([ids, new[:, :t]], 1), s) is s              # scores pass through unchanged
+    want = torch.stack([torch.log_softmax(s, -1).gather(-1, new[:, t:t + 1])[:, 0] for t, s in enumerate(scores)], 1)
+    torch.testing.assert_close(rec.finish(new), want)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 4. the composer runs outside autocast: the anchor is exactly zero at step 0
+# ------------------------------------------------------------------------------------------------------------
+def test_anchor_is_zero_at_step_zero_under_bf16_autocast(world):
+    """train.py caches c_φ0 outside autocast and computes c_φ inside `precision` (bf16 autocast on CUDA); CPU
+    autocast to bf16 stands in for the CUDA path here."""
+    _, _, comp = models(world["tok"], False, "full")
+    tasks, exps = [t.text for t in world["tasks"]], [[e["trace"] for e in es] for es in world["exps"]]
+    with torch.no_grad():
+        c0 = comp(tasks, exps)                                           # (B, J·K, d) Algorithm 1: cache c_φ0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            c = comp(tasks, exps)                                        # (B, J·K, d) c_φ at step 0
+            E = comp.compress(tasks[:1])                                 # (1, K, d)
+    assert torch.equal(c, c0) and ((c - c0) ** 2).sum().item() == 0.0
+    assert c.dtype == torch.float32 and E.dtype == torch.float32
