@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
-import eval as ev  # noqa: E402
 import inject  # noqa: E402
 import losses  # noqa: E402
 import lopd  # noqa: E402
@@ -79,8 +78,8 @@ def evaluation(comp, student, world):
     """What --eval-every runs between steps: the base (LoRA off), the student, and base + composer rollouts."""
     cfg = lopd.SampleConfig(temperature=1.0, max_new_tokens=4)
     tasks = world["tasks"][:2]
-    ev.eval_vanilla(comp, world["tok"], tasks, cfg, toy_world, None)
-    ev.eval_student(student, world["tok"], tasks, cfg, toy_world, None)
+    train.eval_vanilla(comp, world["tok"], tasks, cfg, toy_world, None)
+    train.eval_student(student, world["tok"], tasks, cfg, toy_world, None)
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, world["exps"][:2])
     lopd.teacher_rollout(comp, world["tok"], tasks, latents, cfg, toy_world)
