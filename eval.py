@@ -39,7 +39,7 @@ PAPER_TABLE3 = {  # EnvScaler, Qwen3-4B (Table 3)
 
 
 def _bar(n, desc):
-    return tqdm(total=n, desc=desc, leave=False)
+    return tqdm(total=n, desc=desc, leave=False, disable=lopd.rank() != 0)   # torchrun: rank 0's bar only
 
 
 def eval_vanilla(composer, tok, tasks, cfg, make_env, tools=envs.TOOLS):
