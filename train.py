@@ -711,6 +711,7 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
         opt.step()
         if step % 50 == 0 or step == args.cold_steps - 1:
             log("cold_start", step=step, **{"loss/init": lopd.all_sum(loss.item())})
+    opt.zero_grad(set_to_none=True)   # the last step's gradients must not leak into the joint stage's first one
     if lopd.rank() == 0:
         composer.save(path)
     log("cold_start_done", seconds=round(time.time() - t0, 1))
