@@ -36,7 +36,7 @@ STAGES = ("tasks", "base_rollouts.jsonl", "bank", "composer0")   # a run's cache
 
 
 def small(backbone, out, *extra):
-    return ["train.py", "--model", str(backbone), "--out", str(out), "--n-train", "12", "--n-test", "4",
+    return ["train.py", "--model", str(backbone), "--out", str(out), "--n-train", "8", "--n-test", "2",
             "--bank-threshold", "0.0", "--cold-steps", "2", "--cold-batch", "4", "--rollouts-per-step", "4",
             "--micro-batch", "2", "--latents", "2", "--max-new-tokens", "8", "--max-env-steps", "2",
             "--temperature", "0", "--eval-every", "0", *extra]
@@ -213,8 +213,8 @@ def test_torchrun_smoke_run_and_eval_reads_it(runs):
     assert runs["out_a"].count("world size 2, backend gloo") == 1          # rank 0 only, once
     assert runs["out_a"].count("| LOPD student |") == 1                     # results printed once
     assert [r["step"] for r in records(a)] == [0, 1, 2]                     # one record per step: rank 0 logs
-    assert all(r["skipped"] == 0 and r["generations"] == 24 + 4 * (r["step"] + 1) for r in records(a))
-    assert len(read(os.path.join(a, "base_rollouts.jsonl")).splitlines()) == 24   # both ranks' slices gathered
+    assert all(r["skipped"] == 0 and r["generations"] == 16 + 4 * (r["step"] + 1) for r in records(a))
+    assert len(read(os.path.join(a, "base_rollouts.jsonl")).splitlines()) == 16   # both ranks' slices gathered
     assert sorted(os.listdir(os.path.join(a, "ckpt"))) == ["LATEST", "step-000003"]
     for row in ("vanilla", "base + composer", "LOPD student"):
         assert f"| {row} |" in runs["eval"]
@@ -232,19 +232,28 @@ def test_two_rank_checkpoint_resumed_by_one_process_continues_the_two_rank_run(r
 
 
 def test_a_failure_on_one_rank_ends_the_job_with_its_message(runs, backbone, tmp_path):
+    """Rank 1 raises in its first rollout of the joint stage while rank 0 waits in a collective: torchrun ends the
+    job and reports rank 1's message as the root cause (train.main is wrapped in torch's @record)."""
     out = str(tmp_path / "c")
     copy_stages(runs["a"], out)
     t0 = time.time()
     rc, text = finish(start(TORCHRUN + [__file__, "--fail-on-rank1"] + small(backbone, out, "--steps", "2")[1:],
                             tmp_path / "c"), timeout=90)
     assert rc != 0 and "injected failure in rank 1's rollout" in text, text[-3000:]
+    root_cause = text[text.index("Root Cause"):]
+    assert "rank      : 1" in root_cause and "injected failure" in root_cause
     assert time.time() - t0 < 90
 
 
-def test_uneven_split_is_refused_with_the_flag_named(backbone, tmp_path):
-    rc, text = finish(start(TORCHRUN + small(backbone, tmp_path / "d", "--rollouts-per-step", "3"), tmp_path / "d"),
-                      timeout=90)
-    assert rc != 0 and "--rollouts-per-step 3" in text and "2 processes" in text
+def test_an_uneven_split_is_refused_naming_the_flag(backbone, tmp_path):
+    """What main() checks right after joining the group: every rank must get an equal slice (GRPO: whole groups)."""
+    import train
+    for argv, flag in ((["--rollouts-per-step", "3"], "--rollouts-per-step 3"),
+                       (["--method", "grpo", "--rollouts-per-step", "4", "--group", "4"], "--rollouts-per-step 4"),
+                       (["--cold-batch", "5"], "--cold-batch 5")):
+        with pytest.raises(SystemExit, match=flag + ".*2 processes"):
+            train.check_world(train.parse_args(small(backbone, tmp_path)[1:] + argv), 2)
+    train.check_world(train.parse_args(small(backbone, tmp_path)[1:]), 2)      # the smoke runs' settings pass
 
 
 if __name__ == "__main__":
