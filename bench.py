@@ -158,7 +158,8 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     c0 = lopd.anchor_cache(composer, ret, tasks, 3)
     if lopd.world() > 1:
         student = train.shard_student(student)
-    opts = (torch.optim.AdamW(student.parameters(), lr=1e-5), torch.optim.AdamW(composer.trainable_parameters(), lr=1e-5))
+    opts = (torch.optim.AdamW(student.parameters(), lr=1e-5),
+            torch.optim.AdamW(composer.trainable_parameters(), lr=1e-5))
     spent, stack = {}, []
 
     def timed(name, fn):                # exclusive time: nested timed calls are subtracted from their caller

@@ -467,18 +467,21 @@ def load_student_weights(student, path: str):
 # ----------------------------------------------------------------------------------------------------------------
 # Under torchrun: the student sharded with FSDP2; full state dicts for checkpoints
 # ----------------------------------------------------------------------------------------------------------------
-def shard_student(model):
-    """FSDP2 (fully_shard) on each decoder layer, then on the root, over all ranks. bf16 all-gathers with fp32
-    gradient reduction on CUDA, where the backbone is bf16 ("as today": the fp32 student runs under bf16 autocast).
+def shard_student(model, frozen: bool = False):
+    """FSDP2 (fully_shard) on each decoder layer, then on the root, over all ranks. The root stays gathered from
+    forward to backward; a `frozen` model (SDPO's EMA teacher: forwards without backward) reshards it too.
+    bf16 all-gathers with fp32 gradient reduction on CUDA, where the backbone is bf16 ("as today": the fp32 student
+    runs under bf16 autocast).
     Gradients are SUMMED over ranks, not averaged: each rank's loss is already its share of the whole batch
     (lopd.py, "Data parallel"). gloo has no PREMUL_SUM, hence the forced plain-sum reduction."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     cuda = next(model.parameters()).device.type == "cuda"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda
+          else MixedPrecisionPolicy())
     layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]  # decoder layers
     for layer in layers:
         fully_shard(layer, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)    # lopd.gathered restores these two values
+    fully_shard(model, mp_policy=mp, reshard_after_forward=frozen)   # lopd.gathered restores these values
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -810,7 +813,7 @@ def joint_training(run):
     if lopd.world() > 1 and not isinstance(student, LoraStudent):   # torchrun: FSDP2; a LoRA student is replicated
         student = shard_student(student)
         if "ema" in state:
-            state["ema"] = shard_student(state["ema"])
+            state["ema"] = shard_student(state["ema"], frozen=True)
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
     gens = len(run["episodes"]) if args.method in USES_BANK else 0   # honest budgets: the bank's rollouts count
@@ -922,7 +925,7 @@ def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
         seed_everything(args.seed + 1)
         whole = lopd.gathered(student) if name == "LOPD student" else contextlib.nullcontext()   # FSDP2: weights
         with precision(composer.peft), whole:
-            eps = run()
+            eps = run() if tasks else []      # torchrun: a rank may get no held-out task
         rows[name] = lopd.summarize_all(eps)
         if keep is not None:
             keep[name] = eps
@@ -1202,8 +1205,12 @@ def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
     print(f"plot: {path}")
 
 
-@record       # under torchrun: a rank's exception becomes the job's reported root cause
 def main(argv=None):
+    """Under torchrun, torch's @record makes a rank's exception the job's reported root cause."""
+    return (record(_main) if "RANK" in os.environ else _main)(argv)
+
+
+def _main(argv=None):
     t0 = time.time()
     args = parse_args(argv)
     _, world, _ = dist_setup(args.device)

@@ -120,7 +120,8 @@ def equivalence(backbone, out):
         ep = lopd.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task)[:1])
         ep.reward, ep.mask = r, [m if i % 3 or not m else 0 for i, m in enumerate(ep.mask)]   # uneven ω counts
         fixed.append(ep)
-    entries = [retrieval.make_entry(t.task_id, t.text, f"trace {i}", 1.0, {"episode": i}) for i, t in enumerate(bank_tasks)]
+    entries = [retrieval.make_entry(t.task_id, t.text, f"trace {i}", 1.0, {"episode": i})
+               for i, t in enumerate(bank_tasks)]
     ret = retrieval.Retriever(entries, retrieval.Embedder.from_model(base, tok, pooling="mean"))
     ret.cache_queries([t.task_id for t in tasks], [t.text for t in tasks])
     student = copy.deepcopy(base).requires_grad_(True)
