@@ -10,6 +10,8 @@
     rft_step                   the RFT control: NLL on the bank's successes, no teacher (train.py --method rft)
     grpo_step / opsd_step /    the baselines of B.1 on the same rollout and scoring functions; only the teacher's
       sdpo_step                context and the loss differ (the table above `BaselineConfig`)
+    shard / all_sum /          data parallel under torchrun (train.py): each rank's slice, global normalisers,
+      sync_grads / gathered    summed gradients, a sharded student gathered for generation; identities in 1 process
 
     python train.py --steps 5                   # runs lopd_step in the full pipeline
     python -m pytest tests/test_rollout.py tests/test_lopd.py -q

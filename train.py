@@ -5,6 +5,7 @@
     python train.py --ablations                  # the table: LOPD variants and controls, 3 seeds
     python train.py --figure4                    # reward against generations: LOPD, GRPO, OPSD, SDPO, 3 seeds
     python train.py --method grpo                # a baseline on the same loop (grpo | opsd | sdpo | rft)
+    torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-8B   # data parallel on 8 GPUs, one node
 
 Stages, each cached in --out (a rerun skips what is finished):
   1. backbone      build or reuse the toy backbone (toy.py), or load --model
@@ -37,6 +38,16 @@ Real backbones: bf16 weights with the trained ones (student, composer) in fp32 u
 SDPA attention, --grad-ckpt, micro-batches normalised by the iteration's token count; --student-lora trains θ as
 a second adapter on the frozen backbone, so one copy of the weights serves teacher, encoder and student.
 The toy backbone is shipped (toy.SHIPPED); without it, stage 1 builds one (toy.py, ~8 minutes on two cores).
+
+Several processes (torchrun, one per GPU; several nodes through torchrun's --nnodes and rendezvous flags): data
+parallel with the same mathematics as one process. `dist_setup` joins the process group (nccl on CUDA, gloo on
+CPU); plain `python` runs without one, exactly the single-process code. Each rank rolls out an equal slice of each
+iteration's tasks; the normalisers (supervised tokens, trajectories) and Δ are summed over ranks before the backward
+and the dual step, and gradients are summed: N ranks on the same rollouts give the 1-process gradient and β (lopd.py,
+"Data parallel"). The full student is sharded with FSDP2 (`shard_student`: each decoder layer, then the root) and
+gathered whole for generation; the frozen backbone (teacher, composer encoder) and the composer's trainable φ are
+replicated, φ's gradients summed. Base rollouts, bank embeddings, cold-start batches, anchors and evaluations are
+split and gathered; rank 0 alone logs and writes; checkpoints hold full state dicts, resumable on any number of ranks.
 """
 from __future__ import annotations
 
@@ -495,7 +506,10 @@ def full_state(model):
     if not isinstance(model, FSDPModule):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # a tied weight (lm_head = embed_tokens) is written once, as save_pretrained writes it in one process
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    return {k: v for k, v in sd.items() if k not in tied}
 
 
 def full_optimizer_state(opt) -> dict:

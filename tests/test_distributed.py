@@ -154,7 +154,7 @@ def equivalence(backbone, out):
         lopd.rollout = saved
     def change(model):
         after = train.full_state(model)                             # FSDP2: gathered on rank 0, {} elsewhere
-        after = model.state_dict() if after is None else after
+        after = {k: p.detach() for k, p in model.named_parameters()} if after is None else after   # tied once
         return {k: after[k] - before[k] for k in after}
     result = {"beta": beta, "lopd": m, "grpo": g_m, "student": change(student), "grpo_student": change(grpo_student),
               "composer": {k: v - composer_before[k] for k, v in composer().items()}}
@@ -198,7 +198,11 @@ def runs(backbone, tmp_path_factory):
     a, b = str(root / "a"), str(root / "b")
     out_a = ok(start(TORCHRUN + small(backbone, a, "--steps", "3", "--save-every", "2"), root / "a-log"))
     copy_stages(a, b)
+    copy_stages(a, str(root / "c"))
     evaluation = start([sys.executable, "eval.py", "--run", a, "--n-test", "2"], root / "eval")
+    failing = start(TORCHRUN + [__file__, "--fail-on-rank1"] + small(backbone, root / "c", "--steps", "2")[1:],
+                    root / "c-log")          # test_a_failure_on_one_rank_ends_the_job_with_its_message
+    t0 = time.time()
     rc, out_b = finish(start(TORCHRUN + [__file__, "--kill-after-checkpoint"] + small(backbone, b, "--steps", "3",
                                                                                       "--save-every", "2")[1:],
                              root / "b-log"))
@@ -206,7 +210,8 @@ def runs(backbone, tmp_path_factory):
     assert open(os.path.join(b, "ckpt", "LATEST")).read().strip() == "step-000002"
     resumed = ok(start([sys.executable] + small(backbone, b, "--steps", "3", "--save-every", "2", "--resume"),
                        root / "b-resume"))
-    return dict(a=a, b=b, out_a=out_a, eval=ok(evaluation), resumed=resumed)
+    rc, out_c = finish(failing, timeout=90)
+    return dict(a=a, b=b, out_a=out_a, eval=ok(evaluation), resumed=resumed, failed=(rc, out_c, time.time() - t0))
 
 
 def test_torchrun_smoke_run_and_eval_reads_it(runs):
@@ -230,20 +235,24 @@ def test_two_rank_checkpoint_resumed_by_one_process_continues_the_two_rank_run(r
         for k, v in want[step].items():
             if k != "seconds":
                 assert last[step][k] == pytest.approx(v, rel=1e-4, abs=2e-5), (step, k)
+    # the weights after the last update: the 2-rank AdamW states (gathered whole) carried the 1-process step
+    from safetensors.torch import load_file
+    for part in ("student/model.safetensors", "composer/qformer.safetensors"):
+        a, b = (load_file(os.path.join(runs[k], "ckpt", "step-000003", part)) for k in ("a", "b"))
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=f"{part} {k}")
 
 
-def test_a_failure_on_one_rank_ends_the_job_with_its_message(runs, backbone, tmp_path):
+def test_a_failure_on_one_rank_ends_the_job_with_its_message(runs):
     """Rank 1 raises in its first rollout of the joint stage while rank 0 waits in a collective: torchrun ends the
-    job and reports rank 1's message as the root cause (train.main is wrapped in torch's @record)."""
-    out = str(tmp_path / "c")
-    copy_stages(runs["a"], out)
-    t0 = time.time()
-    rc, text = finish(start(TORCHRUN + [__file__, "--fail-on-rank1"] + small(backbone, out, "--steps", "2")[1:],
-                            tmp_path / "c"), timeout=90)
+    job (within the fixture's 90 s timeout: no hang) and reports rank 1's message as the root cause (train.main
+    is wrapped in torch's @record)."""
+    rc, text, seconds = runs["failed"]
     assert rc != 0 and "injected failure in rank 1's rollout" in text, text[-3000:]
     root_cause = text[text.index("Root Cause"):]
     assert "rank      : 1" in root_cause and "injected failure" in root_cause
-    assert time.time() - t0 < 90
+    assert seconds < 90
 
 
 def test_an_uneven_split_is_refused_naming_the_flag(backbone, tmp_path):
