@@ -194,15 +194,17 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     step = lambda: lopd.lopd_step(student, composer, tok, mine, ret, c0, 0.1, opts, cfg, scfg)   # noqa: E731
     step()
     spent.clear()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(repeats):
         step()
-    total = (time.perf_counter() - t0) / repeats
+    total, cpu = (time.perf_counter() - t0) / repeats, (time.process_time() - cpu0) / repeats
+    cpus = lopd.gather([cpu])
     phases = {k: v / repeats for k, v in spent.items()}
     phases["backward (incl. FSDP2 reduce-scatter)"] = total - sum(phases.values())
     if lopd.rank() == 0:
         print(f"one toy LOPD iteration, {rollouts} rollouts over {lopd.world()} process(es), 1 thread each, "
-              f"mean of {repeats}: {total:.3f} s")
+              f"mean of {repeats}: {total:.3f} s wall; CPU time per rank " + ", ".join(f"{c:.3f}" for c in cpus)
+              + " s (wall above CPU: the rank waited, or shared its core)")
         for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
             print(f"  {k:40s} {v:7.3f} s")
 

@@ -587,6 +587,12 @@ def episode_from_record(rec: dict, task) -> lopd.Episode:
     return lopd.Episode(task, **{k: v for k, v in rec.items() if k != "task_id"})
 
 
+def cached(path: str) -> bool:
+    """Is this stage's output in OUT? Under torchrun only if every rank sees it (nodes without a shared --out
+    then all redo the stage together instead of parting ways)."""
+    return lopd.all_true(os.path.exists(path))
+
+
 def write_jsonl(path: str, rows):
     """Write rows atomically: a temp file in the same folder, then os.replace."""
     tmp = path + ".tmp"
@@ -600,7 +606,7 @@ def base_rollouts(args, model, tok, train, log):
     """Stage 2: args.bank_rollouts rollouts of the base model per training task (cached)."""
     path = os.path.join(args.out, "base_rollouts.jsonl")
     by_id = {t.task_id: t for t in train}
-    if os.path.exists(path):
+    if cached(path):
         return [episode_from_record(r, by_id[r["task_id"]]) for r in map(json.loads, open(path))]
     t0 = time.time()
     tasks = lopd.shard([t for t in train for _ in range(args.bank_rollouts)])    # this rank's slice (all: 1 process)
@@ -628,7 +634,7 @@ def make_embedder(name: str, model, tok, instruction: str = retrieval.DEFAULT_IN
 def build_retriever(args, model, tok, episodes, train, test, log):
     """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
     path = os.path.join(args.out, "bank")
-    if os.path.exists(os.path.join(path, "meta.json")):
+    if cached(os.path.join(path, "meta.json")):
         return retrieval.Retriever.load(path)
     cands = [retrieval.make_entry(e.task.task_id, e.task.text, e.trace, e.reward,
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
@@ -702,7 +708,7 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
     A given `composer` (an ablation variant with its own --retrieval; the caller resets it to composer_init first)
     is trained in place, or set to the cached φ0."""
     path = os.path.join(args.out, "composer0")
-    if os.path.exists(os.path.join(path, "composer.json")):
+    if cached(os.path.join(path, "composer.json")):
         if composer is None:
             return Composer.load(path, model, tok)
         reset_composer(composer, path)
