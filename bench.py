@@ -4,6 +4,9 @@
     python bench.py --loss --vocab 151936   # at Qwen3's vocabulary size
     python bench.py --step --model runs/toy/backbone   # one LOPD step vs one OPSD-style step, time per phase
     python bench.py --memory                # memory plan for Qwen3-4B/8B (and Olmo3-7B) from meta-device counts
+    python bench.py --memory --gpus 8       # the same per GPU under torchrun (FSDP2 student, replicated backbone)
+    python bench.py --dist-step --model assets/toy-backbone --rollouts 16           # one toy LOPD iteration, then
+    torchrun --nproc-per-node 2 bench.py --dist-step --model assets/toy-backbone --rollouts 16   # on 2 processes
     python bench.py --arch qwen3-4b --rollouts 32 --tokens 2048   # one LOPD step of a paper backbone (random
                                             # weights, no download): memory, generation tok/s, phases, MFU
     python bench.py --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
@@ -126,6 +129,87 @@ def bench_step(model_dir: str, batch: int, repeats: int):
     print(f"  ratio LOPD / OPSD-style      {totals['LOPD'] / totals['OPSD-style (text teacher)']:6.2f}")
 
 
+def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
+    """One toy LOPD iteration (lopd.lopd_step) on `rollouts` tasks split over the ranks: `python bench.py
+    --dist-step` (one process) against `torchrun --nproc-per-node 2 bench.py --dist-step` (the same global batch),
+    one thread per process. Greedy rollouts, so both see the same episodes. Exclusive wall time per phase (rank 0;
+    mean of `repeats` after a warm-up): backward is what remains of the iteration, and includes FSDP2's
+    reduce-scatter and its re-gathers of layer weights; "collectives" are the explicit ones (normalisers, Δ,
+    replicated gradients, gathered metrics) and the gather of the student's weights for generation."""
+    import contextlib
+    import copy
+    import random
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import retrieval
+    import train
+    from composer import Composer, ComposerConfig
+    train.dist_setup("cpu")
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
+    student = copy.deepcopy(base).requires_grad_(True)
+    train_tasks, _ = envs.make_splits(0, 200, 1)
+    bank = [retrieval.make_entry(t.task_id, t.text, lopd.scripted_episode(tok, envs.ToolWorld(), t,
+            envs.oracle_calls(t)).trace, 1.0) for t in train_tasks[:100]]
+    ret = retrieval.Retriever(bank, retrieval.Embedder.from_model(base, tok, pooling="mean"))
+    tasks = random.Random(0).sample(train_tasks, rollouts)
+    ret.cache_queries([t.task_id for t in tasks], [t.text for t in tasks])
+    torch.manual_seed(0)
+    composer = Composer(base, tok, ComposerConfig(n_latents=8))
+    c0 = lopd.anchor_cache(composer, ret, tasks, 3)
+    if lopd.world() > 1:
+        student = train.shard_student(student)
+    opts = (torch.optim.AdamW(student.parameters(), lr=1e-5),
+            torch.optim.AdamW(composer.trainable_parameters(), lr=1e-5))
+    spent, stack = {}, []
+
+    def timed(name, fn):                # exclusive time: nested timed calls are subtracted from their caller
+        def run(*a, **k):
+            t0, stack[len(stack):] = time.perf_counter(), [0.0]
+            try:
+                return fn(*a, **k)
+            finally:
+                dt, inner = time.perf_counter() - t0, stack.pop()
+                spent[name] = spent.get(name, 0.0) + dt - inner
+                if stack:
+                    stack[-1] += dt
+        return run
+
+    @contextlib.contextmanager
+    def gathered(model):
+        cm = original(model)
+        timed("collectives", cm.__enter__)()
+        try:
+            yield model
+        finally:
+            timed("collectives", lambda: cm.__exit__(None, None, None))()
+    original = lopd.gathered
+    for name, phase in (("rollout", "rollout"), ("compose", "compose"), ("retrieve", "retrieve"),
+                        ("student_teacher_logits", "forward"), ("_step", "optimizer"), ("all_sum", "collectives"),
+                        ("all_true", "collectives"), ("sync_grads", "collectives"), ("summarize_all", "collectives")):
+        setattr(lopd, name, timed(phase, getattr(lopd, name)))
+    lopd.losses.lopd_objective = timed("loss", lopd.losses.lopd_objective)
+    lopd.gathered = gathered
+    cfg, scfg = lopd.LOPDConfig(micro_batch=4), lopd.SampleConfig(temperature=0.0)
+    mine = lopd.shard(tasks)
+    step = lambda: lopd.lopd_step(student, composer, tok, mine, ret, c0, 0.1, opts, cfg, scfg)   # noqa: E731
+    step()
+    spent.clear()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        step()
+    total, cpu = (time.perf_counter() - t0) / repeats, (time.process_time() - cpu0) / repeats
+    cpus = lopd.gather([cpu])
+    phases = {k: v / repeats for k, v in spent.items()}
+    phases["backward (incl. FSDP2 reduce-scatter)"] = total - sum(phases.values())
+    if lopd.rank() == 0:
+        print(f"one toy LOPD iteration, {rollouts} rollouts over {lopd.world()} process(es), 1 thread each, "
+              f"mean of {repeats}: {total:.3f} s wall; CPU time per rank " + ", ".join(f"{c:.3f}" for c in cpus)
+              + " s (wall above CPU: the rank waited, or shared its core)")
+        for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
+            print(f"  {k:40s} {v:7.3f} s")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The paper's backbones as configs (random weights, no download) and the memory plan
 # ----------------------------------------------------------------------------------------------------------------
@@ -194,6 +278,48 @@ def print_memory_table(rollouts: int, tokens: int):
             print(f"| {name} | {'LoRA r 64 (--student-lora)' if student_lora else 'full'} | " +
                   " | ".join(f"{m[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations")) +
                   f" | {total:.1f} | {'yes' if total < 80 else 'no'} | {'yes' if total < 141 else 'no'} |")
+
+
+def memory_plan_gpus(config, student_lora: bool, gpus: int, rollouts: int = 2, tokens: int = 2048) -> dict:
+    """GB per GPU under `torchrun --nproc-per-node gpus` (train.py's data-parallel path), one micro-batch of
+    `rollouts` × `tokens` per GPU. Replicated on every GPU: the bf16 backbone θ̄ (teacher and encoder) and the
+    composer φ (fp32 weights, gradients, AdamW). Sharded by FSDP2 over the GPUs: the full student's fp32 weights,
+    gradients and AdamW states (16 bytes per parameter / gpus); while it trains, its root (embeddings, head) stays
+    gathered in bf16 and about two decoder layers are gathered at a time. While it rolls out, the whole student is
+    gathered in bf16 (lopd.gathered: generation without lockstep), 2 bytes per parameter; the KV cache of
+    generation is not counted. A LoRA student is replicated (16 bytes per parameter). Activations as `memory_plan`."""
+    n = param_counts(config)
+    P, d, L, V = n["backbone"], config.hidden_size, config.num_hidden_layers, config.vocab_size
+    plain = memory_plan(config, student_lora, rollouts, tokens)
+    phi = n["lora"] + n["qformer"]
+    if student_lora:
+        student, gathered, rollout = 16 * (n["lora"] // 8 * 64), 0, 0
+    else:
+        root = V * d * (1 if config.tie_word_embeddings else 2) + d                     # embeddings, head, norm
+        student = 16 * P / gpus
+        gathered = 2 * root + 2 * 2 * (P - root) / L                                     # bf16 root + 2 layers
+        rollout = 2 * P                                                                   # the whole student, bf16
+    train = (2 * P + 16 * phi + student + gathered) / GB + plain["activations"]
+    roll = (2 * P + 16 * phi + student + rollout) / GB
+    return {"backbone": 2 * P / GB, "composer": 16 * phi / GB, "student": student / GB,
+            "gathered": gathered / GB, "activations": plain["activations"], "training": train, "rollout": roll,
+            "peak": max(train, roll)}
+
+
+def print_memory_table_gpus(gpus: int, rollouts: int, tokens: int):
+    print(f"Per GPU under torchrun --nproc-per-node {gpus}: backbone θ̄ replicated (bf16), composer φ replicated "
+          f"(fp32 + AdamW), full student sharded by FSDP2 (fp32 + AdamW / {gpus}); GB")
+    print(f"| backbone | student | θ̄ bf16 | φ | student shard | gathered while training | activations ({rollouts} "
+          f"× {tokens}, ckpt) | training | rollout (student gathered bf16) | peak | fits 80 GB | fits H200 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in ARCHS:
+        cfg = arch_config(name)
+        for student_lora in (False, True):
+            m = memory_plan_gpus(cfg, student_lora, gpus, rollouts, tokens)
+            print(f"| {name} | {'LoRA r 64' if student_lora else 'full'} | " +
+                  " | ".join(f"{m[k]:.1f}" for k in ("backbone", "composer", "student", "gathered", "activations",
+                                                     "training", "rollout", "peak")) +
+                  f" | {'yes' if m['peak'] < 80 else 'no'} | {'yes' if m['peak'] < 141 else 'no'} |")
 
 
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}   # dense bf16 FLOP/s
@@ -448,10 +574,13 @@ def main(argv=None):
     p.add_argument("--loss", action="store_true", help="time the distillation loss against cross-entropy")
     p.add_argument("--step", action="store_true", help="time one LOPD step against an OPSD-style step")
     p.add_argument("--memory", action="store_true", help="memory plan of the paper's backbones (meta device)")
+    p.add_argument("--dist-step", action="store_true",
+                   help="one toy LOPD iteration, phases timed; under torchrun the batch is split over the ranks")
+    p.add_argument("--gpus", type=int, default=1, help="--memory: per-GPU plan under torchrun with this many GPUs")
     p.add_argument("--arch", choices=[*ARCHS, "toy"], help="one LOPD step of this backbone with random weights")
     p.add_argument("--rollout-memory", action="store_true",
                    help="peak memory of a rollout: every step's logits kept (before issue 18) against now")
-    p.add_argument("--rollouts", type=int, help="rollouts for --arch (default 32) and --rollout-memory (8)")
+    p.add_argument("--rollouts", type=int, help="rollouts for --arch and --dist-step (default 32) and --rollout-memory (8)")
     p.add_argument("--micro-batch", type=int, default=4, help="rollouts per forward/backward for --arch")
     p.add_argument("--student-lora", action="store_true", help="--arch with the student as a LoRA adapter")
     p.add_argument("--grad-ckpt", action="store_true", help="--arch with gradient checkpointing")
@@ -465,7 +594,7 @@ def main(argv=None):
     p.add_argument("--programs", type=int, default=64, help="programs for --verifier")
     p.add_argument("--pretrain", action="store_true", help="toy backbone: SFT step time, build and vanilla eval")
     a = p.parse_args(argv)
-    for flag in ("rollouts", "micro_batch", "batch", "tokens", "vocab", "top_m", "repeats", "programs"):
+    for flag in ("rollouts", "micro_batch", "batch", "tokens", "vocab", "top_m", "repeats", "programs", "gpus"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(a, flag)}")
     if a.rollout_memory:
@@ -477,13 +606,18 @@ def main(argv=None):
         bench_step(a.model, a.batch, a.repeats)
     if a.memory:
         print_memory_table(rollouts=2, tokens=2048)
+        if a.gpus > 1:
+            print()
+            print_memory_table_gpus(a.gpus, rollouts=2, tokens=2048)
     if a.arch:
         bench_arch(a.arch, rollouts, tokens, a.micro_batch, a.student_lora, a.grad_ckpt)
     if a.verifier:
         bench_verifier(a.programs)
+    if a.dist_step:
+        bench_dist_step(a.model, rollouts, a.repeats)
     if a.pretrain:
         bench_pretrain()
-    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout_memory):
+    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout_memory or a.dist_step):
         p.print_help()
 
 

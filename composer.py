@@ -403,11 +403,12 @@ class Composer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Cold start (A.2, eq. 14)
 # ----------------------------------------------------------------------------------------------------------------
-def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, latents):
+def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, latents, n_tokens=None):
     """eq. (14): L_init(φ) = −log π_θ̄(y* | s, c_φ), averaged over the ω tokens of the batch.
 
     ids (B, T) right-padded latent-prompt conversations (placeholder span inside), attention_mask (B, T) from
     lengths, omega (B, T) assistant-token mask, starts (B,) span starts, latents (B, J·K, d) = composer(...).
+    n_tokens: the divisor when this batch is one slice of a larger one (train.py under torchrun; default Σ ω).
     The base runs with the LoRA disabled; gradients reach ψ and χ through the latents only.
     """
     # logits are needed only from the position before the batch's first supervised token (the prompt, latents
@@ -415,7 +416,7 @@ def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, late
     T, first = ids.shape[1], max(int(omega.argmax(1).min()), 1)
     # eq. (14): π_θ̄(· | s, c_φ) is the frozen base (LoRA off) on the latent-augmented input
     logits = composer.teacher_logits(ids, attention_mask, latents, starts, keep=T - first + 1)  # (B, T−first+1, V)
-    return losses.masked_nll(logits[:, :-1], ids[:, first:], omega[:, first:])   # logits at t predict t+1
+    return losses.masked_nll(logits[:, :-1], ids[:, first:], omega[:, first:], n_tokens)   # logits at t predict t+1
 
 
 def cold_start_batch(tokenizer, messages_list, episodes, n_latents: int, framing=inject.AGENTIC_FRAMING,

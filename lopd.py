@@ -10,6 +10,8 @@
     rft_step                   the RFT control: NLL on the bank's successes, no teacher (train.py --method rft)
     grpo_step / opsd_step /    the baselines of B.1 on the same rollout and scoring functions; only the teacher's
       sdpo_step                context and the loss differ (the table above `BaselineConfig`)
+    shard / all_sum /          data parallel under torchrun (train.py): each rank's slice, global normalisers,
+      sync_grads / gathered    summed gradients, a sharded student gathered for generation; identities in 1 process
 
     python train.py --steps 5                   # runs lopd_step in the full pipeline
     python -m pytest tests/test_rollout.py tests/test_lopd.py -q
@@ -42,9 +44,11 @@ import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -122,7 +126,10 @@ class Episode:
 
 def summarize(episodes) -> dict:
     """Mean of each behaviour metric over episodes (Table 3's columns)."""
-    rows = [e.metrics() for e in episodes]
+    return _mean_rows([e.metrics() for e in episodes])
+
+
+def _mean_rows(rows) -> dict:
     return {k: sum(r[k] for r in rows) / max(1, len(rows)) for k in rows[0]} if rows else {}
 
 
@@ -241,7 +248,8 @@ def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=Non
     sample, logps = cfg.temperature > 0, SampledLogProbs()
     kw = dict(attention_mask=att, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-              logits_processor=LogitsProcessorList([logps]))
+              logits_processor=LogitsProcessorList([logps]),
+              synced_gpus=False)   # under torchrun a sharded student generates gathered (`gathered`): no lockstep
     if sample:
         kw.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     else:
@@ -354,6 +362,117 @@ def teacher_rollout(composer, tokenizer, tasks, latents, cfg: SampleConfig, make
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Data parallel under torchrun (train.py's `dist_setup` joins the process group). Every helper is the identity
+# with one process and no process group, so that path is exactly the single-process code.
+#
+# The rule that keeps N ranks on the mathematics of one process: each rank holds a contiguous slice of the batch
+# (`shard`); the normalisers (supervised tokens, trajectories) are summed over ranks BEFORE the backward, so each
+# rank's loss is its share of the whole-batch loss; gradients are then SUMMED over ranks (FSDP2 for the sharded
+# student, with its averaging switched off in train.py; `sync_grads` for replicated trainable parameters: the
+# composer's LoRA and QFormer, a LoRA student). Logged values are summed or gathered the same way.
+# ----------------------------------------------------------------------------------------------------------------
+def world() -> int:
+    """Processes in the job (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if world() > 1 else 0
+
+
+def shard(items: list) -> list:
+    """This rank's contiguous slice of items (all of them in one process); `gather` restores the order."""
+    n, r, w = len(items), rank(), world()
+    return items[r * n // w:(r + 1) * n // w]
+
+
+def gather(items: list) -> list:
+    """Concatenate every rank's list of picklable items, in rank order (all_gather_object)."""
+    if world() == 1:
+        return items
+    parts = [None] * world()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def _collective_device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(*values):
+    """Sum numbers over ranks (one all-reduce); ints stay ints. -> a tuple, or the number itself for one value."""
+    if world() > 1:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(t)
+        values = [type(v)(x) if isinstance(v, int) else x for v, x in zip(values, t.tolist())]
+    return tuple(values) if len(values) > 1 else values[0]
+
+
+def all_max(value: float) -> float:
+    if world() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return type(value)(t.item())
+
+
+def all_true(flag: bool) -> bool:
+    """True on every rank only if it is True on every rank (a skipped step is skipped everywhere)."""
+    return flag if world() == 1 else all_max(float(not flag)) == 0.0
+
+
+def assert_same(value: float, name: str):
+    """Cheap check that a float (β after the dual step) is identical on every rank: one all-reduce of (v, −v)."""
+    if world() > 1:
+        t = torch.tensor([value, -value], dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        assert t[0] == -t[1] == value, f"{name} differs across ranks: max {t[0].item()}, min {-t[1].item()}"
+
+
+def sync_grads(params):
+    """Sum the gradients of REPLICATED parameters over ranks (FSDP2 sums the sharded student's itself: DTensor
+    parameters are skipped). Every rank then takes the same optimizer step and keeps identical weights."""
+    if world() == 1:
+        return
+    from torch.distributed.tensor import DTensor
+    for p in params:
+        if not isinstance(p, DTensor):
+            if p.grad is None:                  # a parameter this rank did not reach still joins the sum
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+
+
+def broadcast_params(params):
+    """Rank 0's values into every rank's replicated parameters (fresh random inits: QFormer, LoRA)."""
+    if world() > 1:
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, 0)
+
+
+@contextmanager
+def gathered(model):
+    """A FSDP2-sharded model with all its weights gathered (no collective inside): ranks generate rollouts of
+    different lengths and turn counts without matching all-gathers. Any other model passes through."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if isinstance(model, torch.nn.Module) else []
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(m is not model, recurse=False)   # layers reshard, the root stays (train.py)
+
+
+def summarize_all(episodes) -> dict:
+    """`summarize` over every rank's episodes."""
+    return summarize(episodes) if world() == 1 else _mean_rows(gather([e.metrics() for e in episodes]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Algorithm 1: one LOPD iteration
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
@@ -448,11 +567,13 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
     """One iteration of Algorithm 1 on `tasks`. opts = (student optimizer, composer optimizer or None).
     Returns (β, metrics, episodes); a non-finite loss skips the update and β, and says so in the metrics."""
     # 1-2. on-policy student rollouts from the task alone (eq. 1); r_i from the verifier, A_i = 2 r_i − 1 later
-    eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
+    with gathered(student):
+        eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
     rewards = torch.tensor([e.reward for e in eps])                                       # (B,)
     # 3. retrieve J experiences per task (eq. 16)
     exps = retrieve(retriever, tasks, cfg.n_ret, cfg.retrieval)
-    n_tokens, n_traj = sum(sum(e.mask) for e in eps), len(eps)                            # whole-batch normalisers
+    # whole-batch normalisers (summed over ranks under torchrun: the loss is then this rank's share of the total)
+    n_tokens, n_traj = all_sum(sum(sum(e.mask) for e in eps), len(eps))
     student.train()
     totals, finite = {}, True
     for i in range(0, len(eps), cfg.micro_batch):
@@ -473,14 +594,18 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
         for k, v in m.items():                                                            # micro-batch parts add
             totals[k] = totals.get(k, 0.0) + v
     student.eval()
-    # the parts add up over micro-batches; the total is rebuilt so that β·m is counted once
+    # the parts add up over micro-batches (and ranks); the total is rebuilt so that β·m is counted once
+    parts = ("loss/distill", "privilege/delta", "loss/anchor")
+    totals.update(zip(parts, all_sum(*(totals[k] for k in parts))))
+    finite = all_true(finite)
     totals["loss/total"] = totals["loss/distill"] + beta * (cfg.margin - totals["privilege/delta"]) + totals["loss/anchor"]
     # 6. AdamW steps, gradients clipped per model; 7. the dual step β ← [β + η_β (m − Δ)]₊
     finite = _step(opts, student, composer, cfg.clip, finite)
     if finite:
         beta = losses.dual_step(beta, totals["privilege/delta"], cfg.margin, cfg.dual_lr)
-    metrics = {"reward/student": rewards.mean().item(), **totals, "dual/beta": beta, "skipped": int(not finite),
-               "tokens": n_tokens, **{"behaviour/" + k: v for k, v in summarize(eps).items() if k != "reward"}}
+    behaviour = summarize_all(eps)
+    metrics = {"reward/student": behaviour["reward"], **totals, "dual/beta": beta, "skipped": int(not finite),
+               "tokens": n_tokens, **{"behaviour/" + k: v for k, v in behaviour.items() if k != "reward"}}
     return beta, metrics, eps
 
 
@@ -490,7 +615,10 @@ def _step(opts, student, composer, clip: float, ok: bool = True) -> bool:
     groups = [(opts[0], list(student.parameters()))]
     if opts[1] is not None:
         groups.append((opts[1], composer.trainable_parameters()))
-    norms = [torch.nn.utils.clip_grad_norm_(params, clip) for _, params in groups]
+    ok = all_true(ok)
+    for _, params in groups:           # replicated parameters: gradients summed over ranks (no-op in one process)
+        sync_grads(params)
+    norms = [torch.nn.utils.clip_grad_norm_(params, clip) for _, params in groups]   # global norms under FSDP2
     ok = ok and all(bool(torch.isfinite(n)) for n in norms)
     for opt, _ in groups:
         if ok:
@@ -507,7 +635,7 @@ def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: floa
     batch's token count, on the student's optimizer. What differs from `lopd_step`: no rollout, no retrieval,
     no teacher and no composer; the targets are tokens the base already produced. Returns metrics."""
     device = next(student.parameters()).device
-    n_tokens, total = sum(sum(e.mask) for e in episodes), 0.0
+    n_tokens, total = all_sum(sum(sum(e.mask) for e in episodes)), 0.0
     student.train()
     for i in range(0, len(episodes), micro_batch):
         ls, ids, omega = student_logits(student, tokenizer, episodes[i:i + micro_batch], device)  # (b, Tc, V)
@@ -515,6 +643,7 @@ def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: floa
         loss.backward()
         total += loss.item()
     student.eval()
+    total = all_sum(total)
     ok = _step((opt, None), student, None, clip, math.isfinite(total))
     return {"loss/rft": total, "skipped": int(not ok), "tokens": n_tokens}
 
@@ -586,10 +715,11 @@ def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: S
     One update per batch (as LOPD), so π_old is the policy that sampled: ρ = 1 at the update, the clip never
     binds, and π_old's log-probs need no extra forward (they are the detached current ones)."""
     group_tasks = [t for t in tasks for _ in range(cfg.group)]                               # rows of a group adjacent
-    eps = rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+    with gathered(student):
+        eps = rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
     rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
-    adv = losses.group_advantages(rewards, cfg.group)                                       # (B,)
-    device, n_tokens = next(student.parameters()).device, sum(sum(e.mask) for e in eps)
+    adv = losses.group_advantages(rewards, cfg.group)                                       # (B,) groups never split
+    device, n_tokens = next(student.parameters()).device, all_sum(sum(sum(e.mask) for e in eps))
     student.train()
     total, clipped = 0.0, 0.0
     for i in range(0, len(eps), cfg.micro_batch):
@@ -600,10 +730,11 @@ def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: S
         loss.backward()
         total, clipped = total + loss.item(), max(clipped, frac)
     student.eval()
+    total, clipped = all_sum(total), all_max(clipped)
     ok = _step((opt, None), student, None, cfg.clip, math.isfinite(total))
-    return {"reward/student": rewards.mean().item(), "loss/grpo": total, "grpo/clip_frac": clipped,
-            "grpo/zero_adv_groups": int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()),
-            "skipped": int(not ok), "tokens": n_tokens}, eps
+    zero = all_sum(int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()))
+    return {"reward/student": summarize_all(eps)["reward"], "loss/grpo": total, "grpo/clip_frac": clipped,
+            "grpo/zero_adv_groups": zero, "skipped": int(not ok), "tokens": n_tokens}, eps
 
 
 def _distill_step(student, teacher, tokenizer, eps, texts, template, loss_fn, opt, cfg, make_env, tools,
@@ -611,31 +742,38 @@ def _distill_step(student, teacher, tokenizer, eps, texts, template, loss_fn, op
     """Shared by OPSD and SDPO: rows with a text context are distilled, normalised by their token count."""
     device = next(student.parameters()).device
     rows = [i for i, x in enumerate(texts) if x is not None]
-    n_tokens = sum(sum(eps[i].mask) for i in rows)
+    n_tokens = all_sum(sum(sum(eps[i].mask) for i in rows))
+    # under torchrun every rank runs as many micro-batches as the busiest one (sharded models' forwards are
+    # collectives); a rank's extra ones re-score its first episode with weight 0
+    n_mb = int(all_max(float(math.ceil(len(rows) / cfg.micro_batch))))
     student.train()
     total = 0.0
-    for k in range(0, len(rows), cfg.micro_batch):
-        mb = rows[k:k + cfg.micro_batch]
-        lt = _text_teacher_logits(teacher, tokenizer, [eps[i] for i in mb], [texts[i] for i in mb], template, cfg,
-                                  make_env, tools, enable_thinking, device)                  # (b, Tc, V)
+    for k in range(0, n_mb * cfg.micro_batch, cfg.micro_batch):
+        mb, weight = rows[k:k + cfg.micro_batch], 1.0
+        if not mb:
+            mb, weight = [0], 0.0
+        lt = _text_teacher_logits(teacher, tokenizer, [eps[i] for i in mb], [texts[i] or "" for i in mb], template,
+                                  cfg, make_env, tools, enable_thinking, device)             # (b, Tc, V)
         ls, _, omega = student_logits(student, tokenizer, [eps[i] for i in mb], device)       # (b, Tc, V)
-        loss = loss_fn(ls, lt, omega, n_tokens)
+        loss = weight * loss_fn(ls, lt, omega, n_tokens)
         loss.backward()
         total += loss.item()
     student.eval()
+    total = all_sum(total)
     ok = _step((opt, None), student, None, cfg.clip, math.isfinite(total))
-    return {"loss/distill": total, "context/rows": len(rows), "skipped": int(not ok), "tokens": n_tokens}
+    return {"loss/distill": total, "context/rows": all_sum(len(rows)), "skipped": int(not ok), "tokens": n_tokens}
 
 
 def opsd_step(student, base, tokenizer, tasks, pool, opt, cfg: BaselineConfig, sample_cfg: SampleConfig,
               make_env=ToolWorld, tools=None):
     """OPSD: the frozen base θ̄ sees a successful trajectory of the SAME task as text; forward KL, full vocabulary.
     pool: task_id -> trace text (`opsd_pool`); a task missing from it gives no teacher signal."""
-    eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
+    with gathered(student):
+        eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
     texts = [pool.get(t.task_id) for t in tasks]
     m = _distill_step(student, base, tokenizer, eps, texts, OPSD_CONTEXT,
                       losses.forward_kl_full, opt, cfg, make_env, tools, sample_cfg.enable_thinking)
-    return {"reward/student": sum(e.reward for e in eps) / len(eps), **m}, eps
+    return {"reward/student": summarize_all(eps)["reward"], **m}, eps
 
 
 def opsd_pool(bank, tasks, make_env=ToolWorld, success: float = 1.0) -> dict:
@@ -656,13 +794,14 @@ def sdpo_step(student, ema_teacher, tokenizer, tasks, opt, cfg: BaselineConfig, 
     its own); reverse KL over the student's top-K + tail; then θ̄_ema ← (1 − rate)θ̄_ema + rate·θ.
     A rollout with no successful sibling gets no teacher signal."""
     group_tasks = [t for t in tasks for _ in range(cfg.group)]
-    eps = rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+    with gathered(student):
+        eps = rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
     texts = sibling_contexts(eps, cfg.group, cfg.success)
     m = _distill_step(student, ema_teacher, tokenizer, eps, texts, SDPO_CONTEXT,
                       lambda ls, lt, om, n: losses.reverse_kl_student_topk(ls, lt, om, cfg.top_k, n), opt, cfg,
                       make_env, tools, sample_cfg.enable_thinking)
-    losses.ema_update(ema_teacher.parameters(), student.parameters(), cfg.ema_rate)
-    return {"reward/student": sum(e.reward for e in eps) / len(eps), **m}, eps
+    losses.ema_update(ema_teacher.parameters(), student.parameters(), cfg.ema_rate)   # shard by shard under FSDP2
+    return {"reward/student": summarize_all(eps)["reward"], **m}, eps
 
 
 def sibling_contexts(eps, group: int, success: float = 1.0):

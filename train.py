@@ -3,6 +3,7 @@
     python train.py                              # toy world, toy backbone, CPU, about 9 minutes on two cores
     python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
     python train.py --method grpo                # a baseline on the same loop (grpo | opsd | sdpo | rft)
+    torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-8B   # data parallel on 8 GPUs, one node
 
 The paper's ablation table and Figure 4 run this pipeline many times: experiments.py. A finished run is evaluated
 again by eval.py, which loads it through `load_args` and `load_run` here (eval.py imports train.py, never the
@@ -38,6 +39,16 @@ Real backbones: bf16 weights with the trained ones (student, composer) in fp32 u
 SDPA attention, --grad-ckpt, micro-batches normalised by the iteration's token count; --student-lora trains θ as
 a second adapter on the frozen backbone, so one copy of the weights serves teacher, encoder and student.
 The toy backbone is shipped (toy.SHIPPED); without it, stage 1 builds one (toy.py, ~8 minutes on two cores).
+
+Several processes (torchrun, one per GPU; several nodes through torchrun's --nnodes and rendezvous flags): data
+parallel with the same mathematics as one process. `dist_setup` joins the process group (nccl on CUDA, gloo on
+CPU); plain `python` runs without one, exactly the single-process code. Each rank rolls out an equal slice of each
+iteration's tasks; the normalisers (supervised tokens, trajectories) and Δ are summed over ranks before the backward
+and the dual step, and gradients are summed: N ranks on the same rollouts give the 1-process gradient and β (lopd.py,
+"Data parallel"). The full student is sharded with FSDP2 (`shard_student`: each decoder layer, then the root) and
+gathered whole for generation; the frozen backbone (teacher, composer encoder) and the composer's trainable φ are
+replicated, φ's gradients summed. Base rollouts, bank embeddings, cold-start batches, anchors and evaluations are
+split and gathered; rank 0 alone logs and writes; checkpoints hold full state dicts, resumable on any number of ranks.
 """
 from __future__ import annotations
 
@@ -57,6 +68,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.utils.checkpoint
+import torch.distributed as dist
 from tqdm import tqdm
 
 import envs
@@ -64,6 +76,7 @@ import inject
 import lopd
 import retrieval
 from composer import Composer, ComposerConfig, cold_start_batch, cold_start_loss
+from torch.distributed.elastic.multiprocessing.errors import record
 
 
 @dataclass
@@ -276,9 +289,47 @@ def _check(p, a: Args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Plumbing: seed, device, logging
+# Plumbing: distributed context, seed, device, logging
 # ----------------------------------------------------------------------------------------------------------------
+def dist_setup(device: str = "auto") -> tuple[int, int, str]:
+    """Under torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous): join the process group, nccl on
+    CUDA and gloo on CPU, one GPU per process. Plain python: no process group. -> (rank, world size, backend).
+    Everything else asks lopd.rank() and lopd.world(), which are 0 and 1 without a process group."""
+    if "RANK" not in os.environ:
+        return 0, 1, "none"
+    cuda = torch.cuda.is_available() and device in ("auto", "cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    say(f"world size {lopd.world()}, backend {backend}")
+    return lopd.rank(), lopd.world(), backend
+
+
+def check_world(args: Args, world: int):
+    """Every rank gets an equal slice of each batch (its micro-batch count, and so FSDP's collectives, match)."""
+    per_task = args.group if args.method in ("grpo", "sdpo") else 1
+    tasks = args.rollouts_per_step // per_task
+    if tasks % world:
+        raise SystemExit(f"--rollouts-per-step {args.rollouts_per_step}: {tasks} tasks a step"
+                         + (f" (groups of --group {per_task})" if per_task > 1 else "")
+                         + f" do not split evenly over {world} processes; use a multiple of {world * per_task}")
+    if args.cold_batch % world:
+        raise SystemExit(f"--cold-batch {args.cold_batch} does not split evenly over {world} processes; "
+                         f"use a multiple of {world}")
+
+
+def say(*a):
+    """print on rank 0 only."""
+    if lopd.rank() == 0:
+        print(*a)
+
+
 def seed_everything(seed: int):
+    """Seed random, numpy and torch; under torchrun rank r draws its own stream (seed + 10007 r): its rollouts are
+    not a copy of rank 0's noise. Weights that must agree across ranks are broadcast (`lopd.broadcast_params`)."""
+    seed += 10007 * lopd.rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -295,17 +346,20 @@ def pick_device(device: str, dtype: str):
         dtype, dwhy = ("bfloat16", "auto: bf16 on CUDA") if device == "cuda" else ("float32", "auto: fp32 off CUDA")
     else:
         dwhy = "--dtype"
-    print(f"device {device} ({why}); dtype {dtype} ({dwhy})")
+    say(f"device {device} ({why}); dtype {dtype} ({dwhy})")
     return torch.device(device), getattr(torch, dtype)
 
 
 class Log:
-    """One line per event on stdout (behaviour counts left out), the full record appended to OUT/metrics.jsonl."""
+    """One line per event on stdout (behaviour counts left out), the full record appended to OUT/metrics.jsonl.
+    Under torchrun only rank 0 logs (the metrics it gets are already summed or gathered over ranks)."""
 
     def __init__(self, out: str):
         self.path = os.path.join(out, "metrics.jsonl")
 
     def __call__(self, stage: str, **metrics):
+        if lopd.rank() != 0:
+            return
         rec = {"stage": stage, **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -323,7 +377,7 @@ def load_backbone(args: Args, device, dtype):
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-        print(f"tokenizer has no pad token: using eos {tok.eos_token!r} as pad (and as the latent placeholder)")
+        say(f"tokenizer has no pad token: using eos {tok.eos_token!r} as pad (and as the latent placeholder)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     model.requires_grad_(False).eval()
     if args.grad_ckpt:
@@ -446,9 +500,73 @@ def load_student_weights(student, path: str):
     """Put the student saved at `path` (an HF folder, or a LoRA adapter folder) into the live `student`."""
     if isinstance(student, LoraStudent):
         return student.load(path)
+    from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM
     saved = AutoModelForCausalLM.from_pretrained(path, dtype=student.dtype)
+    if isinstance(student, FSDPModule):       # torchrun: each rank keeps its shard of the full weights
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        return set_model_state_dict(student, saved.state_dict(), options=StateDictOptions(full_state_dict=True))
     student.load_state_dict(saved.state_dict())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Under torchrun: the student sharded with FSDP2; full state dicts for checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+def shard_student(model, frozen: bool = False):
+    """FSDP2 (fully_shard) on each decoder layer, then on the root, over all ranks. The root stays gathered from
+    forward to backward; a `frozen` model (SDPO's EMA teacher: forwards without backward) reshards it too.
+    bf16 all-gathers with fp32 gradient reduction on CUDA, where the backbone is bf16 ("as today": the fp32 student
+    runs under bf16 autocast).
+    Gradients are SUMMED over ranks, not averaged: each rank's loss is already its share of the whole batch
+    (lopd.py, "Data parallel"). gloo has no PREMUL_SUM, hence the forced plain-sum reduction."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    cuda = next(model.parameters()).device.type == "cuda"
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda
+          else MixedPrecisionPolicy())
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]  # decoder layers
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=frozen)   # lopd.gathered restores these values
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full_state(model):
+    """The full state dict of an FSDP2-sharded model on rank 0's CPU (every rank must call); None otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(model, FSDPModule):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # a tied weight (lm_head = embed_tokens) is written once, as save_pretrained writes it in one process
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    return {k: v for k, v in sd.items() if k not in tied}
+
+
+def full_optimizer_state(opt) -> dict:
+    """opt.state_dict() with each sharded (DTensor) state gathered whole: the single-process format, whatever the
+    number of ranks that wrote it (every rank must call)."""
+    from torch.distributed.tensor import DTensor
+    sd = opt.state_dict()
+    sd["state"] = {i: {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v for k, v in st.items()}
+                   for i, st in sorted(sd["state"].items())}
+    return sd
+
+
+def load_optimizer_state(opt, sd: dict):
+    """Load a full (single-process format) optimizer state, each rank keeping the shard of its parameters."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    def local(v, p):
+        if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape:
+            return distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+        return v
+    opt.load_state_dict({**sd, "state": {i: {k: local(v, params[i]) for k, v in st.items()}
+                                         for i, st in sd["state"].items()}})
 
 
 def precision(model):
@@ -466,10 +584,11 @@ def load_splits(args: Args):
         return load(os.path.join(args.tasks, "train.jsonl")), load(os.path.join(args.tasks, "test.jsonl"))
     make, save = ((envs.make_code_splits, envs.save_problems) if args.env == "code" else
                   (envs.make_splits, envs.save_tasks))
-    train, test = make(args.seed, args.n_train, args.n_test)
+    train, test = make(args.seed, args.n_train, args.n_test)     # the same on every rank (seeded)
     os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
     for name, tasks in (("train", train), ("test", test)):
-        save(tasks, os.path.join(args.out, "tasks", name + ".jsonl"))
+        if lopd.rank() == 0:
+            save(tasks, os.path.join(args.out, "tasks", name + ".jsonl"))
     return train, test
 
 
@@ -505,6 +624,12 @@ def episode_from_record(rec: dict, task) -> lopd.Episode:
     return lopd.Episode(task, **{k: v for k, v in rec.items() if k != "task_id"})
 
 
+def cached(path: str) -> bool:
+    """Is this stage's output in OUT? Under torchrun only if every rank sees it (nodes without a shared --out
+    then all redo the stage together instead of parting ways)."""
+    return lopd.all_true(os.path.exists(path))
+
+
 def write_jsonl(path: str, rows):
     """Write rows atomically: a temp file in the same folder, then os.replace."""
     tmp = path + ".tmp"
@@ -518,14 +643,17 @@ def base_rollouts(args, model, tok, train, log):
     """Stage 2: args.bank_rollouts rollouts of the base model per training task (cached)."""
     path = os.path.join(args.out, "base_rollouts.jsonl")
     by_id = {t.task_id: t for t in train}
-    if os.path.exists(path):
+    if cached(path):
         return [episode_from_record(r, by_id[r["task_id"]]) for r in map(json.loads, open(path))]
     t0 = time.time()
-    tasks = [t for t in train for _ in range(args.bank_rollouts)]
-    with tqdm(total=len(tasks), desc="base rollouts", leave=False) as bar:
+    tasks = lopd.shard([t for t in train for _ in range(args.bank_rollouts)])    # this rank's slice (all: 1 process)
+    with tqdm(total=len(tasks), desc="base rollouts", leave=False, disable=lopd.rank() != 0) as bar:
         make_env = env_factory(args)
         eps = lopd.rollout(model, tok, tasks, sample_config(args), make_env, make_env().tools, progress=bar)
-    write_jsonl(path, [episode_record(e) for e in eps])
+    if lopd.world() > 1:                                      # every rank's slice, in order, on every rank
+        eps = [episode_from_record(r, by_id[r["task_id"]]) for r in lopd.gather([episode_record(e) for e in eps])]
+    if lopd.rank() == 0:
+        write_jsonl(path, [episode_record(e) for e in eps])
     log("base_rollouts", n=len(eps), seconds=round(time.time() - t0, 1), **lopd.summarize(eps))
     return eps
 
@@ -543,18 +671,30 @@ def make_embedder(name: str, model, tok, instruction: str = retrieval.DEFAULT_IN
 def build_retriever(args, model, tok, episodes, train, test, log):
     """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
     path = os.path.join(args.out, "bank")
-    if os.path.exists(os.path.join(path, "meta.json")):
+    if cached(os.path.join(path, "meta.json")):
         return retrieval.Retriever.load(path)
     cands = [retrieval.make_entry(e.task.task_id, e.task.text, e.trace, e.reward,
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
              for i, e in enumerate(episodes)]
     bank = retrieval.build_bank(cands, args.bank_threshold)
     embedder = make_embedder(args.embedder, model, tok, env_factory(args)().retrieval_instruction)
-    ret = retrieval.Retriever(bank, embedder)
-    ret.cache_queries([t.task_id for t in train + test], [t.text for t in train + test])
-    ret.save(path)
+    if lopd.world() == 1:
+        ret = retrieval.Retriever(bank, embedder)
+        ret.cache_queries([t.task_id for t in train + test], [t.text for t in train + test])
+    else:   # each rank embeds a slice of the documents and of the queries; all ranks build the same index
+        ret = retrieval.Retriever(bank, embedder, doc_vectors=_embed_split(embedder.embed_docs, bank))
+        ret.query_cache.update(zip([t.task_id for t in train + test],
+                                   _embed_split(embedder.embed_queries, [t.text for t in train + test])))
+    if lopd.rank() == 0:
+        ret.save(path)
     log("bank", entries=len(bank), tasks_covered=len({e["task_id"] for e in bank}), **bank_recall(ret, test))
     return ret
+
+
+def _embed_split(embed, items) -> np.ndarray:
+    """embed(items) computed as one slice per rank and gathered: (len(items), d_ret) float32, the same everywhere."""
+    mine = lopd.shard(items)
+    return np.concatenate([v for v in lopd.gather([embed(mine) if mine else None]) if v is not None])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -596,7 +736,8 @@ def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entri
                                                latents.shape[1], make_env().framing, make_env().tools,
                                                args.enable_thinking)
     dev = latents.device
-    return cold_start_loss(composer, ids.to(dev), att.to(dev), omega.to(dev), starts.to(dev), latents)
+    n_tokens = lopd.all_sum(int(omega.sum())) if lopd.world() > 1 else None    # the global batch's ω count
+    return cold_start_loss(composer, ids.to(dev), att.to(dev), omega.to(dev), starts.to(dev), latents, n_tokens)
 
 
 def cold_start(args, model, tok, retriever, episodes, train, log, composer=None) -> Composer:
@@ -604,7 +745,7 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
     A given `composer` (an ablation variant with its own --retrieval; the caller resets it to composer_init first)
     is trained in place, or set to the cached φ0."""
     path = os.path.join(args.out, "composer0")
-    if os.path.exists(os.path.join(path, "composer.json")):
+    if cached(os.path.join(path, "composer.json")):
         if composer is None:
             return Composer.load(path, model, tok)
         reset_composer(composer, path)
@@ -612,21 +753,27 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
     if composer is None:
         composer = Composer(model, tok, ComposerConfig(n_latents=args.latents,
                                                        task_conditional=args.composer_input == "task+reference"))
-        composer.save(os.path.join(args.out, "composer_init"))   # φ before training, for the ablations' variants
+        lopd.broadcast_params(composer.trainable_parameters())  # torchrun: every rank starts from rank 0's φ
+        if lopd.rank() == 0:
+            composer.save(os.path.join(args.out, "composer_init"))   # φ before training, for the ablations' variants
     opt = torch.optim.AdamW(composer.trainable_parameters(), lr=args.cold_lr)
     draw = schema_balanced_sampler(retriever.bank, random.Random(args.seed))
     tasks_by_id = {t.task_id: t for t in train}
     t0 = time.time()
-    for step in tqdm(range(args.cold_steps), desc="cold start", leave=False):
-        loss = cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, draw(args.cold_batch),
-                               env_factory(args))
+    for step in tqdm(range(args.cold_steps), desc="cold start", leave=False, disable=lopd.rank() != 0):
+        # every rank draws the same batch (the sampler is seeded alike) and computes its slice's share of the loss
+        loss = cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id,
+                               lopd.shard(draw(args.cold_batch)), env_factory(args))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        lopd.sync_grads(composer.trainable_parameters())     # summed over ranks (no-op in one process)
         torch.nn.utils.clip_grad_norm_(composer.trainable_parameters(), args.cold_clip)
         opt.step()
         if step % 50 == 0 or step == args.cold_steps - 1:
-            log("cold_start", step=step, **{"loss/init": loss.item()})
-    composer.save(path)
+            log("cold_start", step=step, **{"loss/init": lopd.all_sum(loss.item())})
+    opt.zero_grad(set_to_none=True)   # the last step's gradients must not leak into the joint stage's first one
+    if lopd.rank() == 0:
+        composer.save(path)
     log("cold_start_done", seconds=round(time.time() - t0, 1))
     return composer
 
@@ -666,16 +813,23 @@ def set_rng_state(state: dict, task_rng: random.Random):
 def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng, ema=None):
     """OUT/ckpt/step-NNNNNN: the student as an HF folder, the composer, optimizer states, β, step, RNG states.
     Written under a temporary name and renamed, then OUT/ckpt/LATEST (a one-line file, replaced atomically) points
-    to it; older steps are deleted last. A kill at any moment leaves LATEST naming a complete checkpoint."""
+    to it; older steps are deleted last. A kill at any moment leaves LATEST naming a complete checkpoint.
+    Under torchrun every rank calls it (sharded weights and optimizer states are gathered whole) and rank 0 writes
+    the same files as one process would, plus each rank's RNG state: any number of ranks can resume it."""
+    sharded = {"student": full_state(student), "ema": full_state(ema) if ema is not None else None}
+    opt_s, rngs = full_optimizer_state(opts[0]), lopd.gather([rng_state(task_rng)])
+    if lopd.rank() != 0:
+        return
     root = os.path.join(args.out, "ckpt")
     name, tmp = f"step-{step:06d}", os.path.join(root, f".tmp-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
-    student.save_pretrained(os.path.join(tmp, "student"))
+    kw = lambda sd: {} if sd is None else {"state_dict": sd}   # noqa: E731  (FSDP2: the gathered weights)
+    student.save_pretrained(os.path.join(tmp, "student"), **kw(sharded["student"]))
     composer.save(os.path.join(tmp, "composer"))
     if ema is not None:                       # SDPO's EMA teacher
-        ema.save_pretrained(os.path.join(tmp, "ema_teacher"))
-    torch.save({"opt_s": opts[0].state_dict(), "opt_c": opts[1].state_dict() if opts[1] else None, "beta": beta,
-                "step": step, "generations": gens, "rng": rng_state(task_rng)}, os.path.join(tmp, "state.pt"))
+        ema.save_pretrained(os.path.join(tmp, "ema_teacher"), **kw(sharded["ema"]))
+    torch.save({"opt_s": opt_s, "opt_c": opts[1].state_dict() if opts[1] else None, "beta": beta,
+                "step": step, "generations": gens, "rng": rngs[0], "rng_ranks": rngs}, os.path.join(tmp, "state.pt"))
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     os.replace(tmp, os.path.join(root, name))
     with open(os.path.join(root, "LATEST.tmp"), "w") as f:
@@ -701,10 +855,11 @@ def load_checkpoint(path, student, composer, opts, task_rng, ema=None):
         load_student_weights(ema, os.path.join(path, "ema_teacher"))
     reset_composer(composer, os.path.join(path, "composer"))
     state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-    opts[0].load_state_dict(state["opt_s"])
+    load_optimizer_state(opts[0], state["opt_s"])
     if opts[1] is not None:
         opts[1].load_state_dict(state["opt_c"])
-    set_rng_state(state["rng"], task_rng)
+    rngs = state.get("rng_ranks") or []       # the same number of ranks resumes each rank's own streams
+    set_rng_state(rngs[lopd.rank()] if len(rngs) == lopd.world() else state["rng"], task_rng)
     return state["beta"], state["step"], state["generations"]
 
 
@@ -721,6 +876,10 @@ def joint_training(run):
     """Stage 5: args.steps iterations of args.method (Algorithm 1 for lopd). Returns the trained student θ."""
     args, composer, student, log = run["args"], run["composer"], run["student"], run["log"]
     state = method_state(args, run)
+    if lopd.world() > 1 and not isinstance(student, LoraStudent):   # torchrun: FSDP2; a LoRA student is replicated
+        student = shard_student(student)
+        if "ema" in state:
+            state["ema"] = shard_student(state["ema"], frozen=True)
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
     gens = len(run["episodes"]) if args.method in USES_BANK else 0   # honest budgets: the bank's rollouts count
@@ -728,12 +887,13 @@ def joint_training(run):
     ckpt = latest_checkpoint(args.out) if args.resume else None
     if ckpt:
         beta, start, gens = load_checkpoint(ckpt, student, composer, opts, task_rng, state.get("ema"))
-        print(f"resumed from {ckpt} at step {start}")
+        say(f"resumed from {ckpt} at step {start}")
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
-                     leave=False):
+                     leave=False, disable=lopd.rank() != 0):
         t0 = time.time()
         with precision(composer.peft):
             beta, m, spent = train_step(args, run, state, student, opts, beta, task_rng)
+        lopd.assert_same(beta, "β")          # Δ was summed over ranks, so the dual step agrees everywhere
         gens += spent
         if args.eval_every and (step + 1) % args.eval_every == 0:
             m.update(drift_eval(args, composer, student, run))
@@ -750,8 +910,10 @@ USES_BANK = ("lopd", "rft", "opsd")
 def method_state(args, run) -> dict:
     """What a method keeps across steps: LOPD the anchor's c_φ0 per task, RFT the bank's successes, OPSD its
     pool of same-task successful traces, SDPO its EMA teacher."""
-    if args.method == "lopd":
-        return {"c0": lopd.anchor_cache(run["composer"], run["retriever"], run["train"], args.n_ret, args.retrieval)}
+    if args.method == "lopd":   # each rank a slice of the tasks, gathered
+        part = lopd.anchor_cache(run["composer"], run["retriever"], lopd.shard(run["train"]), args.n_ret,
+                                 args.retrieval)
+        return {"c0": part if lopd.world() == 1 else {k: v for d in lopd.gather([part]) for k, v in d.items()}}
     if args.method == "rft":
         return {"successes": [e for e in run["episodes"] if e.reward >= args.bank_threshold]}
     if args.method == "opsd":
@@ -773,14 +935,15 @@ def baseline_config(args: Args) -> lopd.BaselineConfig:
 
 def train_step(args, run, state, student, opts, beta, task_rng):
     """One step of args.method on the shared loop. Returns (β, metrics, generations spent). Every method draws
-    rollouts_per_step generations: LOPD and OPSD as one rollout of that many tasks, GRPO and SDPO as G of each."""
+    rollouts_per_step generations: LOPD and OPSD as one rollout of that many tasks, GRPO and SDPO as G of each.
+    Under torchrun every rank draws the same tasks and keeps its slice (`lopd.shard`); metrics are global."""
     tok, scfg, make_env, bcfg = run["tok"], sample_config(args), env_factory(args), baseline_config(args)
     tools = make_env().tools
     if args.method == "rft":   # the control: same optimizer and step count, no teacher, no new rollouts
-        return beta, lopd.rft_step(student, tok, task_rng.choices(state["successes"], k=args.rollouts_per_step),
-                                   opts[0], args.micro_batch, args.clip), 0
+        batch = lopd.shard(task_rng.choices(state["successes"], k=args.rollouts_per_step))
+        return beta, lopd.rft_step(student, tok, batch, opts[0], args.micro_batch, args.clip), 0
     per_task = args.group if args.method in ("grpo", "sdpo") else 1
-    tasks = task_rng.sample(run["train"], args.rollouts_per_step // per_task)
+    tasks = lopd.shard(task_rng.sample(run["train"], args.rollouts_per_step // per_task))
     if args.method == "lopd":
         beta, m, _ = lopd.lopd_step(student, run["composer"], tok, tasks, run["retriever"], state["c0"], beta, opts,
                                      lopd_config(args), scfg, make_env, tools)
@@ -791,7 +954,7 @@ def train_step(args, run, state, student, opts, beta, task_rng):
                               scfg, make_env, tools)
     else:
         m, _ = lopd.sdpo_step(student, state["ema"], tok, tasks, opts[0], bcfg, scfg, make_env, tools)
-    return beta, m, len(tasks) * per_task
+    return beta, m, args.rollouts_per_step // per_task * per_task
 
 
 def drift_eval(args, composer, student, run) -> dict:
@@ -824,7 +987,7 @@ PAPER_TABLE3 = {  # EnvScaler, Qwen3-4B (Table 3)
 
 
 def _bar(n, desc):
-    return tqdm(total=n, desc=desc, leave=False)
+    return tqdm(total=n, desc=desc, leave=False, disable=lopd.rank() != 0)   # torchrun: rank 0's bar only
 
 
 def eval_vanilla(composer, tok, tasks, cfg, make_env, tools=envs.TOOLS):
@@ -850,8 +1013,11 @@ def eval_student(student, tok, tasks, cfg, make_env, tools=envs.TOOLS):
 def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
              which=("vanilla", "base + composer", "LOPD student"), keep: dict | None = None) -> dict:
     """The rows of Table 3 on held-out tasks, each from the same seed; the training RNG streams are restored.
-    `keep`, if given, receives each row's episodes (eval.py --conventions reads them)."""
+    `keep`, if given, receives each row's episodes (eval.py --conventions reads them; this rank's under torchrun,
+    where each rank evaluates a slice of the tasks and the rows are means over all of them)."""
+    import contextlib
     cfg, make_env, rows = sample_config(args, temperature), env_factory(args), {}
+    tasks = lopd.shard(tasks)
     tools = make_env().tools
     saved = rng_state(random.Random())
     for name, run in (("vanilla", lambda: eval_vanilla(composer, tok, tasks, cfg, make_env, tools)),
@@ -861,9 +1027,10 @@ def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
         if name not in which or (name == "LOPD student" and student is None):
             continue
         seed_everything(args.seed + 1)
-        with precision(composer.peft):
-            eps = run()
-        rows[name] = lopd.summarize(eps)
+        whole = lopd.gathered(student) if name == "LOPD student" else contextlib.nullcontext()   # FSDP2: weights
+        with precision(composer.peft), whole:
+            eps = run() if tasks else []      # torchrun: a rank may get no held-out task
+        rows[name] = lopd.summarize_all(eps)
         if keep is not None:
             keep[name] = eps
     set_rng_state(saved, random.Random())
@@ -914,8 +1081,9 @@ def write_results(out: str, rows: dict, extra: dict | None = None):
 def prepare(args: Args):
     """Stages 1-4 (each cached in OUT): returns the pieces the joint stage and evaluation need."""
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "args.json"), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=1)
+    if lopd.rank() == 0:
+        with open(os.path.join(args.out, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=1)
     seed_everything(args.seed)
     device, dtype = pick_device(args.device, args.dtype)
     log = Log(args.out)
@@ -928,6 +1096,8 @@ def prepare(args: Args):
     composer = cold_start(args, model, tok, retriever, episodes, train_tasks, log)
     if args.student_lora:
         student = LoraStudent(composer.peft, args.student_lora_r)
+        lopd.broadcast_params(student.params)            # torchrun: rank 0's adapter init everywhere
+        student.initial = [p.detach().clone() for p in student.params]
     return dict(args=args, log=log, tok=tok, student=student, composer=composer, retriever=retriever,
                 episodes=episodes, train=train_tasks, test=test_tasks)
 
@@ -958,16 +1128,26 @@ def load_run(args: Args) -> dict:
 
 
 def main(argv=None):
+    """Under torchrun, torch's @record makes a rank's exception the job's reported root cause."""
+    return (record(_main) if "RANK" in os.environ else _main)(argv)
+
+
+def _main(argv=None):
     t0 = time.time()
     args = parse_args(argv)
+    _, world, _ = dist_setup(args.device)
+    check_world(args, world)
     run = prepare(args)
     student = None
     if args.steps > 0:
         student = joint_training(run)
     rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"]))
-    write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)})
-    print("\n" + markdown_table(rows))
-    print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
+    if lopd.rank() == 0:
+        write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)})
+        print("\n" + markdown_table(rows))
+        print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
