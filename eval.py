@@ -10,7 +10,8 @@ Rows (Table 3):
 - base + composer  θ̄ acting behind latents composed from J retrieved training experiences (the teacher);
 - LOPD student     the trained student θ alone: no retrieval, no composer, no latent context.
 Each row reports mean reward, full-pass rate and the behaviour counts of Table 3 (interaction steps, tool calls per
-step, first-step length, repeated tool calls, reward per tool call).
+step, first-step length, repeated tool calls, reward per tool call). A code run (--env code) reports pass@1 and the
+reply length instead, beside paper Table 2's Qwen3-4B values (LiveCodeBench / EvalPlus) where the text gives them.
 
 Deviation: the paper evaluates on EnvScaler's 200 held-out tasks, BFCL-v3 and ACEBench; the toy world's held-out
 split stands in for the first.
@@ -38,6 +39,20 @@ PAPER_TABLE3 = {  # EnvScaler, Qwen3-4B (Table 3)
 }
 
 
+# A code run (--env code) is single-turn: one program per problem, reward 1 if every test passes. Its mean reward is
+# pass@1, and the multi-turn columns (steps, calls) say nothing. Paper Table 2 reports pass@1 (%) of Qwen3-4B on
+# LiveCodeBench and EvalPlus; these are the values its text quotes (other problems than a toy or --tasks run).
+CODE_COLUMNS = [("pass@1", "pass@1"), ("reply_tokens", "reply tokens")]
+PAPER_TABLE2 = {"vanilla": "45.61 / –", "OPSD student": "40.24 / –", "SDPO student": "38.78 / –",
+                "LOPD student": "48.78 / 81.36"}
+PAPER_TABLE2_HEAD = "paper: Qwen3-4B pass@1 %, LiveCodeBench / EvalPlus"
+
+
+def code_rows(rows: dict) -> dict:
+    """A code run's rows: pass@1 (the mean reward of one sample per problem) and the reply length."""
+    return {name: {"pass@1": m["reward"], "reply_tokens": m["first_len"]} for name, m in rows.items()}
+
+
 def _bar(n, desc):
     return tqdm(total=n, desc=desc, leave=False)
 
@@ -61,8 +76,14 @@ def eval_student(student, tok, tasks, cfg, make_env, tools=envs.TOOLS):
         return lopd.rollout(student, tok, tasks, cfg, make_env, tools, progress=bar)
 
 
-def markdown_table(rows: dict, paper=PAPER_TABLE3) -> str:
-    """rows: name -> summary dict. Paper values (Table 3) in brackets where the paper has them."""
+def markdown_table(rows: dict, paper=PAPER_TABLE3, env: str = "tools") -> str:
+    """rows: name -> summary dict. Paper values (Table 3) in brackets where the paper has them. A code run
+    (env="code") shows pass@1 and Table 2's values in their own, labelled column."""
+    if env == "code":
+        rows = code_rows(rows) if rows and "reward" in next(iter(rows.values())) else rows
+        head = "| row | pass@1 | reply tokens | " + PAPER_TABLE2_HEAD + " |\n|---|---|---|---|\n"
+        return head + "\n".join(f"| {name} | {m['pass@1']:.3f} | {m['reply_tokens']:.1f} | "
+                                 f"{PAPER_TABLE2.get(name, '')} |" for name, m in rows.items()) + "\n"
     head = "| row | " + " | ".join(c for _, c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS) + "\n"
     lines = []
     for name, m in rows.items():
@@ -74,12 +95,16 @@ def markdown_table(rows: dict, paper=PAPER_TABLE3) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def write_results(out: str, rows: dict, extra: dict | None = None):
+def write_results(out: str, rows: dict, extra: dict | None = None, env: str = "tools"):
+    """OUT/results.json and results.md; a code run's rows hold pass@1 and reply length only."""
+    if env == "code":
+        rows = code_rows(rows)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"rows": rows, **(extra or {})}, f, indent=1)
     with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n")
-        f.write(markdown_table(rows))
+        f.write("Held-out problems, pass@1 (one program each, every test must pass)\n\n" if env == "code" else
+                "Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n")
+        f.write(markdown_table(rows, env=env))
 
 
 def conventions_table(tok, episodes: dict) -> str:
@@ -129,8 +154,9 @@ def main(argv=None):
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     keep = {} if a.conventions else None
-    rows, (composer, tok, first_latents) = train.final_eval(args, a.n_test, a.temperature, a.world_check, keep)
-    print(markdown_table(rows))
+    with train.one_line_errors():
+        rows, (composer, tok, first_latents) = train.final_eval(args, a.n_test, a.temperature, a.world_check, keep)
+    print(markdown_table(rows, env=args.env))
     if a.conventions:
         print(conventions_table(tok, train.name_student_row(args, keep)))
     if a.inspect_latents:

@@ -41,12 +41,14 @@ The toy backbone is shipped (toy.SHIPPED); without it, stage 1 builds one (toy.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -59,6 +61,21 @@ import inject
 import lopd
 import retrieval
 from composer import Composer, ComposerConfig, cold_start_batch, cold_start_loss
+
+
+class UserError(Exception):
+    """Bad input that the user can fix (a model, a folder, a bank the base cannot fill): `main` prints it as one line
+    and exits with status 2. Anything else is a bug and raises with its traceback."""
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Turn a UserError into one line on stderr and exit status 2 (train.py and eval.py)."""
+    try:
+        yield
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 @dataclass
@@ -164,6 +181,8 @@ drift) on 50 held-out tasks (0 = only at the end)"""
     """continue from OUT/ckpt if present"""
     enable_thinking: bool = False
     """Qwen3 thinking mode in the chat template"""
+    chat_template: str = ""
+    """a Jinja chat-template file for a tokenizer that has none (a base checkpoint); replaces the tokenizer's"""
     student_lora: bool = False
     """train the student as a second LoRA adapter on the frozen backbone (one copy of the weights for teacher,
 composer encoder and student) instead of a full copy"""
@@ -316,7 +335,13 @@ def load_backbone(args: Args, device, dtype):
     """The base model θ̄ and its tokenizer: --model, or the toy backbone built (once) into OUT/backbone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = args.model or toy_backbone(args)
+    check_causal_lm(path)
     tok = AutoTokenizer.from_pretrained(path)
+    if args.chat_template:
+        tok.chat_template = open(args.chat_template).read()
+    if not tok.chat_template:
+        raise UserError(f"--model {path!r}: its tokenizer has no chat template (a base checkpoint?); give one with "
+                        "--chat-template FILE (a Jinja file), or use an instruct model")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         print(f"tokenizer has no pad token: using eos {tok.eos_token!r} as pad (and as the latent placeholder)")
@@ -325,6 +350,20 @@ def load_backbone(args: Args, device, dtype):
     if args.grad_ckpt:
         checkpointing(model)
     return model, tok
+
+
+def check_causal_lm(path: str):
+    """A UserError unless `path` (a folder or hub id) holds a config of a causal LM architecture."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--model {path!r}: not a Hugging Face model ({str(err).splitlines()[0]}); give a folder "
+                        "with config.json and weights, or a hub id such as Qwen/Qwen3-4B") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"--model {path!r}: a {config.model_type!r} model is not a causal LM (AutoModelForCausalLM "
+                        "cannot load it); give a decoder such as Qwen/Qwen3-4B")
 
 
 def toy_backbone(args: Args) -> str:
@@ -445,11 +484,11 @@ def env_factory(args: Args):
         if is_toy(args):
             return lambda: envs.CodeWorld(system_prompt=envs.TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)
         return lambda: envs.CodeWorld(framing=inject.CODING_FRAMING)
-    if is_toy(args):
-        prompt, framing = envs.TOY_SYSTEM_PROMPT, inject.TOY_FRAMING
-    else:
-        prompt, framing = envs.AGENTIC_SYSTEM_PROMPT, inject.AGENTIC_FRAMING
-    return lambda: envs.ToolWorld(system_prompt=prompt, framing=framing, max_steps=args.max_env_steps)
+    if is_toy(args):    # the toy backbone learned its tools from demonstrations; its prompt lists none
+        return lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING,
+                                      max_steps=args.max_env_steps, tools=None)
+    return lambda: envs.ToolWorld(system_prompt=envs.AGENTIC_SYSTEM_PROMPT, framing=inject.AGENTIC_FRAMING,
+                                  max_steps=args.max_env_steps)
 
 
 def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
@@ -512,6 +551,11 @@ def build_retriever(args, model, tok, episodes, train, test, log):
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
              for i, e in enumerate(episodes)]
     bank = retrieval.build_bank(cands, args.bank_threshold)
+    if not bank:
+        mean = sum(e.reward for e in episodes) / max(1, len(episodes))
+        raise UserError(f"0 of {len(episodes)} base rollouts reached reward ≥ {args.bank_threshold} (mean reward "
+                        f"{mean:.2f}), so the experience bank is empty. Raise --bank-rollouts, lower "
+                        "--bank-threshold, use a stronger --model, or give easier --tasks")
     embedder = make_embedder(args.embedder, model, tok, env_factory(args)().retrieval_instruction)
     ret = retrieval.Retriever(bank, embedder)
     ret.cache_queries([t.task_id for t in train + test], [t.text for t in train + test])
@@ -810,7 +854,7 @@ def final_eval(args: Args, n_test: int = 0, temperature=None, controls: bool = F
                                            temperature, keep=keep))
     if controls:
         rows.update({k: v for k, v in world_check(args, run, tasks).items() if k not in rows})
-    ev.write_results(args.out, rows)
+    ev.write_results(args.out, rows, env=args.env)
     with torch.no_grad():
         latents = lopd.compose(run["composer"], tasks[:1],
                                lopd.retrieve(run["retriever"], tasks[:1], args.n_ret, args.retrieval))
@@ -1056,6 +1100,11 @@ def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
 
 
 def main(argv=None):
+    with one_line_errors():
+        return pipeline(argv)
+
+
+def pipeline(argv=None):
     t0 = time.time()
     args = parse_args(argv)
     if args.ablations:
@@ -1068,8 +1117,8 @@ def main(argv=None):
         student = joint_training(run)
     rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"]))
     import eval as ev
-    ev.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)})
-    print("\n" + ev.markdown_table(rows))
+    ev.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, env=args.env)
+    print("\n" + ev.markdown_table(rows, env=args.env))
     print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
 
 
