@@ -361,9 +361,12 @@ def check_causal_lm(path: str):
     except (OSError, ValueError) as err:
         raise UserError(f"--model {path!r}: not a Hugging Face model ({str(err).splitlines()[0]}); give a folder "
                         "with config.json and weights, or a hub id such as Qwen/Qwen3-4B") from None
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"--model {path!r}: a {config.model_type!r} model is not a causal LM (AutoModelForCausalLM "
-                        "cannot load it); give a decoder such as Qwen/Qwen3-4B")
+    heads = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    saved_as = config.architectures or []          # an encoder checkpoint (e.g. BertModel) of a decoder-capable type
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (saved_as and not any(
+            a.endswith(heads) for a in saved_as)):
+        raise UserError(f"--model {path!r}: a {config.model_type!r} model ({', '.join(saved_as) or 'no head'}) is not "
+                        "a causal LM; give a decoder checkpoint such as Qwen/Qwen3-4B")
 
 
 def toy_backbone(args: Args) -> str:
