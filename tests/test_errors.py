@@ -36,6 +36,10 @@ def test_empty_bank_says_how_many_succeeded_and_the_levers(tmp_path, capsys):
     # nothing is lost: the base rollouts are kept, and a rerun with a lower threshold starts from them
     recs = [json.loads(x) for x in open(out / "base_rollouts.jsonl")]
     assert len(recs) == 2 and all(r["reward"] == 0.0 for r in recs)
+    # all of them in the bank, but each training task retrieves --n-ret 3 entries of OTHER tasks: one is there
+    line = one_line_exit(capsys, ["--out", str(out), "--max-new-tokens", "1", "--bank-threshold", "0", *FAST])
+    assert line.startswith("error: 2 of 2 base rollouts reached reward ≥ 0.0 (mean reward 0.00), too few for "
+                           "--n-ret 3") and "lower --n-ret" in line
 
 
 def test_a_model_folder_that_is_not_a_causal_lm(tmp_path, capsys):
