@@ -252,3 +252,22 @@ def test_the_tokenizers_own_parser_is_preferred():
     env = envs.ToolWorld(response_template=spec)
     env.reset(envs.make_splits(0, n_train=1, n_test=0)[0][0])
     assert env.step(reply).n_calls == 1
+
+
+def test_rollout_hands_the_tokenizers_parser_to_the_environment(tok, monkeypatch):
+    """lopd.rollout gives each environment the tokenizer's response_template: the same sampled reply is a call with
+    it and prose (the episode ends, no call) without it. Generation is replaced by that fixed reply."""
+    import torch
+    spec = {"start_anchor": "<|im_start|>assistant\n",
+            "fields": {"content": {}, "tool_calls": {"open": "<call>", "close": "</call>", "content": "json",
+                                                     "repeats": True}}}
+    reply = tok('<call>{"name": "find_customer", "arguments": {"account": "A5"}}</call>',
+                add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    monkeypatch.setattr(lopd, "generate_replies", lambda model, tokenizer, contexts, *a, **k:
+                        [(list(reply), [0.0] * len(reply), True) for _ in contexts])
+    task = envs.make_splits(0, n_train=1, n_test=0)[0][0]
+    run = lambda: lopd.rollout(torch.nn.Linear(1, 1), tok, [task], lopd.SampleConfig(max_new_tokens=4),  # noqa: E731
+                               lambda: envs.ToolWorld(max_steps=1))[0]
+    assert run().tool_calls == 0
+    monkeypatch.setattr(tok, "response_template", spec, raising=False)
+    assert run().tool_calls == 1
