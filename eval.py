@@ -81,9 +81,10 @@ def markdown_table(rows: dict, paper=PAPER_TABLE3, env: str = "tools") -> str:
     (env="code") shows pass@1 and Table 2's values in their own, labelled column."""
     if env == "code":
         rows = code_rows(rows) if rows and "reward" in next(iter(rows.values())) else rows
-        head = "| row | pass@1 | reply tokens | " + PAPER_TABLE2_HEAD + " |\n|---|---|---|---|\n"
-        return head + "\n".join(f"| {name} | {m['pass@1']:.3f} | {m['reply_tokens']:.1f} | "
-                                 f"{PAPER_TABLE2.get(name, '')} |" for name, m in rows.items()) + "\n"
+        head = ("| row | " + " | ".join(c for _, c in CODE_COLUMNS) + f" | {PAPER_TABLE2_HEAD} |\n|---|" +
+                "---|" * (len(CODE_COLUMNS) + 1) + "\n")
+        return head + "\n".join(f"| {name} | " + " | ".join(f"{m[k]:.3f}" for k, _ in CODE_COLUMNS) +
+                                 f" | {PAPER_TABLE2.get(name, '')} |" for name, m in rows.items()) + "\n"
     head = "| row | " + " | ".join(c for _, c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS) + "\n"
     lines = []
     for name, m in rows.items():

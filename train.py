@@ -291,6 +291,8 @@ def _check(p, a: Args):
         p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
     if a.env not in ("tools", "code"):
         p.error(f"--env must be tools or code, not {a.env!r}")
+    if a.chat_template and not os.path.isfile(a.chat_template):
+        p.error(f"--chat-template {a.chat_template!r}: no such file (give a Jinja chat-template file)")
     if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
         p.error(f"--tasks {a.tasks!r}: expected a folder holding train.jsonl and test.jsonl")
     for name in ("n_ret", "latents", "rollouts_per_step", "micro_batch", "top_m", "steps"):
@@ -367,8 +369,8 @@ def check_causal_lm(path: str):
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise UserError(f"--model {path!r}: not a Hugging Face model ({str(err).splitlines()[0]}); give a folder "
-                        "with config.json and weights, or a hub id such as Qwen/Qwen3-4B") from None
+        raise UserError(f"--model {path!r}: no model config could be read ({str(err).splitlines()[0]}); give a "
+                        "folder with config.json and weights, or a hub id such as Qwen/Qwen3-4B") from None
     heads = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
     saved_as = config.architectures or []          # an encoder checkpoint (e.g. BertModel) of a decoder-capable type
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (saved_as and not any(

@@ -55,7 +55,7 @@ def test_a_model_folder_that_is_not_a_causal_lm(tmp_path, capsys):
     empty.mkdir()
     (empty / "notes.txt").write_text("not a model")
     line = one_line_exit(capsys, ["--out", str(tmp_path / "run2"), "--model", str(empty), *FAST])
-    assert f"--model '{empty}': not a Hugging Face model" in line and "config.json" in line
+    assert f"--model '{empty}': no model config could be read" in line and "config.json" in line
 
 
 def test_tasks_folder_without_train_jsonl(tmp_path, capsys):
@@ -77,6 +77,9 @@ def test_a_tokenizer_without_chat_template_is_named_and_the_flag_fixes_it(tmp_pa
     os.remove(base / "chat_template.jinja")
     line = one_line_exit(capsys, ["--out", str(tmp_path / "run"), "--model", str(base), *FAST])
     assert "no chat template" in line and "--chat-template FILE" in line
+    with pytest.raises(SystemExit) as err:                   # a template file that is not there: named, status 2
+        train.main(["--out", str(tmp_path / "run"), "--model", str(base), "--chat-template", str(tmp_path / "no")])
+    assert err.value.code == 2 and "--chat-template" in capsys.readouterr().err
     (tmp_path / "t.jinja").write_text(template)
     args = train.parse_args(["--out", str(tmp_path / "run"), "--model", str(base), "--chat-template",
                              str(tmp_path / "t.jinja")])

@@ -79,3 +79,21 @@ def test_code_world_run_reports_pass_at_1(runs):
         assert "| row | pass@1 | reply tokens | paper: Qwen3-4B pass@1 %, LiveCodeBench / EvalPlus |" in text
         assert "| LOPD student |" in text and "48.78 / 81.36" in text
         assert "calls/step" not in text and "repeated calls" not in text
+
+
+def test_code_tables_say_pass_at_1_and_tool_tables_keep_table_3(tmp_path):
+    """eval.write_results from summaries (no model): a code run's json and markdown hold pass@1 and reply length,
+    with Table 2's values labelled; a tool run keeps Table 3's columns with EnvScaler's values in brackets."""
+    import eval as ev
+    summary = {"reward": 0.25, "steps": 1.0, "calls_per_step": 0.0, "first_len": 40.0, "repeated_calls": 0.0,
+               "reward_per_call": 0.25, "full_pass": 0.25}
+    rows = {"vanilla": dict(summary), "LOPD student": {**summary, "reward": 0.5}}
+    ev.write_results(str(tmp_path), rows, env="code")
+    saved = json.load(open(tmp_path / "results.json"))["rows"]
+    assert saved == {"vanilla": {"pass@1": 0.25, "reply_tokens": 40.0}, "LOPD student": {"pass@1": 0.5, "reply_tokens": 40.0}}
+    md = open(tmp_path / "results.md").read()
+    assert "| vanilla | 0.250 | 40.000 | 45.61 / – |" in md and "| LOPD student | 0.500 | 40.000 | 48.78 / 81.36 |" in md
+    assert "calls/step" not in md and "(0.486)" not in md
+    ev.write_results(str(tmp_path), rows, env="tools")
+    md = open(tmp_path / "results.md").read()
+    assert "| vanilla | 0.250 (0.486) |" in md and "calls/step" in md and "pass@1" not in md
