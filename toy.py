@@ -496,6 +496,8 @@ def smollm2_folder(out: str | None = None, log=print) -> str:
         os.replace(tmp, out)
     except OSError:                                        # another process finished first: keep its folder
         shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(out, "model.safetensors")):
+            raise FileExistsError(f"SmolLM2: {out} holds files but no model; remove it or give another folder")
     log(f"SmolLM2-135M-Instruct: {gguf} -> {out} in {time.time() - t0:.0f}s")
     return out
 

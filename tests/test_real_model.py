@@ -97,3 +97,20 @@ def test_code_tables_say_pass_at_1_and_tool_tables_keep_table_3(tmp_path):
     ev.write_results(str(tmp_path), rows, env="tools")
     md = open(tmp_path / "results.md").read()
     assert "| vanilla | 0.250 (0.486) |" in md and "calls/step" in md and "pass@1" not in md
+
+
+def test_the_smollm2_folder_is_the_pretrained_model(smollm2):
+    """The folder built from the GGUF is an ordinary Llama checkpoint (no quantization config) whose de-quantized
+    weights are the pretrained ones: greedy decoding knows the capital of France."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    config = json.load(open(os.path.join(smollm2, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 49152
+    assert "quantization_config" not in config
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
