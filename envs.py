@@ -30,9 +30,10 @@ The world
 - Reward in [0, 1] (EnvScaler-style checklist): the fraction of required final-state changes present in the
   committed state, minus one item for each collateral change to a record the task did not ask to change.
 - Actions use the Qwen3 format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Llama 3's bare JSON and
-  Olmo 3's `<function_calls>` parse too: "Tool calls" below); several calls in one reply are all executed (and counted: Table 3's "tool calls per step"). A malformed, unknown or wrongly-typed
-  call gets an error observation; `step` never raises. A reply without a tool call ends the episode (the agent
-  believes it is done; A.5 asks for exactly `Task Completed`), as does the step cap.
+  Olmo 3's `<function_calls>` parse too: "Tool calls" below); several calls in one reply are all executed (and
+  counted: Table 3's "tool calls per step"). A malformed, unknown or wrongly-typed call gets an error observation;
+  `step` never raises. A reply without a tool call ends the episode (the agent believes it is done; A.5 asks for
+  exactly `Task Completed`), as does the step cap.
 
 The code domain (train.py --env code --tasks DIR)
 -------------------------------------------------

@@ -563,7 +563,8 @@ def check_bank(args, bank, episodes):
     if len(bank) - max(per_task.values(), default=0) >= args.n_ret:
         return
     mean = sum(e.reward for e in episodes) / max(1, len(episodes))
-    head = f"{len(bank)} of {len(episodes)} base rollouts reached reward ≥ {args.bank_threshold} (mean reward {mean:.2f})"
+    head = (f"{len(bank)} of {len(episodes)} base rollouts reached reward ≥ {args.bank_threshold} "
+            f"(mean reward {mean:.2f})")
     why = ("so the experience bank is empty" if not bank else
            f"too few for --n-ret {args.n_ret} entries of other tasks per training task")
     raise UserError(f"{head}, {why}. Raise --bank-rollouts, lower --bank-threshold" +

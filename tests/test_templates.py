@@ -196,7 +196,8 @@ def test_several_calls_in_one_reply_each_format():
     two = [CALL, ("get_customer", {"customer_id": "C4"})]
     assert envs.parse_tool_calls(REPLIES["qwen3"] + '\n<tool_call>\n{"name": "get_customer", "arguments": '
                                  '{"customer_id": "C4"}}\n</tool_call>') == two
-    assert envs.parse_tool_calls(REPLIES["llama3"] + '; {"name": "get_customer", "parameters": {"customer_id": "C4"}}') == two
+    second = '; {"name": "get_customer", "parameters": {"customer_id": "C4"}}'
+    assert envs.parse_tool_calls(REPLIES["llama3"] + second) == two
     assert envs.parse_tool_calls('<function_calls>\nfind_customer(account="A5")\nget_customer(customer_id="C4")\n'
                                  '</function_calls>') == two
     assert envs.parse_tool_calls('<function_calls>\nadd_order(customer_id="C4", item="K7", qty=2)\n</function_calls>') \
