@@ -331,7 +331,7 @@ def synthetic_episodes(tok, tasks, tokens: int, vocab: int, make_env):
     eps = []
     for t in tasks:
         e = lopd.Episode(t)
-        e.add(lopd.prompt_ids(tok, make_env().reset(t), envs.TOOLS), sampled=False)
+        e.add(lopd.prompt_ids(tok, make_env().reset(t)), sampled=False)
         e.prompt_len = len(e.ids)
         e.add(torch.randint(0, vocab, (tokens,), generator=g).tolist(), sampled=True)
         eps.append(e)
@@ -378,7 +378,7 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
             mb = slice(i, i + micro_batch)
             lat = clock("compose", lambda: lopd.compose(composer, tasks[mb], exps[mb]))
             ls, lt, cid, om = clock("teacher + student forward", lambda: lopd.student_teacher_logits(
-                student, composer, tok, eps[mb], lat, envs.ToolWorld, envs.TOOLS))
+                student, composer, tok, eps[mb], lat, envs.ToolWorld))
             loss, _ = losses.lopd_objective(ls, lt, cid, om, torch.ones(len(ls), device=device), 0.1, 0.05, lat,
                                             lat.detach(), 0.2, n_tokens=n_tok)
             clock("backward", lambda: (loss.backward(), sync()))

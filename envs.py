@@ -29,10 +29,11 @@ The world
   and two-digit codes took up to twice as long (the second digit matches many places).
 - Reward in [0, 1] (EnvScaler-style checklist): the fraction of required final-state changes present in the
   committed state, minus one item for each collateral change to a record the task did not ask to change.
-- Actions use the Qwen3 format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; several calls in one
-  reply are all executed (and counted: Table 3's "tool calls per step"). A malformed, unknown or wrongly-typed
-  call gets an error observation; `step` never raises. A reply without a tool call ends the episode (the agent
-  believes it is done; A.5 asks for exactly `Task Completed`), as does the step cap.
+- Actions use the Qwen3 format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Llama 3's bare JSON and
+  Olmo 3's `<function_calls>` parse too: "Tool calls" below); several calls in one reply are all executed (and
+  counted: Table 3's "tool calls per step"). A malformed, unknown or wrongly-typed call gets an error observation;
+  `step` never raises. A reply without a tool call ends the episode (the agent believes it is done; A.5 asks for
+  exactly `Task Completed`), as does the step cap.
 
 The code domain (train.py --env code --tasks DIR)
 -------------------------------------------------
@@ -65,6 +66,7 @@ Deviations from the paper
 from __future__ import annotations
 
 import argparse
+import ast
 import base64
 import copy
 import dataclasses
@@ -332,31 +334,123 @@ def load_tasks(path: str) -> list[Task]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tool calls: parse the Qwen3 format
+# Tool calls: the formats of the model families (Qwen3/Hermes, Llama 3, Olmo 3), or the tokenizer's own parser
 # ----------------------------------------------------------------------------------------------------------------
+# A model whose template lists the tools answers in its family's format; one whose template ignores them is told
+# the Qwen3 format (inject.tools_block). Each parser returns (name, arguments) per call, or (None, error message)
+# for a call that is there but malformed: the error is the call's observation, never an exception.
+#   Qwen3 / Hermes   <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number per reply
+#   Llama 3.x        the whole reply is JSON {"name": ..., "parameters": {...}} (calls may be joined by ";"),
+#                    optionally after <|python_tag|>
+#   Olmo 3           <function_calls>name(key=value, ...)</function_calls>, one Python-style call a line with
+#                    keyword arguments and literal values (as the official code's olmo3 protocol parses it)
+# A tokenizer with a `response_template` (transformers >= 5 reads it from tokenizer_config.json) parses its own
+# replies (`parse_with_template`); where it finds no call, the formats above are tried.
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+OLMO_CALLS_RE = re.compile(r"<function_calls>(.*?)</function_calls>", re.S)
+PYTHON_TAG = "<|python_tag|>"
 
 
-def parse_tool_calls(text: str):
-    """Return a list of (name, arguments) or (None, error message) for each <tool_call> block in `text`."""
-    calls = []
-    for body in TOOL_CALL_RE.findall(text):
+def _call_from_object(obj, key: str = "arguments"):
+    """(name, arguments) from a decoded call object, or (None, error)."""
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):      # OpenAI style {"function": {...}}
+        obj = obj["function"]
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None, "Error: tool call needs a string 'name'"
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):                                                # arguments sent as a JSON string
         try:
-            obj = json.loads(body)
+            args = json.loads(args)
         except json.JSONDecodeError:
-            calls.append((None, "Error: tool call is not valid JSON"))
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            calls.append((None, "Error: tool call needs a string 'name'"))
-            continue
-        args = obj.get("arguments", {})
-        if not isinstance(args, dict):
-            calls.append((None, "Error: 'arguments' must be an object"))
-            continue
-        calls.append((obj["name"], args))
-    if "<tool_call>" in text and len(calls) < text.count("<tool_call>"):
+            return None, f"Error: '{key}' is not valid JSON"
+    if not isinstance(args, dict):
+        return None, f"Error: '{key}' must be an object"
+    return obj["name"], args
+
+
+def _json_call(body: str, key: str = "arguments"):
+    try:
+        return _call_from_object(json.loads(body), key)
+    except json.JSONDecodeError:
+        return None, "Error: tool call is not valid JSON"
+
+
+def parse_qwen_calls(text: str):
+    """Qwen3 / Hermes: each <tool_call> block; an unterminated one is an error."""
+    calls = [_json_call(body) for body in TOOL_CALL_RE.findall(text)]
+    if text.count("<tool_call>") > len(calls):
         calls.append((None, "Error: unterminated <tool_call>"))
     return calls
+
+
+def parse_llama_calls(text: str):
+    """Llama 3.x: the reply is a JSON call (or several joined by ';'). Prose, even prose quoting JSON, is no call."""
+    body = text.strip()
+    body = body[len(PYTHON_TAG):].strip() if body.startswith(PYTHON_TAG) else body
+    if not body.startswith("{"):
+        return []
+    calls, decoder, i = [], json.JSONDecoder(), 0
+    while i < len(body):
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return calls + [(None, "Error: tool call is not valid JSON")]
+        calls.append(_call_from_object(obj, "parameters"))
+        while i < len(body) and body[i] in " \t\r\n;":
+            i += 1
+    return calls
+
+
+def _literal(node):
+    """A Python literal of an Olmo 3 call argument (strings, numbers, booleans, None, lists, dicts)."""
+    value = ast.literal_eval(node)
+    if isinstance(value, (tuple, set, bytes, complex)):
+        raise ValueError("arguments must be JSON values")
+    return value
+
+
+def parse_olmo_calls(text: str):
+    """Olmo 3: each line inside <function_calls> is name(key=literal, ...)."""
+    calls = []
+    for block in OLMO_CALLS_RE.findall(text):
+        for line in filter(None, (x.strip() for x in block.splitlines())):
+            try:
+                node = ast.parse(line, mode="eval").body
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                    raise ValueError("a call needs the form name(key=value, ...)")
+                if any(k.arg is None for k in node.keywords):
+                    raise ValueError("**kwargs is not allowed")
+                calls.append((node.func.id, {k.arg: _literal(k.value) for k in node.keywords}))
+            except (SyntaxError, ValueError) as err:
+                calls.append((None, f"Error: malformed function call {line[:60]!r} ({err})"))
+    if text.count("<function_calls>") > len(OLMO_CALLS_RE.findall(text)):
+        calls.append((None, "Error: unterminated <function_calls>"))
+    return calls
+
+
+def parse_with_template(text: str, response_template: dict):
+    """The tokenizer's own parser (transformers' `parse_response` on its `response_template`). A call region it
+    cannot parse is an error observation."""
+    from transformers.utils.chat_parsing import parse_response
+    try:
+        parsed = parse_response(text, response_template, prefix="")
+    except ValueError as err:
+        return [(None, f"Error: tool call could not be parsed ({str(err).splitlines()[0]})")]
+    return [_call_from_object(c) for c in parsed.get("tool_calls") or []]
+
+
+def parse_tool_calls(text: str, response_template: dict | None = None):
+    """Every tool call in one reply, in whichever family's format it is written: a list of (name, arguments) or
+    (None, error message). The tokenizer's own parser first, where it has one."""
+    if response_template:
+        calls = parse_with_template(text, response_template)
+        if calls:
+            return calls
+    for parse in (parse_qwen_calls, parse_olmo_calls, parse_llama_calls):
+        calls = parse(text)
+        if calls:
+            return calls
+    return []
 
 
 def format_call(name: str, args: dict) -> str:
@@ -400,7 +494,8 @@ class ToolWorld:
     aborted: bool = False                         # a call to a tool the shop lacks ended the session
     steps: int = 0
     trace: list = field(default_factory=list)     # [(name, args, result)] for the observation-lite trace
-    tools = TOOLS
+    tools: list | None = field(default_factory=lambda: TOOLS)   # schemas for the chat template; None: not listed
+    response_template: dict | None = None   # the tokenizer's reply parser, if it has one (lopd.rollout sets it)
 
     def reset(self, task: Task) -> list[dict]:
         self.task, self.db, self.staged, self.verified = task, copy.deepcopy(task.db), [], set()
@@ -412,7 +507,7 @@ class ToolWorld:
         self.steps += 1
         if self.aborted:   # nothing runs after an abort
             return StepResult(["Error: the session was aborted"], True, 0, 1)
-        calls = parse_tool_calls(reply)
+        calls = parse_tool_calls(reply, self.response_template)
         if not calls:  # 'Task Completed', or any reply without a tool call, ends the episode
             return StepResult([], True)
         obs, errors = [], 0

@@ -7,7 +7,8 @@
     python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks (B.3)
 
 The rows themselves are train.py's stage 6 (`train.evaluate`: vanilla, base + composer, the LOPD student alone,
-each with Table 3's behaviour counts). This file loads a run through train.py (`train.load_args`, `train.load_run`)
+each with Table 3's behaviour counts; a code run reports pass@1 and the reply length instead, beside paper Table
+2's Qwen3-4B values where the text gives them). This file loads a run through train.py (`train.load_args`, `train.load_run`)
 and adds what only a finished run can show. It imports train.py; train.py never imports it.
 
 Latent inspection (§4.4). The paper projects each latent token through the LM head and reads its nearest words.
@@ -49,7 +50,7 @@ def final_eval(args: train.Args, n_test: int = 0, temperature=None, controls: bo
                                                        run["tok"], tasks, temperature, keep=keep))
     if controls:
         rows.update({k: v for k, v in train.world_check(args, run, tasks).items() if k not in rows})
-    train.write_results(args.out, rows)
+    train.write_results(args.out, rows, env=args.env)
     return rows, run, tasks
 
 
@@ -249,8 +250,9 @@ def main(argv=None):
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     keep = {} if a.conventions else None
-    rows, run, tasks = final_eval(args, a.n_test, a.temperature, a.world_check, keep)
-    print(train.markdown_table(rows))
+    with train.one_line_errors():
+        rows, run, tasks = final_eval(args, a.n_test, a.temperature, a.world_check, keep)
+    print(train.markdown_table(rows, env=args.env))
     if a.conventions:
         print(conventions_table(run["tok"], train.name_student_row(args, keep)))
     if a.inspect_latents:

@@ -38,10 +38,18 @@ Deviations from the paper
 3. A prompt whose text already contains the sentinel (e.g. a task text quoting it) is refused with ValueError
    instead of splitting in the wrong place.
 4. The toy world uses a short framing (`TOY_FRAMING`); real models get A.5's word for word.
+
+Tools in the prompt (`chat_text`, used by every prompt: the student's, the teacher's, the baselines'). The tool
+schemas go to the chat template as `tools=`, which Qwen3's renders in its system turn. Some templates drop `tools=`
+silently (SmolLM2's, most base-model templates); the model then never learns that tools exist. `template_lists_tools`
+renders the same messages with and without a tool: equal text means the template ignores them. Such a template gets
+the tools in the system message as the official code writes them for every model: a "# Tools" block with one JSON
+schema a line inside <tools></tools>, and the <tool_call>{"name": ..., "arguments": ...}</tool_call> reply format.
 """
 from __future__ import annotations
 
 import functools
+import json
 
 import torch
 
@@ -67,6 +75,54 @@ CODING_FRAMING = (
 # and a 0.5 M-parameter model reads none of it. Like envs.TOY_SYSTEM_PROMPT, the toy world uses this short one;
 # real models get the A.5 text above (each environment names its framing: `ToolWorld.framing`).
 TOY_FRAMING = ("Reference, a different solved task:", "End of reference. Your task:")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rendering: the chat template, with the tools in the system prompt where the template drops `tools=`
+# ----------------------------------------------------------------------------------------------------------------
+def tools_block(tools) -> str:
+    """The tool list and the reply format as text, in the official code's layout (JSON schema a line)."""
+    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + schemas +
+            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+
+
+def with_tools_in_system(messages, tools) -> list[dict]:
+    """A copy of `messages` whose system message ends with `tools_block` (a system message is added if none)."""
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + tools_block(tools)}, *messages[1:]]
+    return [{"role": "system", "content": tools_block(tools)}, *messages]
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+_LISTS_TOOLS = {}       # chat template text -> does it render `tools=`? (checked once per template)
+
+
+def template_lists_tools(tokenizer) -> bool:
+    """Does the chat template render `tools=`? The same two messages, rendered with and without a tool."""
+    key = str(tokenizer.chat_template)
+    if key not in _LISTS_TOOLS:
+        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        render = lambda tools: tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,  # noqa: E731
+                                                             add_generation_prompt=True)
+        _LISTS_TOOLS[key] = render([_PROBE_TOOL]) != render(None)
+        if not _LISTS_TOOLS[key]:
+            print("chat template ignores tools=: the tool schemas and the <tool_call> format go into the system "
+                  "prompt (inject.tools_block, as the official code writes them)")
+    return _LISTS_TOOLS[key]
+
+
+def chat_text(tokenizer, messages, tools=None, enable_thinking=False) -> str:
+    """The chat template's text of `messages` plus the assistant header; tools by `tools=`, or in the system
+    message when the template ignores `tools=`."""
+    if tools and not template_lists_tools(tokenizer):
+        messages, tools = with_tools_in_system(messages, tools), None
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -106,8 +162,7 @@ def latent_prompt_ids(tokenizer, messages, n_latents: int, framing=AGENTIC_FRAMI
     with add_generation_prompt=True, so the ids end with the assistant header, like `lopd.prompt_ids`.
     Returns (ids, start): ids[start:start + n_latents] are the placeholders.
     """
-    text = tokenizer.apply_chat_template(_with_latent_block(messages, framing), tools=tools, tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=enable_thinking)
+    text = chat_text(tokenizer, _with_latent_block(messages, framing), tools, enable_thinking)
     count = text.count(LATENT_PH)
     if count != 1:
         raise ValueError(f"the rendered prompt holds the sentinel {LATENT_PH!r} {count} times, expected exactly "

@@ -61,9 +61,9 @@ from envs import DONE_TEXT, ToolWorld, format_call, lite_trace
 # Chat rendering: prompt ids and observation ids from the tokenizer's own chat template
 # ----------------------------------------------------------------------------------------------------------------
 def prompt_ids(tokenizer, messages, tools=None, enable_thinking=False) -> list[int]:
-    """Token ids of the first messages plus the assistant generation header."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
+    """Token ids of the first messages plus the assistant generation header. The tools go to the template, or
+    into the system message if the template ignores `tools=` (inject.chat_text)."""
+    text = inject.chat_text(tokenizer, messages, tools, enable_thinking)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -279,6 +279,9 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
     for start in range(0, len(tasks), cfg.batch_size):
         chunk = tasks[start:start + cfg.batch_size]
         envs = [make_env() for _ in chunk]
+        for env in envs:          # the tokenizer's own reply parser, where it has one (envs.parse_tool_calls)
+            if getattr(tokenizer, "response_template", None) and hasattr(env, "response_template"):
+                env.response_template = tokenizer.response_template
         eps = [Episode(t) for t in chunk]
         for ep, env in zip(eps, envs):
             msgs = env.reset(ep.task)

