@@ -16,6 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import envs
+import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
