@@ -79,14 +79,8 @@ def kill_after_first_checkpoint(proc, out, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def backbone(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    out = str(tmp_path_factory.mktemp("bb") / "toy")
-    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, lr=3e-3, hidden=32, layers=2,
-                       log=lambda *_: None)
-    torch.set_num_threads(n)
-    return out
+def backbone(toy_backbone_dir):
+    return toy_backbone_dir               # conftest's tiny toy backbone, built once per session
 
 
 @pytest.fixture(scope="module")
