@@ -4,7 +4,8 @@ teacher, the evaluation rows' isolation from the composer's LoRA, Table 3's beha
 
 Run: python -m pytest tests/test_method.py -q
 Offline: test_lopd.py's world (tiny toy backbone, K = 2 latents, J = 2, a scripted bank). Gradients are compared
-with float64 recomputations written out here (no call into losses.py), resume with an uninterrupted run.
+with recomputations whose losses are written out here in float64 (no call into losses.py) and with a central
+difference; resume with an uninterrupted run.
 Each test names the break it catches (a change to the guarded code under which it fails).
 """
 import copy
@@ -99,7 +100,8 @@ def _flat(gs, like):
 # ------------------------------------------------------------------------------------------------------------
 def test_composer_gradient_is_the_distillation_kl_through_the_teacher(world, two_betas):
     """λ = 0, c_φ0 = c_φ, β = 0: the only path to φ is p_T behind c_φ. The composer's gradient from lopd_step
-    equals the float64 autograd derivative of the written-out KL, and a central difference on one QFormer entry."""
+    equals the autograd derivative of the KL written out here (float64 from the logits on), and a central
+    difference of that KL on one QFormer entry."""
     tasks, runs = two_betas
     r = runs[0.0]
     params = r["comp"].trainable_parameters()
@@ -115,7 +117,7 @@ def test_composer_gradient_is_the_distillation_kl_through_the_teacher(world, two
     q = r["comp"].qformer.queries
     i = sum(p.numel() for p in params[:next(j for j, p in enumerate(params) if p is q)])   # q's flat offset
     k = int(want[i:i + q.numel()].abs().argmax())
-    h, vals = 1e-3, []
+    h, vals, saved = 1e-3, [], q.detach().clone()
     for sign in (1, -1):
         with torch.no_grad():
             q.view(-1)[k] += sign * h
@@ -123,9 +125,8 @@ def test_composer_gradient_is_the_distillation_kl_through_the_teacher(world, two
             lt = lopd.teacher_logits(r["comp"], world["tok"], r["eps"], latents, envs.ToolWorld, envs.TOOLS)
             ls, ids, om = lopd.student_logits(r["student"], world["tok"], r["eps"], "cpu")
             vals.append(ref_distill(ls, lt, ids, om, 5).item())
-            q.view(-1)[k] -= sign * h
+            q.copy_(saved)                                                # exactly back (two_betas is shared)
     fd = (vals[0] - vals[1]) / (2 * h)
-    print("fd", fd, want[i + k].item(), got[i + k].item())
     assert got[i + k].item() == pytest.approx(fd, rel=1e-2)
 
 
@@ -387,30 +388,29 @@ def test_vanilla_and_teacher_rows_are_the_pure_base(world):
 # 6. Table 3's behaviour counts on hand-scripted episodes
 # ------------------------------------------------------------------------------------------------------------
 def test_behaviour_metrics_on_scripted_episodes(world):
-    """Three episodes whose counts are known by construction; summarize() averages them column by column."""
+    """Three episodes whose counts are known by construction, on a "reorder" task of a shop without commit (its
+    checklist: the old order removed, the new one added); summarize() averages them column by column."""
     tok = world["tok"]
-    task = next(t for t in world["train"] if len(envs.oracle_calls(t)) >= 3)
-    oracle = envs.oracle_calls(task)
-    find = oracle[0]
-    assert find[0] == "find_customer"
-    # the intended procedure with the lookup repeated, once alone and once in a two-call reply
-    a = lopd.scripted_episode(tok, envs.ToolWorld(max_steps=20), task,
-                              [find, find, [oracle[1], find]] + oracle[2:], envs.TOOLS)
-    n_rest = len(oracle) - 2
-    first = tok(envs.format_call(*find), add_special_tokens=False)["input_ids"]
-    want_a = {"reward": 1.0, "steps": 4 + n_rest, "calls_per_step": (4 + n_rest) / (4 + n_rest),
-              "first_len": len(first) + 1, "repeated_calls": 2, "reward_per_call": 1 / (4 + n_rest),
-              "full_pass": 1.0}
-    # three lookups and "Task Completed": nothing written, reward 0
-    b = lopd.scripted_episode(tok, envs.ToolWorld(), task, [find] * 3, envs.TOOLS)
-    want_b = {"reward": 0.0, "steps": 4, "calls_per_step": 0.75, "first_len": len(first) + 1, "repeated_calls": 2,
-              "reward_per_call": 0.0, "full_pass": 0.0}
-    # cut by the world's step limit after two replies, the second with two different calls
-    c = lopd.scripted_episode(tok, envs.ToolWorld(max_steps=2), task, [find, [oracle[1], oracle[2]], find],
+    task = next(t for t in world["train"] if t.schema == "reorder" and not envs.SHOPS[t.shop][1])
+    find, verify, find_order, cancel, add = envs.oracle_calls(task)       # the intended procedure
+    assert (find[0], verify[0], cancel[0], add[0]) == ("find_customer", "verify_customer", "cancel_order",
+                                                       "add_order")
+    first = len(tok(envs.format_call(*find), add_special_tokens=False)["input_ids"]) + 1   # + end of turn
+    # the procedure, the lookup repeated twice in a three-call reply: 6 replies ("Task Completed" last), 7 calls
+    a = lopd.scripted_episode(tok, envs.ToolWorld(), task, [find, [verify, find, find], find_order, cancel, add],
                               envs.TOOLS)
-    want_c = {"reward": c.reward, "steps": 2, "calls_per_step": 1.5, "first_len": len(first) + 1,
-              "repeated_calls": 0, "reward_per_call": c.reward / 3, "full_pass": float(c.reward >= 1.0)}
-    assert c.reward < 1.0                                               # the procedure was not finished
+    want_a = {"reward": 1.0, "steps": 6, "calls_per_step": 7 / 6, "first_len": first, "repeated_calls": 2,
+              "reward_per_call": 1 / 7, "full_pass": 1.0}
+    # lookups only, one of another account (other arguments: not a repeat): 5 replies, 4 calls, nothing written
+    other = ("find_customer", {"account": "nobody"})
+    b = lopd.scripted_episode(tok, envs.ToolWorld(), task, [find, find, other, find], envs.TOOLS)
+    want_b = {"reward": 0.0, "steps": 5, "calls_per_step": 0.8, "first_len": first, "repeated_calls": 2,
+              "reward_per_call": 0.0, "full_pass": 0.0}
+    # cut by the world's 3-step limit before add_order: 3 replies, 4 calls, half the checklist done
+    c = lopd.scripted_episode(tok, envs.ToolWorld(max_steps=3), task, [find, verify, [find_order, cancel], add],
+                              envs.TOOLS)
+    want_c = {"reward": 0.5, "steps": 3, "calls_per_step": 4 / 3, "first_len": first, "repeated_calls": 0,
+              "reward_per_call": 0.125, "full_pass": 0.0}
     for ep, want in ((a, want_a), (b, want_b), (c, want_c)):
         assert ep.metrics() == pytest.approx(want), (ep.metrics(), want)
     means = lopd.summarize([a, b, c])
