@@ -9,6 +9,7 @@ difference; resume with an uninterrupted run.
 Each test names the break it catches (a change to the guarded code under which it fails).
 """
 import copy
+import json
 import os
 import sys
 import zlib
@@ -28,7 +29,7 @@ import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
 import train  # noqa: E402
-from test_lopd import J, SAMPLE, make_models, record_grads, run_step, world  # noqa: E402,F401  (world: fixture)
+from test_lopd import J, make_models, record_grads, run_step, world  # noqa: E402,F401  (world: fixture)
 
 BETA = 3.0          # the second β of the β/Δ test; large, so that its term stands well above fp32 noise
 
@@ -258,7 +259,6 @@ def test_loss_of_iteration_t_uses_beta_t_and_the_dual_step_follows(lopd_spied):
 
 
 def train_records(out, stage):
-    import json
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r["stage"] == stage]
 
