@@ -169,12 +169,14 @@ def _finish(ep: Episode, env: ToolWorld):
 
 def scripted_episode(tokenizer, env: ToolWorld, task, calls, tools=None, prompt_fn=None) -> Episode:
     """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one.
+    calls: one (name, arguments) per reply, or a list of them for one reply with several (parallel) calls.
     prompt_fn(tokenizer, messages) -> ids overrides the prompt, as in `rollout`."""
     ep = Episode(task)
     msgs = env.reset(task)
     ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else prompt_ids(tokenizer, msgs, tools), sampled=False)
     ep.prompt_len = len(ep.ids)
-    for reply in [format_call(n, a) for n, a in calls] + [DONE_TEXT]:
+    replies = ["\n".join(format_call(n, a) for n, a in (c if isinstance(c, list) else [c])) for c in calls]
+    for reply in replies + [DONE_TEXT]:
         ids = reply_ids(tokenizer, reply)
         ep.add(ids, sampled=True)
         obs = _record_step(ep, env, reply, len(ids))
@@ -587,8 +589,11 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
         # 4. the teacher re-scores exactly the student's ids behind c_φ; the student behind its own prompt
         ls, lt, ids, omega = student_teacher_logits(student, composer, tokenizer, eps[mb], latents, make_env, tools,
                                                     sample_cfg.enable_thinking)
-        # 5. eq. (13) at fixed β: one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor)
-        loss, m = losses.lopd_objective(ls, lt, ids, omega, rewards[mb].to(ls.device), beta, cfg.margin,
+        # 5. eq. (13) at fixed β: one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor).
+        # Each micro-batch carries its share b / B of the constant β·m, so that the micro-batch losses (and their
+        # logged values) sum to eq. (13) of the whole batch; the constant has no gradient.
+        share = cfg.margin * len(eps[mb]) / n_traj
+        loss, m = losses.lopd_objective(ls, lt, ids, omega, rewards[mb].to(ls.device), beta, share,
                                         None if cfg.freeze_composer else latents, c0, cfg.anchor, cfg.top_m,
                                         n_tokens, cfg.delta_per, n_traj)
         finite &= bool(torch.isfinite(loss))
@@ -597,11 +602,11 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
         for k, v in m.items():                                                            # micro-batch parts add
             totals[k] = totals.get(k, 0.0) + v
     student.eval()
-    # the parts add up over micro-batches (and ranks); the total is rebuilt so that β·m is counted once
-    parts = ("loss/distill", "privilege/delta", "loss/anchor")
+    # every part adds up over micro-batches and ranks, "loss/total" included: it is the sum of the losses
+    # backpropagated (eq. 13 of the whole batch)
+    parts = ("loss/distill", "privilege/delta", "loss/anchor", "loss/total")
     totals.update(zip(parts, all_sum(*(totals[k] for k in parts))))
     finite = all_true(finite)
-    totals["loss/total"] = totals["loss/distill"] + beta * (cfg.margin - totals["privilege/delta"]) + totals["loss/anchor"]
     # 6. AdamW steps, gradients clipped per model; 7. the dual step β ← [β + η_β (m − Δ)]₊
     finite = _step(opts, student, composer, cfg.clip, finite)
     if finite:

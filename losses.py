@@ -198,7 +198,8 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     rewards (B,) in [0, 1]; beta, margin, anchor_weight floats (β is a constant here: no gradient);
     c, c0 (B, J·K, d) latents (c=None drops the anchor, e.g. for a frozen composer).
     n_tokens / n_traj: whole-batch token / trajectory counts when micro-batching (defaults: this batch's).
-    The constant β·m is added once per call; it carries no gradient.
+    The constant β·m carries no gradient. A caller that splits a batch into micro-batches passes each one its
+    share of m (lopd.lopd_step: m·b/B), so that the returned losses sum to the whole batch's eq. (13).
     Returns (loss scalar, metrics: "loss/distill", "privilege/delta" (Δ), "loss/anchor" (λ-weighted), "loss/total").
     """
     sel = mask.bool()                                                   # (B, T)

@@ -30,3 +30,16 @@ def smollm2():
     except FileNotFoundError as err:
         pytest.skip(f"SmolLM2 tier: {err}")
     return toy.smollm2_folder(log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def toy_backbone_dir(tmp_path_factory):
+    """One tiny toy backbone folder (hidden 32, 2 layers, 60 pretraining steps) for every test module that needs
+    one: building it takes ~10 s, so it is built once per session. Nothing writes into it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = str(tmp_path_factory.mktemp("bb") / "toy")
+    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, lr=3e-3, hidden=32, layers=2,
+                       log=lambda *_: None)
+    torch.set_num_threads(n)
+    return out

@@ -20,7 +20,6 @@ import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
 import retrieval  # noqa: E402
-import toy  # noqa: E402
 from composer import Composer, ComposerConfig  # noqa: E402
 
 J = 2                                           # experiences per task; K = 2 latents each -> 4 latent positions
@@ -29,14 +28,12 @@ SAMPLE = lopd.SampleConfig(temperature=1.0, max_new_tokens=16, batch_size=8)
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The backbone folder, its tokenizer, train tasks, and a retriever over eight scripted episodes.
+def world(toy_backbone_dir):
+    """The backbone folder (conftest's), its tokenizer, train tasks, and a retriever over eight scripted episodes.
 
     Query vectors of every task are cached before any composer exists (as train.py does), so later retrieval never
     embeds through a backbone that carries the composer's LoRA."""
-    out = str(tmp_path_factory.mktemp("bb") / "toy")
-    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, lr=3e-3, hidden=32, layers=2,
-                       log=lambda *_: None)
+    out = toy_backbone_dir
     tok = AutoTokenizer.from_pretrained(out)
     base = AutoModelForCausalLM.from_pretrained(out).eval()
     train, _ = envs.make_splits(seed=0, n_train=14, n_test=1)
@@ -214,7 +211,7 @@ def test_micro_batches_sum_to_the_whole_batch(world):
     (b2, m2, ids2, g2), (b4, m4, ids4, g4) = results
     assert ids2 == ids4                                   # identical rollouts: the comparison is fair
     assert m2["loss/anchor"] > 0                          # the anchor term is exercised
-    for k in ("loss/distill", "privilege/delta", "loss/anchor"):
+    for k in ("loss/distill", "privilege/delta", "loss/anchor", "loss/total"):
         assert m2[k] == pytest.approx(m4[k], rel=1e-5, abs=1e-7), k
     assert b2 == pytest.approx(b4, rel=1e-6, abs=1e-9)
     for a, b in zip(g2, g4):

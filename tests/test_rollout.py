@@ -12,12 +12,10 @@ import toy
 
 
 @pytest.fixture(scope="module")
-def backbone(tmp_path_factory):
-    """A tiny pretraining run (the smoke test of base pretraining), saved as an ordinary HF folder."""
+def backbone(toy_backbone_dir):
+    """A tiny pretraining run (conftest's: the smoke test of base pretraining), saved as an ordinary HF folder."""
     torch.set_num_threads(1)
-    out = str(tmp_path_factory.mktemp("bb") / "toy")
-    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, lr=3e-3, hidden=32, layers=2,
-                       log=lambda *_: None)
+    out = toy_backbone_dir
     return AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out), out
 
 

@@ -81,14 +81,8 @@ def kill_after_first_checkpoint(proc, out, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def backbone(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    out = str(tmp_path_factory.mktemp("bb") / "toy")
-    toy.build_backbone(out, seed=0, n_demos=300, steps=60, batch=16, lr=3e-3, hidden=32, layers=2,
-                       log=lambda *_: None)
-    torch.set_num_threads(n)
-    return out
+def backbone(toy_backbone_dir):
+    return toy_backbone_dir               # conftest's tiny toy backbone, built once per session
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +147,32 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(runs):
     # the resumed process reused the cached stages (base rollouts, bank, composer φ0) instead of redoing them
     stages = [r["stage"] for r in records(runs["c"])]
     assert stages.count("base_rollouts") == stages.count("bank") == stages.count("cold_start_done") == 1
+
+
+def test_sigkill_then_resume_ends_with_the_same_weights_optimizers_and_beta(runs):
+    """Not only the logged metrics: the resumed run's final checkpoint holds the uninterrupted run's student and
+    composer weights, both AdamW states (moments and step counts), β and RNG streams, bit for bit. The kill lands
+    after step 1 or 2, so the resumed steps read optimizer moments that only the checkpoint carries."""
+    from safetensors.torch import load_file
+
+    def tensors(run):
+        ckpt, out = train.latest_checkpoint(run), {}
+        for root, _, files in os.walk(ckpt):
+            for f in files:
+                if f.endswith(".safetensors"):
+                    out.update({f"{os.path.relpath(root, ckpt)}/{f}:{k}": v
+                                for k, v in load_file(os.path.join(root, f)).items()})
+        return out, torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
+
+    (wa, sa), (wc, sc) = tensors(runs["a"]), tensors(runs["c"])
+    assert sa["step"] == sc["step"] == STEPS and sa["beta"] == sc["beta"] and sa["generations"] == sc["generations"]
+    assert wa.keys() == wc.keys() and any(k.startswith("composer") for k in wa)
+    assert all(torch.equal(wa[k], wc[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wc[k])]
+    for opt in ("opt_s", "opt_c"):
+        a, c = sa[opt]["state"], sc[opt]["state"]
+        assert a.keys() == c.keys() and a
+        assert all(torch.equal(a[i][k], c[i][k]) for i in a for k in a[i]), opt
+    assert torch.equal(sa["rng"]["torch"], sc["rng"]["torch"]) and sa["rng"]["tasks"] == sc["rng"]["tasks"]
 
 
 def test_checkpoint_is_whole_and_loadable(runs, backbone):
