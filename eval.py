@@ -2,7 +2,7 @@
 
     python eval.py --run runs/toy                    # Table 3's rows again; results.md and results.json in the run
     python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
-    python eval.py --run runs/toy --inspect-latents  # what the composer carries (§4.4; see `latent_contrast`)
+    python eval.py --run runs/toy --inspect-latents  # what the composer carries (§4.4; `latent_similarity`)
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
     python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks (B.3)
 
@@ -12,10 +12,12 @@ each with Table 3's behaviour counts; a code run reports pass@1 and the reply le
 and adds what only a finished run can show. It imports train.py; train.py never imports it.
 
 Latent inspection (§4.4). The paper projects each latent token through the LM head and reads its nearest words.
-On the toy run that prints the same five tokens for every latent of every task (the latents share a large common
-component), which says nothing about what a latent carries. `latent_contrast` removes what all tasks share: it
-projects each latent minus the mean latent at its position over the held-out tasks. `teacher_shift` shows what the
-experience changes in the teacher: the reply tokens of one episode whose teacher log-probability moves most
+On the toy run that prints the same five tokens for every latent of every task, and so does the projection of
+each latent minus the mean latent over tasks (all 24 latents of a task move along one shared direction, which is
+no word's): the latents are not words. What they carry shows in how they differ between tasks instead.
+`latent_similarity` removes what all tasks share and asks whether two tasks' latents point the same way when the
+tasks share a shop (the conventions a reference shows) or a task family (the procedure). `teacher_shift` shows what
+the experience changes in the teacher: the reply tokens of one episode whose teacher log-probability moves most
 between latents of same-variant references and latents of other variants' references.
 
 Code benchmarks (B.3). `--tasks FILE ...` scores the run's student on benchmark files in their released layouts
@@ -33,6 +35,7 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import envs
@@ -72,23 +75,17 @@ def conventions_table(tok, episodes: dict) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # §4.4: what the composer carries
 # ----------------------------------------------------------------------------------------------------------------
-def _words(tok, ids) -> str:
-    return "  ".join(repr(tok.decode([i])) for i in ids)
-
-
 @torch.no_grad()
-def latent_contrast(composer, tok, latents, top: int = 5) -> list[str]:
-    """latents (N, n, d) of N tasks. For the first task, each latent minus the mean latent at its position over
-    the N tasks, through the LM head: the words this task's latent favours more than the average latent does.
-    Also the share of the latent's norm that is task-specific. -> one line per latent."""
-    head = composer.backbone.get_output_embeddings()
-    mean = latents.mean(0)                                                    # (n, d) what every task shares
-    diff = latents[0] - mean                                                  # (n, d) what this task adds
-    share = diff.norm(dim=-1) / latents[0].norm(dim=-1).clamp_min(1e-12)      # (n,)
-    # the LM head is linear (no bias in these backbones): head(c − c̄) = head(c) − head(c̄)
-    logits = head(diff.to(head.weight.dtype)).float()                        # (n, V)
-    return [f"latent {k:3d} ({share[k]:.0%} task-specific): " + _words(tok, row.topk(top).indices.tolist())
-            for k, row in enumerate(logits)]
+def latent_similarity(latents, groups) -> tuple[float, float]:
+    """latents (N, n, d) of N tasks; groups: N labels (the tasks' shops, say). Each task's latents minus the mean
+    over the N tasks, flattened, then the mean cosine between two different tasks of the same group and between
+    two tasks of different groups. -> (same, different)."""
+    own = (latents.float() - latents.float().mean(0)).flatten(1)             # (N, n·d) what each task adds
+    cos = F.normalize(own, dim=-1) @ F.normalize(own, dim=-1).T               # (N, N)
+    label = list(groups)
+    same = torch.tensor([[a == b for b in label] for a in label])             # (N, N)
+    off = ~torch.eye(len(label), dtype=torch.bool)                            # two DIFFERENT tasks
+    return cos[same & off].mean().item(), cos[~same].mean().item()
 
 
 @torch.no_grad()
@@ -112,23 +109,37 @@ def teacher_shift(composer, tok, ep, lat_same, lat_other, make_env, tools=None, 
     return lines
 
 
+def similarity_table(latents_by_mode: dict, tasks) -> str:
+    """Markdown: `latent_similarity` with the tasks grouped by variant (shop, judge) and by schema (task family),
+    for each retrieval mode's latents. Groupings with a single label (real tasks have none) are left out."""
+    keys = [k for k in ("variant", "schema") if len({getattr(t, k, "") for t in tasks}) > 1]
+    lines = ["| references | " + " | ".join(f"same {k} | other {k}" for k in keys) + " |",
+             "|---|" + "---|---|" * len(keys)]
+    for mode, latents in latents_by_mode.items():
+        cells = [f"{v:+.3f}" for k in keys for v in latent_similarity(latents, [getattr(t, k) for t in tasks])]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
-    """Print `latent_contrast` over the first n_tasks held-out tasks and `teacher_shift` on the first task's
-    greedy teacher episode (base + composer with same-variant references)."""
+    """§4.4, what the latents carry: `similarity_table` over the first n_tasks held-out tasks (latents of their
+    retrieved references, and of other variants' references), then `teacher_shift` on the first task's greedy
+    teacher episode (base + composer with same-variant references)."""
     composer, tok, ret, make_env = run["composer"], run["tok"], run["retriever"], train.env_factory(args)
     tools = make_env().tools
     part = tasks[:n_tasks]
     with torch.no_grad(), train.precision(composer.peft):
-        latents = lopd.compose(composer, part, lopd.retrieve(ret, part, args.n_ret, "same"))       # (N, J·K, d)
-        other = lopd.compose(composer, part[:1], lopd.retrieve(ret, part[:1], args.n_ret, "other"))[0]
+        latents = {mode: lopd.compose(composer, part, lopd.retrieve(ret, part, args.n_ret, mode))   # (N, J·K, d)
+                   for mode in ("same", "other")}
         greedy = dataclasses.replace(train.sample_config(args), temperature=0.0)
-        ep = lopd.teacher_rollout(composer, tok, part[:1], latents[:1], greedy, make_env, tools)[0]
-        print(f"\nTask {part[0].task_id}: {part[0].text}")
-        print(f"Each latent minus the mean latent over {len(part)} tasks, through the LM head (§4.4):")
-        print("\n".join(latent_contrast(composer, tok, latents)))
-        print(f"\nThe teacher's greedy episode (reward {ep.reward:.2f}): the tokens whose probability moves most "
+        ep = lopd.teacher_rollout(composer, tok, part[:1], latents["same"][:1], greedy, make_env, tools)[0]
+        print(f"\nWhat the latents carry: each task's latents minus their mean over {len(part)} held-out tasks, "
+              "and the mean cosine between two tasks of the same group or of different groups (§4.4):\n")
+        print(similarity_table(latents, part))
+        print(f"Task {part[0].task_id}: {part[0].text}")
+        print(f"The teacher's greedy episode (reward {ep.reward:.2f}): the tokens whose probability moves most "
               "between same-variant and other-variant references:")
-        print("\n".join(teacher_shift(composer, tok, ep, latents[0], other, make_env, tools)))
+        print("\n".join(teacher_shift(composer, tok, ep, latents["same"][0], latents["other"][0], make_env, tools)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,8 +236,9 @@ def main(argv=None):
     p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
     p.add_argument("--inspect-latents", action="store_true",
-                   help="what the composer carries: latents against the mean latent, and the teacher's tokens that "
-                        "move most between same- and other-variant references (§4.4)")
+                   help="what the composer carries: how latents differ between tasks of the same and of other "
+                        "shops and families, and the teacher's tokens that move most between same- and "
+                        "other-variant references (§4.4)")
     p.add_argument("--world-check", action="store_true",
                    help="also base + composer with other-variant references and with no reference (does the teacher "
                         "use the experience?)")

@@ -120,8 +120,10 @@ def test_eval_script_on_a_finished_run(runs, tmp_path):
     assert rc == 0, err[-3000:]
     for row in ("vanilla", "base + composer", "LOPD student"):
         assert f"| {row} |" in out
-    # --inspect-latents: one contrast line per latent (3 retrieved × 2 latents), then the teacher's moved tokens
-    assert len(re.findall(r"^latent +\d+ \(\d+% task-specific\): ", out, re.M)) == 6, out[-2000:]
+    # --inspect-latents: the similarity table (by shop and by task family, for both retrievals), then the teacher's
+    # eight most moved tokens
+    assert "| references | same variant | other variant | same schema | other schema |" in out, out[-2000:]
+    assert len(re.findall(r"^\| (same|other) \|( [+-]\d\.\d{3} \|){4}$", out, re.M)) == 2, out[-2000:]
     assert len(re.findall(r"^ *[+-]\d+\.\d\d nats ", out, re.M)) == 8, out[-2000:]
     # --conventions is the toy code world's; on the tool world it is refused with the flag and the run named
     rc, _, err = finish(start([sys.executable, "eval.py", "--run", runs["a"], "--conventions"], tmp_path / "conv"),
@@ -356,19 +358,15 @@ def test_toy_code_world_pipeline(tmp_path):
     assert all(0.0 <= float(x) <= 1.0 for line in table[2:5] for x in line.strip(" |").split(" | ")[1:])
 
 
-def test_latent_contrast_removes_what_every_task_shares():
-    """eval.latent_contrast projects latent − mean latent: identical latents are 0% task-specific, and the words
-    it ranks first are the LM head's argmax of the difference (checked against a direct projection)."""
-    import types
-
+def test_latent_similarity_groups_tasks_by_what_their_latents_add():
+    """eval.latent_similarity against a hand computation: tasks whose latents differ by a per-group direction are
+    alike within a group (cosine 1) and opposite across two groups (cosine −1); groups that explain nothing come
+    out near 0 on both sides of the table."""
     import eval as ev
     torch.manual_seed(0)
-    head = torch.nn.Linear(4, 6, bias=False)
-    fake = types.SimpleNamespace(backbone=types.SimpleNamespace(get_output_embeddings=lambda: head))
-    tok = types.SimpleNamespace(decode=lambda ids: "w" + str(ids[0]))
-    same = torch.randn(1, 3, 4).repeat(5, 1, 1)                              # (N=5 tasks, n=3, d=4)
-    assert all(" (0% task-specific)" in line for line in ev.latent_contrast(fake, tok, same, top=1))
-    lat = same + torch.randn(5, 3, 4)
-    best = head(lat[0] - lat.mean(0)).argmax(-1).tolist()                   # (n,)
-    lines = ev.latent_contrast(fake, tok, lat, top=1)
-    assert [line.split(": ")[1] for line in lines] == [f"'w{b}'" for b in best]
+    shared, direction = torch.randn(1, 3, 4), torch.randn(3, 4)
+    lat = torch.cat([shared + direction, shared + direction, shared - direction, shared - direction])   # (4, 3, 4)
+    assert ev.latent_similarity(lat, ["a", "a", "b", "b"]) == pytest.approx((1.0, -1.0), abs=1e-5)
+    # grouped the other way, each pair holds one task of each kind: same-group pairs are opposite (−1), and of the
+    # four cross-group pairs two are alike and two opposite (mean 0)
+    assert ev.latent_similarity(lat, ["a", "b", "a", "b"]) == pytest.approx((-1.0, 0.0), abs=1e-5)
