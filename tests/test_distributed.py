@@ -145,11 +145,11 @@ def equivalence(backbone, out):
         opts = (torch.optim.SGD(student.parameters(), lr=1.0), torch.optim.SGD(comp.trainable_parameters(), lr=1.0))
         cfg = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9)
         beta, m, _ = lopd.lopd_step(student, comp, tok, lopd.shard(tasks), ret, c0, 0.3, opts, cfg, lopd.SampleConfig(),
-                                    envs.ToolWorld, envs.TOOLS)
+                                    envs.ToolWorld, None)
         opt = torch.optim.SGD(grpo_student.parameters(), lr=1.0)
         bcfg = lopd.BaselineConfig(group=2, micro_batch=1, clip=1e9)
         g_m, _ = lopd.grpo_step(grpo_student, tok, lopd.shard(tasks[:2]), opt, bcfg, lopd.SampleConfig(),
-                                envs.ToolWorld, envs.TOOLS)
+                                envs.ToolWorld, None)
     finally:
         lopd.rollout = saved
     def change(model):
