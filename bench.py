@@ -417,12 +417,7 @@ def generate_replies_keeping_logits(model, tokenizer, contexts, cfg, embed_fn=No
     new = out.sequences[:, ids.shape[1]:]                                             # (B, N)
     logits = torch.stack(out.logits, 1).float()                                       # (B, N, V)
     logp = F.log_softmax(logits, -1).gather(-1, new[:, :, None])[..., 0]              # (B, N)
-    rows = []
-    for i in range(len(contexts)):
-        eos = (new[i] == tokenizer.eos_token_id).nonzero()
-        n = int(eos[0]) + 1 if len(eos) else new.shape[1]
-        rows.append((new[i, :n].tolist(), logp[i, :n].tolist(), bool(len(eos))))
-    return rows
+    return lopd.cut_at_eos(new, logp, tokenizer.eos_token_id)
 
 
 def _kib(field: str) -> int:

@@ -260,10 +260,14 @@ def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=Non
         new = model.generate(input_ids=ids, **kw)[:, ids.shape[1]:]        # (B, N)
     else:
         new = model.generate(inputs_embeds=embed_fn(ids, att), **kw)       # (B, N): only new tokens
-    logp = logps.finish(new)                                              # (B, N)
+    return cut_at_eos(new, logps.finish(new), tokenizer.eos_token_id)      # logps: (B, N)
+
+
+def cut_at_eos(new, logp, eos_id: int) -> list:
+    """Each row's reply up to and including its first eos: [(ids, log-probs, ended with eos)]. new, logp (B, N)."""
     rows = []
-    for i in range(len(contexts)):
-        eos = (new[i] == tokenizer.eos_token_id).nonzero()
+    for i in range(new.shape[0]):
+        eos = (new[i] == eos_id).nonzero()
         n = int(eos[0]) + 1 if len(eos) else new.shape[1]
         rows.append((new[i, :n].tolist(), logp[i, :n].tolist(), bool(len(eos))))
     return rows

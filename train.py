@@ -1,6 +1,6 @@
 """The command line: the whole LOPD pipeline, from a backbone to a trained student (paper §4.1, A.2, B.2).
 
-    python train.py                              # toy world, toy backbone, CPU, about 9 minutes on two cores
+    python train.py                              # toy world, toy backbone, CPU, about 6 minutes on two cores
     python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
     python train.py --method grpo                # a baseline on the same loop (grpo | opsd | sdpo | rft)
     torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-8B   # data parallel on 8 GPUs, one node
