@@ -496,6 +496,7 @@ class LOPDConfig:
     clip: float = 1.0          # gradient clipping, student and composer each
     freeze_composer: bool = False
     retrieval: str = "same"    # what the composer reads: same (the method) | other | none (controls, `retrieve`)
+    privilege_against: str = "student"   # δ's baseline: the student (eq. 11) | phi0, the teacher behind c_φ0
 
 
 def pack(prefixes, conts, pad_id, device):
@@ -593,13 +594,17 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
         # 4. the teacher re-scores exactly the student's ids behind c_φ; the student behind its own prompt
         ls, lt, ids, omega = student_teacher_logits(student, composer, tokenizer, eps[mb], latents, make_env, tools,
                                                     sample_cfg.enable_thinking)
+        ref = None                                                                        # eq. (11): the student
+        if cfg.privilege_against == "phi0":       # option: the teacher behind φ0's latents (losses.py, deviation 6)
+            with torch.no_grad():
+                ref = teacher_logits(composer, tokenizer, eps[mb], c0, make_env, tools, sample_cfg.enable_thinking)
         # 5. eq. (13) at fixed β: one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor).
         # Each micro-batch carries its share b / B of the constant β·m, so that the micro-batch losses (and their
         # logged values) sum to eq. (13) of the whole batch; the constant has no gradient.
         share = cfg.margin * len(eps[mb]) / n_traj
         loss, m = losses.lopd_objective(ls, lt, ids, omega, rewards[mb].to(ls.device), beta, share,
                                         None if cfg.freeze_composer else latents, c0, cfg.anchor, cfg.top_m,
-                                        n_tokens, cfg.delta_per, n_traj)
+                                        n_tokens, cfg.delta_per, n_traj, ref)
         finite &= bool(torch.isfinite(loss))
         if finite:
             loss.backward()

@@ -41,6 +41,10 @@ Deviations from the paper (and choices it leaves open):
   5. Anchor reduction. The paper writes ‖c_φ − sg[c_φ0]‖²₂ (a sum). The official code (lopd/worker.py,
      `composer_loss`) takes the MEAN of the squared entries over (J·K, d) per trajectory, then averages over
      trajectories; λ = 0.2 was tuned for that scale, so we follow the code (see `latent_anchor`).
+  6. An option, not the default: `ref_logits` measures δ against the teacher behind φ0's latents instead of the
+     student (train.py --privilege-against phi0). On the toy code world the joint teacher drifted towards its
+     student while Δ (against the student) stayed above m, so β stayed 0; against φ0, a teacher that loses what
+     its cold start knew has Δ < 0 and β pushes back. docs/results.md reports what it did.
 """
 import torch
 import torch.nn.functional as F
@@ -191,13 +195,16 @@ def latent_anchor(c, c0, weight, n_traj=None):
 
 
 def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, margin, c, c0, anchor_weight,
-                   top_m=20, n_tokens=None, per="trajectory", n_traj=None):
+                   top_m=20, n_tokens=None, per="trajectory", n_traj=None, ref_logits=None):
     """Eq. (13): L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖², for one batch of student trajectories.
 
     student_logits, teacher_logits (B, T, V) and ids, mask ω (B, T) ALIGNED (logits[:, t] scores ids[:, t]);
     rewards (B,) in [0, 1]; beta, margin, anchor_weight floats (β is a constant here: no gradient);
     c, c0 (B, J·K, d) latents (c=None drops the anchor, e.g. for a frozen composer).
     n_tokens / n_traj: whole-batch token / trajectory counts when micro-batching (defaults: this batch's).
+    ref_logits (B, T, V): what δ measures the teacher against. None is the paper's eq. (11), the student; the
+    option `--privilege-against phi0` passes the teacher behind φ0's cached latents, so that Δ is the teacher's
+    outcome-weighted gain over its cold start (a remedy for a teacher that drifts towards its student; deviation 6).
     The constant β·m carries no gradient. A caller that splits a batch into micro-batches passes each one its
     share of m (lopd.lopd_step: m·b/B), so that the returned losses sum to the whole batch's eq. (13).
     Returns (loss scalar, metrics: "loss/distill", "privilege/delta" (Δ), "loss/anchor" (λ-weighted), "loss/total").
@@ -211,7 +218,8 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     distill = bucket_reverse_kl(logq_s, logq_t).sum() / n               # scalar
     # eq. (11): δ at the sampled ids, a gather from the same log-probs (no extra forward)
     a = ids[sel].unsqueeze(-1)                                          # (N, 1)
-    delta = privilege_delta(logp_t.gather(-1, a).squeeze(-1), logp_s.gather(-1, a).squeeze(-1))  # (N,)
+    logp_ref = logp_s if ref_logits is None else supervised_logprobs(ref_logits, sel)     # (N, V)
+    delta = privilege_delta(logp_t.gather(-1, a).squeeze(-1), logp_ref.gather(-1, a).squeeze(-1))  # (N,)
     # eq. (12): outcome-weighted privilege Δ
     norm = n_traj if per == "trajectory" else n_tokens
     Delta = outcome_weighted_privilege(_unflatten(delta, sel), sel, rewards, per, norm)  # scalar

@@ -183,6 +183,9 @@ none (no reference; the task too only where --composer-input has it)"""
     """η_β, step size of the dual variable β (B.2: 0.5)"""
     delta_per: str = "trajectory"
     """Δ normalisation: trajectory (eq. 12) | token"""
+    privilege_against: str = "student"
+    """what δ (eq. 11) measures the teacher against: student (the paper) | phi0 (the teacher behind its cold-start
+latents: a remedy for a teacher that drifts towards its student; losses.py, deviation 6)"""
     freeze_composer: bool = False
     """keep the composer at its cold start φ0 during joint training (Figure 3 ablation)"""
     temperature: float = 0.7
@@ -303,6 +306,8 @@ def _check(p, a: Args):
         p.error(f"--retrieval must be one of {', '.join(lopd.RETRIEVAL_MODES)}, not {a.retrieval!r}")
     if a.delta_per not in ("trajectory", "token"):
         p.error(f"--delta-per must be trajectory or token, not {a.delta_per!r}")
+    if a.privilege_against not in ("student", "phi0"):
+        p.error(f"--privilege-against must be student or phi0, not {a.privilege_against!r}")
     if a.model and not os.path.isdir(a.model) and (a.model.startswith((".", "/")) or a.model.count("/") != 1):
         p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
     if a.env not in ("tools", "code"):
@@ -853,6 +858,7 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
 def lopd_config(args: Args) -> lopd.LOPDConfig:
     return lopd.LOPDConfig(n_ret=args.n_ret, top_m=args.top_m, margin=args.margin, anchor=args.anchor,
                            dual_lr=args.dual_lr, delta_per=args.delta_per, micro_batch=args.micro_batch,
+                           privilege_against=args.privilege_against,
                            clip=args.clip, freeze_composer=args.freeze_composer, retrieval=args.retrieval)
 
 

@@ -254,6 +254,20 @@ def test_lopd_step_feeds_its_delta_to_the_dual_step(world, margin):
         assert betas == [0.0, 0.0]
 
 
+def test_privilege_against_phi0_is_zero_while_the_composer_is_at_phi0(world):
+    """--privilege-against phi0: δ measures the teacher behind c_φ against the teacher behind the cached c_φ0. On
+    the first step φ = φ0, so Δ is 0 (up to float rounding) and β rises by η_β·m; the paper's Δ (against the
+    student) on the same rollouts is not 0."""
+    runs = {}
+    for against in ("student", "phi0"):
+        student, comp, tasks, c0, opts, _ = setup_step(world, seed=2, tasks=world["train"][6:9])
+        runs[against] = run_step(world, student, comp, tasks, c0, opts, beta=0.0, privilege_against=against,
+                                 dual_lr=0.5, micro_batch=2)[1]
+    assert abs(runs["phi0"]["privilege/delta"]) < 1e-6 < abs(runs["student"]["privilege/delta"])
+    assert runs["phi0"]["dual/beta"] == pytest.approx(0.5 * 0.05, abs=1e-6)
+    assert runs["phi0"]["loss/distill"] == runs["student"]["loss/distill"]     # the same rollouts and KL
+
+
 # ------------------------------------------------------------------------------------------------------------
 # 5. a non-finite loss or gradient skips the update
 # ------------------------------------------------------------------------------------------------------------

@@ -295,3 +295,24 @@ def test_lopd_objective_parts_and_gradients():
     s2 = s.detach().clone().requires_grad_(True)
     losses.reverse_kl_topm(s2, te.detach(), mask, top_m=M).backward()
     assert torch.allclose(s.grad, s2.grad, atol=1e-7)
+
+
+def test_privilege_against_a_reference_policy():
+    """ref_logits (the teacher behind φ0's latents, --privilege-against phi0): δ = log πT(a) − log πref(a). With the
+    student as the reference it is eq. (11) exactly; with the teacher itself Δ is 0; otherwise Δ matches the float64
+    brute force, and the student's gradient is still the distillation gradient alone."""
+    s, te, ids, mask = make_batch(seed=13)
+    ref = make_batch(seed=14)[1]
+    r = torch.tensor([1.0, 0.0])
+    args = (ids, mask, r, 0.7, 0.05, None, None, 0.2)
+    plain = losses.lopd_objective(s, te, *args, top_m=M)[1]
+    assert losses.lopd_objective(s, te, *args, top_m=M, ref_logits=s)[1] == plain
+    assert losses.lopd_objective(s, te, *args, top_m=M, ref_logits=te)[1]["privilege/delta"] == 0.0
+    s.requires_grad_(True)
+    loss, met = losses.lopd_objective(s, te, *args, top_m=M, ref_logits=ref)
+    want = bf_Delta(bf_token_logp(te, ids) - bf_token_logp(ref, ids), mask, r, "trajectory")
+    assert abs(met["privilege/delta"] - want) < 1e-5 and abs(met["privilege/delta"] - plain["privilege/delta"]) > 1e-3
+    loss.backward()
+    s2 = s.detach().clone().requires_grad_(True)
+    losses.reverse_kl_topm(s2, te, mask, top_m=M).backward()
+    assert torch.allclose(s.grad, s2.grad, atol=1e-7)
