@@ -420,7 +420,7 @@ def generate_replies_keeping_logits(model, tokenizer, contexts, cfg, embed_fn=No
     return lopd.cut_at_eos(new, logp, tokenizer.eos_token_id)
 
 
-def _kib(field: str) -> int:
+def _proc_bytes(field: str) -> int:
     """A field of /proc/self/status in bytes (VmRSS: now, VmHWM: peak)."""
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 
@@ -451,11 +451,11 @@ def rollout_peak(keep_logits: bool, rollouts: int, tokens: int) -> tuple:
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")                                                          # peak RSS := current RSS
-        before = _kib("VmRSS")
+        before = _proc_bytes("VmRSS")
     t0 = time.perf_counter()
     lopd.rollout(model, tok, tasks, cfg, make_env)
     seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() if cuda else _kib("VmHWM")
+    peak = torch.cuda.max_memory_allocated() if cuda else _proc_bytes("VmHWM")
     return peak - before, seconds
 
 

@@ -411,8 +411,8 @@ def _literal(node):
 
 def parse_olmo_calls(text: str):
     """Olmo 3: each line inside <function_calls> is name(key=literal, ...)."""
-    calls = []
-    for block in OLMO_CALLS_RE.findall(text):
+    calls, blocks = [], OLMO_CALLS_RE.findall(text)
+    for block in blocks:
         for line in filter(None, (x.strip() for x in block.splitlines())):
             try:
                 node = ast.parse(line, mode="eval").body
@@ -423,7 +423,7 @@ def parse_olmo_calls(text: str):
                 calls.append((node.func.id, {k.arg: _literal(k.value) for k in node.keywords}))
             except (SyntaxError, ValueError) as err:
                 calls.append((None, f"Error: malformed function call {line[:60]!r} ({err})"))
-    if text.count("<function_calls>") > len(OLMO_CALLS_RE.findall(text)):
+    if text.count("<function_calls>") > len(blocks):
         calls.append((None, "Error: unterminated <function_calls>"))
     return calls
 

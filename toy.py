@@ -479,8 +479,7 @@ def smollm2_folder(out: str | None = None, log=print) -> str:
     folder, name = os.path.split(gguf)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    config.quantization_config = None
-    if hasattr(config, "quantization_config"):
+    if hasattr(config, "quantization_config"):          # a plain model, not a GGUF-quantized one
         del config.quantization_config
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model = LlamaForCausalLM(config).to(torch.float32)
