@@ -21,6 +21,11 @@ The world
   the missing tool was a harmless error; a composer then learned that task-independent prompt, and a reference
   from another shop did as well as one from the same shop.)
   A successful trajectory of another task in the SAME shop shows both conventions; one from another shop misleads.
+- The difficulty dial (`train.py --conventions K`, K = 1..4; `experiments.py dial`): 2^K shops, one for each
+  combination of K conventions. K = 2 is the world above, task for task. K = 1 keeps commit alone; K = 3 adds
+  `open_ticket()` (changes before it answer as usual and are dropped), K = 4 `notify_customer` (a session that
+  leaves a changed customer un-notified is void). Commit, ticket and notice cannot be read off observations;
+  verification's refusal names it. A success needs all K right, and the base applies each at chance.
 - Ten schemas (multi-step procedures: look up the customer id, find an order, update, cancel, add ...). The task
   text states the goal ("Cancel an order: item K7, account A5. Shop: cedar."), not the procedure. Tasks of one
   schema are "similar tasks". Entities are codes of one letter and one digit (A5, K7) rather than names, so that a
@@ -72,6 +77,7 @@ import copy
 import dataclasses
 import inspect
 import io
+import itertools
 import json
 import math
 import pickle
@@ -111,6 +117,45 @@ ABORTED = "Error: this shop has no '{}'; the session is aborted and its changes 
 CONVENTIONS = ((True, True), (True, False), (False, True), (False, False))
 SHOP_NAMES = ("alder", "cedar", "delta", "flint")
 SHOPS = dict(zip(SHOP_NAMES, CONVENTIONS))   # alder (T, T), cedar (T, F), delta (F, T), flint (F, F)
+
+# The difficulty dial (train.py --conventions K, experiments.py dial): K hidden conventions per shop and 2^K shops,
+# one for each combination. K = 2 is the world above, shop for shop. Each convention is a step to take or to skip,
+# and its tool aborts the session in a shop without it. Two more of the same kind for K = 3 and 4:
+#   ticket: changes count only after `open_ticket()`; before it a change answers as usual and is dropped;
+#   notify: a session ends void (rolled back) unless `notify_customer` follows the customer's last change.
+# Neither answers differently when forgotten, so neither can be read off observations; commit cannot either.
+# Verification can: its refusal names it ("verify the customer first"). So K = 1 keeps commit, not verify.
+WORLD_CONVENTIONS = {1: ("commit",), 2: ("verify", "commit"), 3: ("verify", "commit", "ticket"),
+                     4: ("verify", "commit", "ticket", "notify")}
+CONVENTION_TOOLS = {"verify": "verify_customer", "commit": "commit", "ticket": "open_ticket",
+                    "notify": "notify_customer"}
+_DIAL_NAMES = {1: ("gorse", "hazel"),
+               3: ("aspen", "briar", "cobalt", "dune", "ember", "fern", "grove", "heath"),
+               4: ("ivy", "jade", "kelp", "larch", "maple", "nettle", "onyx", "pine", "quartz", "reed", "sage",
+                   "thorn", "umber", "vale", "willow", "yarrow")}
+
+
+def _dial_shops(k: int, names) -> dict:
+    """{shop: {convention: required}}: shop i takes the i-th combination, all required first (as SHOPS)."""
+    return {n: dict(zip(WORLD_CONVENTIONS[k], bits))
+            for n, bits in zip(names, itertools.product((True, False), repeat=k))}
+
+
+# RULES[shop] for the shops of every K (names are unique across worlds, so a task's shop names its world).
+RULES = {n: r for k in WORLD_CONVENTIONS
+         for n, r in _dial_shops(k, SHOP_NAMES if k == 2 else _DIAL_NAMES[k]).items()}
+
+
+def shops(conventions: int = 2) -> list[str]:
+    """The shops of the world with `conventions` hidden conventions, sorted (K = 2: sorted(SHOPS))."""
+    if conventions not in WORLD_CONVENTIONS:
+        raise ValueError(f"--conventions {conventions}: the tool world has 1 to 4 conventions per shop")
+    return sorted(n for n, r in RULES.items() if len(r) == conventions)
+
+
+def world_of(shop: str) -> int:
+    """How many conventions the world of `shop` has."""
+    return len(RULES[shop])
 ITEMS = tuple(f"K{i}" for i in range(10))        # item codes (SKUs)
 TIERS = ("bronze", "silver", "gold")
 STATUSES = ("open", "held", "shipped")
@@ -139,6 +184,20 @@ TOOLS = [
     _tool("cancel_order", "Cancel (remove) an order.", order_id=("string", "order id")),
     _tool("commit", "Apply staged changes (only shops that stage changes; elsewhere the call aborts the session)."),
 ]
+# The dial's two further conventions (K = 3, 4); TOOLS stays K = 2's list.
+DIAL_TOOLS = [
+    _tool("open_ticket", "Open a ticket before changes (only shops that require it; elsewhere the call aborts the "
+          "session)."),
+    _tool("notify_customer", "Notify a customer of their changes (only shops that require it; elsewhere the call "
+          "aborts the session).", customer_id=("string", "customer id")),
+]
+
+
+def tools_for(conventions: int = 2) -> list:
+    """The tool list of the world with `conventions` conventions: every shop's tools (K = 2: TOOLS)."""
+    world = WORLD_CONVENTIONS[conventions]
+    return [t for t in TOOLS + DIAL_TOOLS if t["function"]["name"] not in
+            {tool for c, tool in CONVENTION_TOOLS.items() if c not in world}]
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tasks
@@ -264,8 +323,9 @@ SCHEMAS = {
 }
 
 
-def make_task(rng: random.Random, task_id: str, shop: str | None = None, schema: str | None = None) -> Task:
-    shop = shop or rng.choice(sorted(SHOPS))
+def make_task(rng: random.Random, task_id: str, shop: str | None = None, schema: str | None = None,
+              conventions: int = 2) -> Task:
+    shop = shop or rng.choice(shops(conventions))
     schema = schema or rng.choice(sorted(SCHEMAS))
     db = _random_db(rng)
     template, build = SCHEMAS[schema]
@@ -274,15 +334,15 @@ def make_task(rng: random.Random, task_id: str, shop: str | None = None, schema:
     return Task(task_id, shop, schema, text, db, goal, checklist)
 
 
-def make_splits(seed: int = 0, n_train: int = 1000, n_test: int = 200):
-    """Seeded, disjoint train and test splits (disjoint by task text, the thing a model sees). The test split is
-    drawn first, so that its schemas stay balanced: a schema with few distinct texts (upgrade: 4 shops × 10
-    accounts) runs out in the training split, not in the test split."""
+def make_splits(seed: int = 0, n_train: int = 1000, n_test: int = 200, conventions: int = 2):
+    """Seeded, disjoint train and test splits (disjoint by task text, the thing a model sees) of the world with
+    `conventions` conventions per shop. The test split is drawn first, so that its schemas stay balanced: a schema
+    with few distinct texts (upgrade: 4 shops × 10 accounts) runs out in the training split, not in the test split."""
     rng = random.Random(seed)
     seen, splits = set(), {"test": [], "train": []}
     for split, n in (("test", n_test), ("train", n_train)):
         while len(splits[split]) < n:
-            task = make_task(rng, f"{split}-{len(splits[split]):05d}")
+            task = make_task(rng, f"{split}-{len(splits[split]):05d}", conventions=conventions)
             if task.text not in seen:
                 seen.add(task.text)
                 splits[split].append(task)
@@ -323,8 +383,9 @@ def task_from_row(row, where: str) -> Task:
             raise ValueError(f"{where}: missing field '{key}'")
         if not isinstance(row[key], typ):
             raise ValueError(f"{where}: field '{key}' must be {typ.__name__}")
-    if row["shop"] not in SHOPS:
-        raise ValueError(f"{where}: unknown shop '{row['shop']}' (known: {', '.join(SHOPS)})")
+    if row["shop"] not in RULES:
+        raise ValueError(f"{where}: unknown shop '{row['shop']}' (known: {', '.join(SHOPS)}; the dial's: "
+                         f"{', '.join(n for n in RULES if n not in SHOPS)})")
     return Task(**{k: row[k] for k in _TASK_FIELDS})
 
 
@@ -491,6 +552,8 @@ class ToolWorld:
     db: dict = field(default_factory=dict)
     staged: list = field(default_factory=list)
     verified: set = field(default_factory=set)    # customers confirmed with verify_customer
+    ticket: bool = False                          # open_ticket was called (the dial's K >= 3)
+    unnotified: set = field(default_factory=set)  # customers changed since their last notice (the dial's K = 4)
     aborted: bool = False                         # a call to a tool the shop lacks ended the session
     steps: int = 0
     trace: list = field(default_factory=list)     # [(name, args, result)] for the observation-lite trace
@@ -499,7 +562,7 @@ class ToolWorld:
 
     def reset(self, task: Task) -> list[dict]:
         self.task, self.db, self.staged, self.verified = task, copy.deepcopy(task.db), [], set()
-        self.steps, self.trace, self.aborted = 0, [], False
+        self.steps, self.trace, self.aborted, self.ticket, self.unnotified = 0, [], False, False, set()
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.text}]
 
     def step(self, reply: str) -> StepResult:
@@ -525,13 +588,14 @@ class ToolWorld:
         return StepResult(obs, self.aborted or self.steps >= self.max_steps, len(calls), errors)
 
     def lacks(self, name) -> bool:
-        """Is `name` a listed tool that this task's shop does not have (verify_customer or commit)?"""
-        verify, staged = SHOPS[self.task.shop]
-        return (name == "verify_customer" and not verify) or (name == "commit" and not staged)
+        """Is `name` a convention's tool (verify_customer, commit; the dial's open_ticket, notify_customer) of this
+        task's world that its shop does not have?"""
+        return any(name == CONVENTION_TOOLS[c] and not required for c, required in RULES[self.task.shop].items())
 
     # -- tools ---------------------------------------------------------------------------------------------------
     def _call(self, name: str, args: dict) -> str:
-        spec = next((t["function"] for t in TOOLS if t["function"]["name"] == name), None)
+        world = tools_for(world_of(self.task.shop))
+        spec = next((t["function"] for t in world if t["function"]["name"] == name), None)
         if spec is None:
             return f"Error: unknown tool '{name}'"
         params = spec["parameters"]["properties"]
@@ -558,6 +622,16 @@ class ToolWorld:
             return f"Error: no customer {customer_id}"
         self.verified.add(customer_id)
         return "Verified"
+
+    def _t_open_ticket(self):
+        self.ticket = True
+        return "Ticket open"
+
+    def _t_notify_customer(self, customer_id):
+        if customer_id not in self.db["customers"]:
+            return f"Error: no customer {customer_id}"
+        self.unnotified.discard(customer_id)
+        return "Notified"
 
     def _t_find_order(self, customer_id, item):
         if customer_id not in self.db["customers"]:
@@ -608,17 +682,25 @@ class ToolWorld:
         way ("Updated", "Cancelled", "Added"), so that whether to commit cannot be read off the observations (a
         reactive "commit after 'Staged'" policy would need no experience). One word for every change ("OK") sank
         the base to 0.12: a tiny model tracks its place in a procedure by these words."""
-        verify, staged = SHOPS[self.task.shop]
-        if verify and customer_id not in self.verified:
+        rules, answer = RULES[self.task.shop], ACCEPTED[change[0]]
+        if rules.get("verify") and customer_id not in self.verified:
             return "Error: verify the customer first"
-        if staged:
+        if rules.get("ticket") and not self.ticket:     # dropped, with the answer of an accepted change ...
+            change = ("dropped", change)                   # ... and staged as one, so commit's count is the same
+            if not rules.get("commit"):
+                return answer
+        if rules.get("notify"):
+            self.unnotified.add(customer_id)
+        if rules.get("commit"):
             self.staged.append(change)
-            return ACCEPTED[change[0]]
+            return answer
         return self._write(change)
 
     def _write(self, change) -> str:
         """Write one change to the database: its ACCEPTED answer, or an error."""
         kind, table = change[0], change[1]
+        if kind == "dropped":                              # the dial's ticket shops: staged without a ticket
+            return ACCEPTED[change[1][0]]
         if kind == "set":
             row = self.db[table].get(change[2])
             if row is None:  # removed after staging
@@ -636,7 +718,8 @@ class ToolWorld:
 
     # -- reward --------------------------------------------------------------------------------------------------
     def reward(self) -> float:
-        return checklist_reward(self.task, self.db)
+        # the dial's notify shops void a session that leaves a changed customer un-notified
+        return checklist_reward(self.task, self.task.db if self.unnotified else self.db)
 
     def trace_text(self) -> str:
         """The experience the bank keeps: the observation-lite trace (A.3)."""
@@ -687,7 +770,7 @@ def checklist_reward(task: Task, db: dict) -> float:
 def oracle_calls(task: Task) -> list[tuple[str, dict]]:
     """The intended procedure as a list of tool calls (ids read from the initial database)."""
     db, g, s = task.db, task.goal, task.schema
-    verify, staged = SHOPS[task.shop]
+    rules = RULES[task.shop]
     cid = next(c for c, row in db["customers"].items() if row["account"] == g["account"])
     oid = lambda item: next(o for o, r in sorted(db["orders"].items())                       # noqa: E731
                             if r["customer"] == cid and r["item"] == item)
@@ -696,8 +779,10 @@ def oracle_calls(task: Task) -> list[tuple[str, dict]]:
     tier = lambda v: ("update_customer", {"customer_id": cid, "field": "tier", "value": v})   # noqa: E731
     add = ("add_order", {"customer_id": cid, "item": g.get("item2"), "qty": 1})
     calls = [("find_customer", {"account": g["account"]})]
-    if verify:
+    if rules.get("verify"):
         calls.append(("verify_customer", {"customer_id": cid}))
+    if rules.get("ticket"):
+        calls.append(("open_ticket", {}))
     calls += {
         "upgrade": lambda: [tier("gold")],
         "downgrade": lambda: [tier("bronze")],
@@ -711,8 +796,10 @@ def oracle_calls(task: Task) -> list[tuple[str, dict]]:
         "reopen": lambda: [find(g["item"]), status(g["item"], "open")],
         "vip": lambda: [tier("gold"), find(g["item"]), status(g["item"], "shipped")],
     }[s]()
-    if staged:
+    if rules.get("commit"):
         calls.append(("commit", {}))
+    if rules.get("notify"):
+        calls.append(("notify_customer", {"customer_id": cid}))
     return calls
 
 

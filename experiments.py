@@ -3,6 +3,7 @@
     python experiments.py ablations                    # the ablation table: LOPD variants and controls, 3 seeds
     python experiments.py figure4                      # reward against generations: LOPD, GRPO, OPSD, SDPO, 3 seeds
     python experiments.py figure4 --env code --seeds 1 --seed 2    # any train.py flag after the experiment's name
+    python experiments.py dial                         # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
 
 Each experiment runs train.py's stages 1-4 once per seed (`train.prepare`, cached in OUT/seedI), then several joint
 stages from the same θ̄, bank and φ0 (`train.joint_training`), and writes its table (and figure) into --out:
@@ -12,8 +13,12 @@ stages from the same θ̄, bank and φ0 (`train.joint_training`), and writes its
               controls and RFT; the student alone and the teacher at the end, mean ± std over seeds.
   figure4     OUT/figure4.csv, figure4.md, figure4.png: the student's held-out reward every 10 steps for LOPD,
               GRPO, OPSD and SDPO on one rollout budget, and where LOPD reaches GRPO's final reward (Figure 4).
+  dial        OUT/dial.csv, dial.md, dial.png: the difficulty dial. For K = 1..4 hidden conventions per shop
+              (train.py --conventions, each K with its own shipped backbone): LOPD, GRPO and RFT from one base,
+              bank and φ0 per seed, the gaps LOPD − GRPO and LOPD − RFT at the end, how often GRPO's groups held
+              equal rewards, the teacher at φ0 and at the end, and LOPD with δ against φ0 (the drift remedy).
 
-Both evaluate every 10 steps on 100 held-out tasks (`CURVE`); the table's LOPD run is Figure 4's LOPD curve, so
+The first two evaluate every 10 steps on 100 held-out tasks (`CURVE`); the table's LOPD run is Figure 4's LOPD curve, so
 the two share it when given the same --out. docs/results.md holds what they measured.
 
 Deviation: the paper runs each row once on Qwen3-4B; here each row is mean ± std over --seeds seeds of a 0.5 M
@@ -273,7 +278,201 @@ def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
     print(f"plot: {path}")
 
 
-EXPERIMENTS = {"ablations": ablations, "figure4": figure4}
+# ----------------------------------------------------------------------------------------------------------------
+# The difficulty dial: when does LOPD beat outcome RL? (issue 21; the paper's efficiency claim, Figure 4)
+# ----------------------------------------------------------------------------------------------------------------
+# K hidden conventions per shop (train.py --conventions K; envs.WORLD_CONVENTIONS), each with its own shipped toy
+# backbone. Per K and seed: one base, bank and φ0 (train.prepare), then each method's joint stage from them. LOPD
+# runs twice: with the paper's margin (δ against the student) and with δ against φ0's teacher (the teacher-drift
+# remedy, --privilege-against phi0). RFT spends no rollouts of its own (it re-reads the bank's successes).
+DIAL_METHODS = {"lopd": {}, "lopd-phi0": {"privilege_against": "phi0"}, "grpo": {"method": "grpo"},
+                "rft": {"method": "rft"}}
+# 40 iterations of 32 rollouts (1,280 generations; the other tables run 60), the student on 100 held-out tasks at
+# 0, 640 and 1,280 generations, the endpoint on all 200: about 8 minutes a seed and K on two cores.
+DIAL = {"steps": 40, "eval_every": 20, "eval_tasks": 100}
+DIAL_KS = (1, 2, 3, 4)
+
+
+def dial_seed(args: train.Args) -> list[dict]:
+    """One K and seed of the dial. Returns long rows {k, seed, method, measure, step, generations, value}:
+    measure is "student" (the student alone on the first --eval-tasks held-out tasks, at `step`), "student_end"
+    and "teacher" (base + composer, at step 0 with φ0 and at the end with the method's composer) on every held-out
+    task, "flat_groups" (GRPO: the share of its groups whose rewards were all equal, so no signal), or the base's
+    "vanilla", "bank" (entries) and "recall3_shop" (same-shop recall@3 of held-out queries). Cached in
+    OUT/dial.json."""
+    done = os.path.join(args.out, "dial.json")
+    if os.path.isfile(done):
+        return json.load(open(done))
+    run = train.prepare(args)
+    base_student = run["student"] if isinstance(run["student"], train.LoraStudent) else copy.deepcopy(run["student"])
+    row = lambda method, measure, step, gens, value: dict(k=args.conventions, seed=args.seed, method=method,  # noqa
+                                                           measure=measure, step=step, generations=gens, value=value)
+    start = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"],
+                           which=("vanilla", "base + composer"))
+    curve0 = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"][:args.eval_tasks],
+                            which=("vanilla",))["vanilla"]["reward"]
+    rows = [row("base", "vanilla", 0, 0, start["vanilla"]["reward"]),
+            row("base", "teacher", 0, 0, start["base + composer"]["reward"])]
+    bank = [r for r in map(json.loads, open(os.path.join(args.out, "metrics.jsonl"))) if r.get("stage") == "bank"]
+    if bank:           # the bank's size and how often retrieval finds the same shop (2^K shops)
+        rows += [row("base", "bank", 0, 0, bank[-1]["entries"]),
+                 row("base", "recall3_shop", 0, 0, bank[-1]["recall3_variant"])]
+    for method, change in DIAL_METHODS.items():
+        margs = dataclasses.replace(args, out=os.path.join(args.out, method), resume=True, **change)
+        os.makedirs(margs.out, exist_ok=True)
+        train.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+        fresh = base_student.reset() if isinstance(base_student, train.LoraStudent) else copy.deepcopy(base_student)
+        student = train.joint_training({**run, "args": margs, "student": fresh, "log": train.Log(margs.out)})
+        rows.append(row(method, "student", 0, 0, curve0))
+        last = {}
+        for rec in map(json.loads, open(os.path.join(margs.out, "metrics.jsonl"))):
+            if rec.get("stage") == margs.method:
+                last[rec["step"]] = rec          # a resumed run may have logged a step twice: the last one counts
+        rows += [row(method, "student", k + 1, r["generations"], r["reward/eval"])
+                 for k, r in sorted(last.items()) if "reward/eval" in r]
+        which = ("LOPD student", "base + composer") if margs.method == "lopd" else ("LOPD student",)
+        end = train.evaluate(margs, run["composer"], student, run["retriever"], run["tok"], run["test"], which=which)
+        gens = last[max(last)]["generations"]
+        rows.append(row(method, "student_end", margs.steps, gens, end["LOPD student"]["reward"]))
+        if "base + composer" in end:
+            rows.append(row(method, "teacher", margs.steps, gens, end["base + composer"]["reward"]))
+        if margs.method == "grpo":
+            flat = sum(r["grpo/zero_adv_groups"] for r in last.values())
+            groups = len(last) * margs.rollouts_per_step // margs.group
+            rows.append(row(method, "flat_groups", margs.steps, gens, flat / groups))
+    with open(done + ".tmp", "w") as f:
+        json.dump(rows, f)
+    os.replace(done + ".tmp", done)
+    return rows
+
+
+def dial(args: train.Args, seeds: int = 3, ks=DIAL_KS, given=()):
+    """`python experiments.py dial [--ks 1,2,3,4] [--seeds 3]`: every K × seed (OUT/kK/seedI), then OUT/dial.csv,
+    dial.md and dial.png. Runs for several --ks into the same --out add up: each K and seed is cached. DIAL's
+    sizes apply unless their flag is among `given` (the command line)."""
+    flags = {g.split("=")[0] for g in given}
+    args = dataclasses.replace(args, **{k: v for k, v in DIAL.items() if "--" + k.replace("_", "-") not in flags})
+    rows = []
+    for k in ks:
+        kargs = dataclasses.replace(args, conventions=k)
+        if not args.model:
+            kargs = dataclasses.replace(kargs, model=train.toy_backbone(kargs))
+        rows += [r for i in range(seeds) for r in dial_seed(dataclasses.replace(
+            kargs, seed=args.seed + i, out=os.path.join(args.out, f"k{k}", f"seed{i}")))]
+    keys = ("k", "seed", "method", "measure", "step", "generations", "value")
+    with open(os.path.join(args.out, "dial.csv"), "w") as f:
+        f.write(",".join(keys) + "\n")
+        f.writelines(",".join(str(r[key]) for key in keys) + "\n" for r in rows)
+    table = dial_table(rows)
+    with open(os.path.join(args.out, "dial.md"), "w") as f:
+        f.write(table)
+    print("\n" + table)
+    plot_dial(rows, os.path.join(args.out, "dial.png"))
+
+
+def _values(rows, k, method, measure, step=None) -> dict:
+    """{seed: value} of one K, method and measure (at `step`, if given)."""
+    return {r["seed"]: r["value"] for r in rows if r["k"] == k and r["method"] == method and r["measure"] == measure
+            and (step is None or r["step"] == step)}
+
+
+def _mean(vals, fmt: str) -> str:
+    return format(float(np.mean(vals)), fmt) if len(vals) else ""
+
+
+def _ms(vals) -> str:
+    return f"{np.mean(vals):.3f} ± {np.std(vals):.3f}" if len(vals) else ""
+
+
+def dial_gaps(rows) -> dict:
+    """{(k, "LOPD − GRPO" | "LOPD − RFT"): per-seed differences of the students' endpoint rewards}: paired, as
+    both students of a seed start from the same base, bank and φ0."""
+    out = {}
+    for k in sorted({r["k"] for r in rows}):
+        lopd_end = _values(rows, k, "lopd", "student_end")
+        for other in ("grpo", "rft"):
+            o = _values(rows, k, other, "student_end")
+            out[(k, f"LOPD − {other.upper()}")] = [lopd_end[s] - o[s] for s in sorted(lopd_end) if s in o]
+    return out
+
+
+def dial_table(rows) -> str:
+    """Two markdown tables: per K the endpoints (mean ± std over seeds) and the gaps; per K and method the
+    student on the first --eval-tasks held-out tasks at each evaluated budget."""
+    ks, gaps = sorted({r["k"] for r in rows}), dial_gaps(rows)
+    lines = ["| K | vanilla | teacher φ0 | LOPD | GRPO | RFT | LOPD − GRPO | LOPD − RFT | GRPO flat groups | "
+             "teacher end, LOPD | LOPD (δ vs φ0) | teacher end, δ vs φ0 | bank | same-shop recall@3 |",
+             "|---|" + "---|" * 13]
+    for k in ks:
+        v = lambda method, measure: list(_values(rows, k, method, measure).values())     # noqa: E731
+        teacher = lambda method: [r["value"] for r in rows if r["k"] == k and r["method"] == method   # noqa: E731
+                                  and r["measure"] == "teacher"]
+        lines.append(f"| {k} | {_ms(v('base', 'vanilla'))} | {_ms(teacher('base'))} | "
+                     f"{_ms(v('lopd', 'student_end'))} | {_ms(v('grpo', 'student_end'))} | "
+                     f"{_ms(v('rft', 'student_end'))} | {_ms(gaps[(k, 'LOPD − GRPO')])} | "
+                     f"{_ms(gaps[(k, 'LOPD − RFT')])} | {_ms(v('grpo', 'flat_groups'))} | {_ms(teacher('lopd'))} | "
+                     f"{_ms(v('lopd-phi0', 'student_end'))} | {_ms(teacher('lopd-phi0'))} | "
+                     f"{_mean(v('base', 'bank'), '.0f')} | {_mean(v('base', 'recall3_shop'), '.2f')} |")
+    seeds = len({r["seed"] for r in rows})
+    lines += ["", f"Held-out reward of the student alone at the end (all held-out tasks); {seeds} seeds, mean ± std "
+              "(gaps: of the per-seed differences). Teacher: base + composer.", "",
+              "| K | method | " + " | ".join(f"{g} generations" for g in _budgets(rows)) + " |",
+              "|---|---|" + "---|" * len(_budgets(rows))]
+    for k in ks:
+        for method in DIAL_METHODS:
+            cells = [_ms(list(_values(rows, k, method, "student", step).values())) for step in _steps(rows)]
+            lines.append(f"| {k} | {method} | " + " | ".join(cells) + " |")
+    lines += ["", "The student alone on the first --eval-tasks held-out tasks at each budget (training generations; "
+              "LOPD also spent its bank's base rollouts, RFT only those)."]
+    return "\n".join(lines) + "\n"
+
+
+def _steps(rows) -> list:
+    return sorted({r["step"] for r in rows if r["measure"] == "student"})
+
+
+def _budgets(rows) -> list:
+    """Training generations at each evaluated step (GRPO's count: 32 a step; LOPD's is the same past its bank)."""
+    per = {r["step"]: r["generations"] for r in rows if r["measure"] == "student" and r["method"] == "grpo"}
+    return [per.get(s, s) for s in _steps(rows)]
+
+
+def plot_dial(rows, path: str):
+    """Left: the endpoint gaps LOPD − GRPO and LOPD − RFT against K (mean ± std over seeds). Right: each
+    student's endpoint, the teacher at φ0 and vanilla against K."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    ks, gaps = sorted({r["k"] for r in rows}), dial_gaps(rows)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, name in enumerate(("LOPD − GRPO", "LOPD − RFT")):
+        vals = [gaps[(k, name)] for k in ks]
+        a.errorbar(np.array(ks) + 0.05 * (2 * i - 1), [np.mean(v) for v in vals], yerr=[np.std(v) for v in vals],
+                   marker="o", capsize=4, label=name)
+    a.axhline(0, color="k", lw=0.8)
+    a.set_xticks(ks)
+    a.set_xlabel("hidden conventions per shop (K)")
+    a.set_ylabel("gap in held-out reward (student alone)")
+    a.set_title("LOPD against outcome RL")
+    a.legend()
+    series = [("lopd", "student_end", "LOPD"), ("grpo", "student_end", "GRPO"), ("rft", "student_end", "RFT"),
+              ("lopd-phi0", "student_end", "LOPD, δ vs φ0"), ("base", "teacher", "teacher (φ0)"),
+              ("base", "vanilla", "vanilla")]
+    for method, measure, label in series:
+        vals = [list(_values(rows, k, method, measure, 0 if method == "base" else None).values()) for k in ks]
+        b.errorbar(ks, [np.mean(v) for v in vals], yerr=[np.std(v) for v in vals], marker="o", capsize=3,
+                   label=label, ls="--" if method == "base" else "-")
+    b.set_xticks(ks)
+    b.set_xlabel("hidden conventions per shop (K)")
+    b.set_ylabel("held-out reward")
+    b.set_title("Endpoints (1,280 training generations)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+EXPERIMENTS = {"ablations": ablations, "figure4": figure4, "dial": dial}
 
 
 def main(argv=None):
@@ -282,10 +481,21 @@ def main(argv=None):
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("experiment", choices=sorted(EXPERIMENTS), help="which experiment to run")
     p.add_argument("--seeds", type=int, default=3, help="seeds seed, seed+1, ...; rows are mean ± std (default: 3)")
+    p.add_argument("--ks", default="1,2,3,4", help="dial only: the K (hidden conventions per shop) to run, "
+                   "comma-separated (default: 1,2,3,4)")
     mine, rest = p.parse_known_args(argv)
     if mine.seeds < 1:
         p.error(f"--seeds must be at least 1, not {mine.seeds}")
-    return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds)
+    try:
+        ks = tuple(int(k) for k in mine.ks.split(","))
+    except ValueError:
+        ks = ()
+    if not ks or any(k not in DIAL_KS for k in ks):
+        p.error(f"--ks must list K from 1, 2, 3, 4 separated by commas, not {mine.ks!r}")
+    with train.one_line_errors():
+        if mine.experiment == "dial":
+            return dial(train.parse_args(rest), mine.seeds, ks, given=rest)
+        return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds)
 
 
 if __name__ == "__main__":

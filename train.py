@@ -23,6 +23,10 @@ command line always wins. The one that changes the method: on the toy world the 
 without the task (`--composer-input reference`; composer.py, deviation 5), because with the task it learned the
 shops' conventions from their names and ignored the reference.
 
+The difficulty dial: --conventions K (1-4) generates the tool world with K hidden conventions per shop (2 is the
+world of every other table) and uses that world's shipped toy backbone; experiments.py dial runs LOPD, GRPO and
+RFT on K = 1..4.
+
 Controls (is the student's gain due to latent privileged context?):
   --method rft          rejection fine-tuning: NLL on the bank's successful trajectories, no teacher, the same
                         student optimizer and step count (`lopd.rft_step`)
@@ -121,6 +125,9 @@ world, or --tasks with train.jsonl and test.jsonl in our, TACO, LiveCodeBench or
     """auto | cpu | cuda | mps"""
     dtype: str = "auto"
     """auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16"""
+    conventions: int = 2
+    """hidden conventions per shop of the generated tool world, 1-4 (the difficulty dial, experiments.py dial;
+2 = the world of every other table; envs.WORLD_CONVENTIONS); the toy backbone is the one built for that world"""
     n_train: int = 1000
     """generated training tasks (toy world)"""
     n_test: int = 200
@@ -312,6 +319,10 @@ def _check(p, a: Args):
         p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
     if a.env not in ("tools", "code"):
         p.error(f"--env must be tools or code, not {a.env!r}")
+    if a.conventions not in envs.WORLD_CONVENTIONS:
+        p.error(f"--conventions must be 1, 2, 3 or 4 (hidden conventions per shop), not {a.conventions}")
+    if a.conventions != 2 and (a.env != "tools" or a.tasks):
+        p.error("--conventions sets the generated tool world's difficulty; it takes --env tools and no --tasks")
     if a.chat_template and not os.path.isfile(a.chat_template):
         p.error(f"--chat-template {a.chat_template!r}: no such file (give a Jinja chat-template file)")
     if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
@@ -408,6 +419,7 @@ def load_backbone(args: Args, device, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = args.model or toy_backbone(args)
     check_causal_lm(path)
+    check_toy_world(args, path)
     tok = AutoTokenizer.from_pretrained(path)
     if args.chat_template:
         tok.chat_template = open(args.chat_template).read()
@@ -450,10 +462,24 @@ def check_causal_lm(path: str):
 
 
 def toy_backbone(args: Args) -> str:
-    """The toy backbone of --env: the shipped one (assets/), or one built once into OUT/backbone[-code]."""
+    """The toy backbone of --env (and --conventions): the shipped one (assets/), or one built once into
+    OUT/backbone[-code|-kK]."""
     import toy
-    name = "backbone" if args.env == "tools" else "backbone-code"
-    return toy.default_backbone(os.path.join(args.out, name), world=args.env)
+    name = "backbone-code" if args.env == "code" else "backbone" + ("" if args.conventions == 2 else
+                                                                      f"-k{args.conventions}")
+    return toy.default_backbone(os.path.join(args.out, name), world=args.env, conventions=args.conventions)
+
+
+def check_toy_world(args: Args, path: str):
+    """A toy backbone knows the tools of the world it was built for: a UserError if --conventions asks for
+    another world than the one `path` learned."""
+    import toy
+    if args.env == "tools" and not args.tasks and is_toy(dataclasses.replace(args, model=path)):
+        k = toy.backbone_conventions(path)
+        if k != args.conventions:
+            raise UserError(f"--model {path!r} was built for the tool world with {k} conventions, not "
+                            f"--conventions {args.conventions}; leave --model out (the shipped backbone of that "
+                            f"world is used) or build one: python toy.py --conventions {args.conventions}")
 
 
 def checkpointing(model):
@@ -640,7 +666,8 @@ def load_splits(args: Args):
         return load(os.path.join(args.tasks, "train.jsonl")), load(os.path.join(args.tasks, "test.jsonl"))
     make, save = ((envs.make_code_splits, envs.save_problems) if args.env == "code" else
                   (envs.make_splits, envs.save_tasks))
-    train, test = make(args.seed, args.n_train, args.n_test)     # the same on every rank (seeded)
+    k = {} if args.env == "code" else {"conventions": args.conventions}
+    train, test = make(args.seed, args.n_train, args.n_test, **k)     # the same on every rank (seeded)
     os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
     for name, tasks in (("train", train), ("test", test)):
         if lopd.rank() == 0:
@@ -659,7 +686,7 @@ def env_factory(args: Args):
         return lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING,
                                       max_steps=args.max_env_steps, tools=None)
     return lambda: envs.ToolWorld(system_prompt=envs.AGENTIC_SYSTEM_PROMPT, framing=inject.AGENTIC_FRAMING,
-                                  max_steps=args.max_env_steps)
+                                  max_steps=args.max_env_steps, tools=envs.tools_for(args.conventions))
 
 
 def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
@@ -1188,6 +1215,11 @@ def write_results(out: str, rows: dict, extra: dict | None = None, env: str = "t
 def prepare(args: Args):
     """Stages 1-4 (each cached in OUT): returns the pieces the joint stage and evaluation need."""
     os.makedirs(args.out, exist_ok=True)
+    saved = os.path.join(args.out, "args.json")
+    if os.path.isfile(saved) and json.load(open(saved)).get("conventions", 2) != args.conventions:
+        raise UserError(f"--out {args.out!r} holds a run of another tool world (its args.json has --conventions "
+                        f"{json.load(open(saved)).get('conventions', 2)}); its cached stages would not fit "
+                        f"--conventions {args.conventions}: give another --out")
     if lopd.rank() == 0:
         with open(os.path.join(args.out, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=1)

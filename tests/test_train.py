@@ -317,6 +317,32 @@ def test_figure4_command_writes_the_curves(runs, backbone, tmp_path):
     assert "| training generations | LOPD | GRPO | OPSD | SDPO |" in read(os.path.join(out, "figure4.md"))
 
 
+def test_dial_command_at_tiny_size(runs, backbone, tmp_path):
+    """experiments.py dial for K = 2 on the tests' tiny backbone (one seed, stages 1-4 copied from run a): four
+    joint runs, the CSV's measures, the table; then --ks 3 with that K = 2 backbone fails in one line."""
+    out = tmp_path / "dial"
+    (out / "k2" / "seed0").mkdir(parents=True)
+    for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
+        subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / "k2" / "seed0" / name)], check=True)
+    flags = train_cmd(backbone, out, "--steps", "4", "--eval-every", "2", "--eval-tasks", "3")[2:]
+    experiments.main(["dial", "--seeds", "1", "--ks", "2", *flags])
+    lines = (out / "dial.csv").read_text().splitlines()
+    assert lines[0] == "k,seed,method,measure,step,generations,value"
+    rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
+    got = {(r["method"], r["measure"], r["step"]) for r in rows}
+    for m in experiments.DIAL_METHODS:
+        assert {(m, "student", s) for s in ("0", "2", "4")} | {(m, "student_end", "4")} <= got
+    assert {("base", "vanilla", "0"), ("base", "teacher", "0"), ("lopd", "teacher", "4"),
+            ("lopd-phi0", "teacher", "4"), ("grpo", "flat_groups", "4")} <= got
+    flat = next(float(r["value"]) for r in rows if r["measure"] == "flat_groups")
+    zero = [json.loads(line).get("grpo/zero_adv_groups") for line in open(out / "k2" / "seed0" / "grpo" / "metrics.jsonl")]
+    assert flat == sum(z for z in zero if z is not None) / (4 * 1)       # 4 steps of one group of 4
+    assert "| K | vanilla | teacher φ0 | LOPD |" in (out / "dial.md").read_text()
+    r = subprocess.run([sys.executable, "experiments.py", "dial", "--seeds", "1", "--ks", "3", *flags], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "built for the tool world with 2 conventions" in r.stderr
+
+
 def test_figure4_table_reports_where_lopd_reaches_grpos_final_reward():
     def rows(method, rewards, bank=0):
         return [dict(method=method, seed=seed, step=10 * k, generations=bank + 320 * k, training_generations=320 * k,
