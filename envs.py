@@ -156,6 +156,8 @@ def shops(conventions: int = 2) -> list[str]:
 def world_of(shop: str) -> int:
     """How many conventions the world of `shop` has."""
     return len(RULES[shop])
+
+
 ITEMS = tuple(f"K{i}" for i in range(10))        # item codes (SKUs)
 TIERS = ("bronze", "silver", "gold")
 STATUSES = ("open", "held", "shipped")

@@ -313,7 +313,8 @@ def dial_seed(args: train.Args) -> list[dict]:
                             which=("vanilla",))["vanilla"]["reward"]
     rows = [row("base", "vanilla", 0, 0, start["vanilla"]["reward"]),
             row("base", "teacher", 0, 0, start["base + composer"]["reward"])]
-    bank = [r for r in map(json.loads, open(os.path.join(args.out, "metrics.jsonl"))) if r.get("stage") == "bank"]
+    log = os.path.join(args.out, "metrics.jsonl")       # absent when every stage came from a cache
+    bank = [r for r in map(json.loads, open(log)) if r.get("stage") == "bank"] if os.path.isfile(log) else []
     if bank:           # the bank's size and how often retrieval finds the same shop (2^K shops)
         rows += [row("base", "bank", 0, 0, bank[-1]["entries"]),
                  row("base", "recall3_shop", 0, 0, bank[-1]["recall3_variant"])]
@@ -414,7 +415,8 @@ def dial_table(rows) -> str:
                      f"{_ms(v('lopd-phi0', 'student_end'))} | {_ms(teacher('lopd-phi0'))} | "
                      f"{_mean(v('base', 'bank'), '.0f')} | {_mean(v('base', 'recall3_shop'), '.2f')} |")
     seeds = len({r["seed"] for r in rows})
-    lines += ["", f"Held-out reward of the student alone at the end (all held-out tasks); {seeds} seeds, mean ± std "
+    lines += ["", f"Held-out reward of the student alone at the end (all held-out tasks); {seeds} seed"
+              f"{'s' if seeds > 1 else ''}, mean ± std "
               "(gaps: of the per-seed differences). Teacher: base + composer.", "",
               "| K | method | " + " | ".join(f"{g} generations" for g in _budgets(rows)) + " |",
               "|---|---|" + "---|" * len(_budgets(rows))]

@@ -69,9 +69,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import inject
 import losses
-from envs import (CONVENTION_TOOLS, DONE_TEXT, JUDGES, RULES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, ToolWorld, code_oracle,
-                  format_call, lite_trace, make_code_problem, make_code_splits, make_splits, make_task, oracle_calls, shops,
-                  world_of)
+from envs import (CONVENTION_TOOLS, DONE_TEXT, JUDGES, RULES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld,
+                  ToolWorld, code_oracle, format_call, lite_trace, make_code_problem, make_code_splits, make_splits,
+                  make_task, oracle_calls, shops, world_of)
 from lopd import Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
 
 # ----------------------------------------------------------------------------------------------------------------

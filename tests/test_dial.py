@@ -183,7 +183,8 @@ def test_dial_gaps_are_paired_by_seed_and_tabled():
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_each_shipped_backbone_reads_a_same_shop_reference(k):
     """The reading check of every K's shipped backbone (toy.reading_check, 60 held-out tasks at T 0.7): a
-    same-shop reference in the span lifts it far above vanilla; another shop's does not."""
+    same-shop reference in the span lifts it far above vanilla; another shop's does not (it misleads: with K = 1 the
+    other shop's single convention is the wrong one, so following it fails every task)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import lopd
@@ -194,4 +195,4 @@ def test_each_shipped_backbone_reads_a_same_shop_reference(k):
     vanilla = lopd.summarize(lopd.rollout(model, tok, tasks, lopd.SampleConfig(temperature=0.7), ToolWorld))["reward"]
     r = toy.reading_check(model, tok, tasks, ToolWorld, seed=0)
     same, other = r["same variant"], r["other variant"]
-    assert same - vanilla > 0.2 and same - other > 0.3 and abs(other - vanilla) < 0.2, (vanilla, same, other)
+    assert same - vanilla > 0.2 and same - other > 0.3 and other < vanilla + 0.1, (vanilla, same, other)
