@@ -34,6 +34,7 @@ import os
 
 import numpy as np
 
+import lopd
 import train
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,6 +348,36 @@ def dial_seed(args: train.Args) -> list[dict]:
     return rows
 
 
+def retrieval_split(args: train.Args) -> list[dict]:
+    """How much of the teacher's reward at φ0 rests on retrieval finding the task's own shop: base + composer on
+    every held-out task (the dial's "teacher" at step 0, from the same seed), split by how many of the task's J
+    references come from its shop: all, some, none. Rows as dial_seed's, method "base", measure
+    "teacher_refs_{all|some|none}" (mean reward of that group) and "share_refs_{...}" (its share of the tasks).
+    Cached in OUT/retrieval.json."""
+    done = os.path.join(args.out, "retrieval.json")
+    if os.path.isfile(done):
+        return json.load(open(done))
+    run, keep = train.prepare(args), {}
+    train.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+    train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"], which=("base + composer",),
+                   keep=keep)
+    refs = lopd.retrieve(run["retriever"], run["test"], args.n_ret, args.retrieval)      # what that teacher read
+    own = [sum(e.get("meta", {}).get("variant") == t.variant for e in es) for t, es in zip(run["test"], refs)]
+    group = ["all" if n == args.n_ret else "none" if n == 0 else "some" for n in own]
+    rows = []
+    for g in ("all", "some", "none"):
+        rewards = [ep.reward for ep, gi in zip(keep["base + composer"], group) if gi == g]
+        rows += [dict(k=args.conventions, seed=args.seed, method="base", measure=f"share_refs_{g}", step=0,
+                      generations=0, value=len(rewards) / len(group))]
+        if rewards:
+            rows += [dict(k=args.conventions, seed=args.seed, method="base", measure=f"teacher_refs_{g}", step=0,
+                          generations=0, value=float(np.mean(rewards)))]
+    with open(done + ".tmp", "w") as f:
+        json.dump(rows, f)
+    os.replace(done + ".tmp", done)
+    return rows
+
+
 def dial(args: train.Args, seeds: int = 3, ks=DIAL_KS, given=()):
     """`python experiments.py dial [--ks 1,2,3,4] [--seeds 3]`: every K × seed (OUT/kK/seedI), then OUT/dial.csv,
     dial.md and dial.png. Runs for several --ks into the same --out add up: each K and seed is cached. DIAL's
@@ -358,8 +389,9 @@ def dial(args: train.Args, seeds: int = 3, ks=DIAL_KS, given=()):
         kargs = dataclasses.replace(args, conventions=k)
         if not args.model:
             kargs = dataclasses.replace(kargs, model=train.toy_backbone(kargs))
-        rows += [r for i in range(seeds) for r in dial_seed(dataclasses.replace(
-            kargs, seed=args.seed + i, out=os.path.join(args.out, f"k{k}", f"seed{i}")))]
+        for i in range(seeds):
+            sargs = dataclasses.replace(kargs, seed=args.seed + i, out=os.path.join(args.out, f"k{k}", f"seed{i}"))
+            rows += dial_seed(sargs) + retrieval_split(sargs)
     keys = ("k", "seed", "method", "measure", "step", "generations", "value")
     with open(os.path.join(args.out, "dial.csv"), "w") as f:
         f.write(",".join(keys) + "\n")
@@ -426,6 +458,15 @@ def dial_table(rows) -> str:
             lines.append(f"| {k} | {method} | " + " | ".join(cells) + " |")
     lines += ["", "The student alone on the first --eval-tasks held-out tasks at each budget (training generations; "
               "LOPD also spent its bank's base rollouts, RFT only those)."]
+    if any(r["measure"].startswith("share_refs_") for r in rows):
+        lines += ["", "| K | teacher φ0 | tasks whose J references all come from its shop | teacher on them | "
+                  "tasks with none from its shop | teacher on them |", "|---|---|---|---|---|---|"]
+        for k in ks:
+            v = lambda measure: list(_values(rows, k, "base", measure, 0).values())     # noqa: E731
+            lines.append(f"| {k} | {_ms(v('teacher'))} | {_ms(v('share_refs_all'))} | {_ms(v('teacher_refs_all'))} | "
+                         f"{_ms(v('share_refs_none'))} | {_ms(v('teacher_refs_none'))} |")
+        lines += ["", "The teacher at φ0 split by what retrieval gave it (`retrieval_split`); a mean over the seeds "
+                  "where the group is not empty."]
     return "\n".join(lines) + "\n"
 
 

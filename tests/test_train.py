@@ -338,6 +338,12 @@ def test_dial_command_at_tiny_size(runs, backbone, tmp_path):
     zero = [json.loads(line).get("grpo/zero_adv_groups") for line in open(out / "k2" / "seed0" / "grpo" / "metrics.jsonl")]
     assert flat == sum(z for z in zero if z is not None) / (4 * 1)       # 4 steps of one group of 4
     assert "| K | vanilla | teacher φ0 | LOPD |" in (out / "dial.md").read_text()
+    # retrieval_split: the groups partition the held-out tasks, and their rewards add up to the teacher at φ0
+    value = {r["measure"]: float(r["value"]) for r in rows if r["method"] == "base"}
+    shares = [value.get(f"share_refs_{g}", 0.0) for g in ("all", "some", "none")]
+    assert sum(shares) == pytest.approx(1.0)
+    assert sum(s * value.get(f"teacher_refs_{g}", 0.0) for s, g in zip(shares, ("all", "some", "none"))) == \
+        pytest.approx(value["teacher"])
     r = subprocess.run([sys.executable, "experiments.py", "dial", "--seeds", "1", "--ks", "3", *flags], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "built for the tool world with 2 conventions" in r.stderr
