@@ -193,10 +193,8 @@ def figure4_seed(args: train.Args) -> list[dict]:
         bank = len(run["episodes"]) if method in train.USES_BANK else 0
         rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
                          reward=vanilla))
-        last = {}
-        for rec in map(json.loads, open(os.path.join(margs.out, "metrics.jsonl"))):
-            if rec.get("stage") == method and "reward/eval" in rec:
-                last[rec["step"]] = rec          # a resumed run may have logged a step twice: the last one counts
+        last = {k: r for k, r in _logged(os.path.join(margs.out, "metrics.jsonl"), method).items()
+                if "reward/eval" in r}
         rows += [dict(method=method, seed=args.seed, step=k + 1, generations=r["generations"],
                       training_generations=r["generations"] - bank, reward=r["reward/eval"])
                  for k, r in sorted(last.items())]
@@ -305,47 +303,67 @@ def dial_seed(args: train.Args) -> list[dict]:
     if os.path.isfile(done):
         return json.load(open(done))
     run = train.prepare(args)
-    base_student = run["student"] if isinstance(run["student"], train.LoraStudent) else copy.deepcopy(run["student"])
-    row = lambda method, measure, step, gens, value: dict(k=args.conventions, seed=args.seed, method=method,  # noqa
-                                                           measure=measure, step=step, generations=gens, value=value)
     start = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"],
                            which=("vanilla", "base + composer"))
     curve0 = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"][:args.eval_tasks],
                             which=("vanilla",))["vanilla"]["reward"]
-    rows = [row("base", "vanilla", 0, 0, start["vanilla"]["reward"]),
-            row("base", "teacher", 0, 0, start["base + composer"]["reward"])]
-    log = os.path.join(args.out, "metrics.jsonl")       # absent when every stage came from a cache
-    bank = [r for r in map(json.loads, open(log)) if r.get("stage") == "bank"] if os.path.isfile(log) else []
+    rows = [_row(args, "base", "vanilla", 0, 0, start["vanilla"]["reward"]),
+            _row(args, "base", "teacher", 0, 0, start["base + composer"]["reward"])]
+    bank = _logged(os.path.join(args.out, "metrics.jsonl"), "bank")
     if bank:           # the bank's size and how often retrieval finds the same shop (2^K shops)
-        rows += [row("base", "bank", 0, 0, bank[-1]["entries"]),
-                 row("base", "recall3_shop", 0, 0, bank[-1]["recall3_variant"])]
+        rows += [_row(args, "base", "bank", 0, 0, bank[max(bank)]["entries"]),
+                 _row(args, "base", "recall3_shop", 0, 0, bank[max(bank)]["recall3_variant"])]
     for method, change in DIAL_METHODS.items():
-        margs = dataclasses.replace(args, out=os.path.join(args.out, method), resume=True, **change)
-        os.makedirs(margs.out, exist_ok=True)
-        train.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-        fresh = base_student.reset() if isinstance(base_student, train.LoraStudent) else copy.deepcopy(base_student)
-        student = train.joint_training({**run, "args": margs, "student": fresh, "log": train.Log(margs.out)})
-        rows.append(row(method, "student", 0, 0, curve0))
-        last = {}
-        for rec in map(json.loads, open(os.path.join(margs.out, "metrics.jsonl"))):
-            if rec.get("stage") == margs.method:
-                last[rec["step"]] = rec          # a resumed run may have logged a step twice: the last one counts
-        rows += [row(method, "student", k + 1, r["generations"], r["reward/eval"])
-                 for k, r in sorted(last.items()) if "reward/eval" in r]
-        which = ("LOPD student", "base + composer") if margs.method == "lopd" else ("LOPD student",)
-        end = train.evaluate(margs, run["composer"], student, run["retriever"], run["tok"], run["test"], which=which)
-        gens = last[max(last)]["generations"]
-        rows.append(row(method, "student_end", margs.steps, gens, end["LOPD student"]["reward"]))
-        if "base + composer" in end:
-            rows.append(row(method, "teacher", margs.steps, gens, end["base + composer"]["reward"]))
-        if margs.method == "grpo":
-            flat = sum(r["grpo/zero_adv_groups"] for r in last.values())
-            groups = len(last) * margs.rollouts_per_step // margs.group
-            rows.append(row(method, "flat_groups", margs.steps, gens, flat / groups))
-    with open(done + ".tmp", "w") as f:
-        json.dump(rows, f)
-    os.replace(done + ".tmp", done)
+        rows += dial_method(dataclasses.replace(args, out=os.path.join(args.out, method), resume=True, **change),
+                            run, method, curve0)
+    _write_json(done, rows)
     return rows
+
+
+def dial_method(margs: train.Args, run: dict, method: str, curve0: float) -> list[dict]:
+    """One method's joint stage from the seed's θ̄ and φ0, and its rows (dial_seed's docstring)."""
+    os.makedirs(margs.out, exist_ok=True)
+    train.reset_composer(run["composer"], os.path.join(os.path.dirname(margs.out), "composer0"))
+    base = run["student"]
+    fresh = base.reset() if isinstance(base, train.LoraStudent) else copy.deepcopy(base)
+    student = train.joint_training({**run, "args": margs, "student": fresh, "log": train.Log(margs.out)})
+    last = _logged(os.path.join(margs.out, "metrics.jsonl"), margs.method)
+    rows = [_row(margs, method, "student", 0, 0, curve0)]
+    rows += [_row(margs, method, "student", k + 1, r["generations"], r["reward/eval"])
+             for k, r in sorted(last.items()) if "reward/eval" in r]
+    which = ("LOPD student", "base + composer") if margs.method == "lopd" else ("LOPD student",)
+    end = train.evaluate(margs, run["composer"], student, run["retriever"], run["tok"], run["test"], which=which)
+    gens = last[max(last)]["generations"]
+    rows.append(_row(margs, method, "student_end", margs.steps, gens, end["LOPD student"]["reward"]))
+    if "base + composer" in end:
+        rows.append(_row(margs, method, "teacher", margs.steps, gens, end["base + composer"]["reward"]))
+    if margs.method == "grpo":
+        groups = len(last) * margs.rollouts_per_step // margs.group
+        flat = sum(r["grpo/zero_adv_groups"] for r in last.values())
+        rows.append(_row(margs, method, "flat_groups", margs.steps, gens, flat / groups))
+    return rows
+
+
+def _row(args, method, measure, step, generations, value) -> dict:
+    return dict(k=args.conventions, seed=args.seed, method=method, measure=measure, step=step,
+                generations=generations, value=value)
+
+
+def _logged(path: str, stage: str) -> dict:
+    """{step: the last record of `stage` at that step} from a metrics.jsonl ({} when there is none): a resumed run
+    may have logged a step twice, and the last one counts."""
+    last = {}
+    if os.path.isfile(path):
+        for rec in map(json.loads, open(path)):
+            if rec.get("stage") == stage:
+                last[rec.get("step", 0)] = rec
+    return last
+
+
+def _write_json(path: str, rows):
+    with open(path + ".tmp", "w") as f:
+        json.dump(rows, f)
+    os.replace(path + ".tmp", path)
 
 
 def retrieval_split(args: train.Args) -> list[dict]:
@@ -367,14 +385,10 @@ def retrieval_split(args: train.Args) -> list[dict]:
     rows = []
     for g in ("all", "some", "none"):
         rewards = [ep.reward for ep, gi in zip(keep["base + composer"], group) if gi == g]
-        rows += [dict(k=args.conventions, seed=args.seed, method="base", measure=f"share_refs_{g}", step=0,
-                      generations=0, value=len(rewards) / len(group))]
+        rows.append(_row(args, "base", f"share_refs_{g}", 0, 0, len(rewards) / len(group)))
         if rewards:
-            rows += [dict(k=args.conventions, seed=args.seed, method="base", measure=f"teacher_refs_{g}", step=0,
-                          generations=0, value=float(np.mean(rewards)))]
-    with open(done + ".tmp", "w") as f:
-        json.dump(rows, f)
-    os.replace(done + ".tmp", done)
+            rows.append(_row(args, "base", f"teacher_refs_{g}", 0, 0, float(np.mean(rewards))))
+    _write_json(done, rows)
     return rows
 
 
