@@ -805,6 +805,20 @@ def oracle_calls(task: Task) -> list[tuple[str, dict]]:
     return calls
 
 
+def conventions_kept(task: Task, trace: str) -> dict:
+    """{convention: 1 if the episode took its step exactly when the task's shop requires it, else 0}, for each
+    convention of the task's world, read from the episode's observation-lite trace (`lite_trace`). Verification
+    counts as taken only up front, before the first change: a retry after the refusal is the readable way round."""
+    names = re.findall(r"^\d+\. (\w+)\(", trace, flags=re.M)                      # the calls, in order
+    first_change = next((i for i, n in enumerate(names) if n in _CHANGES), len(names))
+    took = {c: tool in names for c, tool in CONVENTION_TOOLS.items()}
+    took["verify"] = "verify_customer" in names[:first_change]
+    return {c: int(took[c] == required) for c, required in RULES[task.shop].items()}
+
+
+_CHANGES = ("update_customer", "update_order", "add_order", "cancel_order")
+
+
 def lite_trace(trace: list) -> str:
     """Observation-lite action-result trace (A.3): `1. tool(k="v") -> result`, one line per call."""
     lines = []

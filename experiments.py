@@ -34,6 +34,7 @@ import os
 
 import numpy as np
 
+import envs
 import lopd
 import train
 
@@ -392,6 +393,27 @@ def retrieval_split(args: train.Args) -> list[dict]:
     return rows
 
 
+def convention_split(args: train.Args) -> list[dict]:
+    """Which conventions each student learned: vanilla and each method's final student on every held-out task,
+    the share of episodes that took each convention's step exactly when the shop requires it
+    (envs.conventions_kept). Rows as dial_seed's, measure "kept_{convention}". Cached in OUT/conventions.json."""
+    done = os.path.join(args.out, "conventions.json")
+    if os.path.isfile(done):
+        return json.load(open(done))
+    run, rows = train.prepare(args), []
+    for method in ("base", *DIAL_METHODS):
+        keep, which = {}, ("vanilla",) if method == "base" else ("LOPD student",)
+        if method != "base":
+            train.load_student_weights(run["student"], os.path.join(
+                train.latest_checkpoint(os.path.join(args.out, method)), "student"))
+        train.evaluate(args, run["composer"], run["student"], run["retriever"], run["tok"], run["test"], which=which,
+                       keep=keep)
+        kept = [envs.conventions_kept(ep.task, ep.trace) for ep in keep[which[0]]]
+        rows += [_row(args, method, f"kept_{c}", 0, 0, float(np.mean([k[c] for k in kept]))) for c in kept[0]]
+    _write_json(done, rows)
+    return rows
+
+
 def dial(args: train.Args, seeds: int = 3, ks=DIAL_KS, given=()):
     """`python experiments.py dial [--ks 1,2,3,4] [--seeds 3]`: every K × seed (OUT/kK/seedI), then OUT/dial.csv,
     dial.md and dial.png. Runs for several --ks into the same --out add up: each K and seed is cached. DIAL's
@@ -405,7 +427,7 @@ def dial(args: train.Args, seeds: int = 3, ks=DIAL_KS, given=()):
             kargs = dataclasses.replace(kargs, model=train.toy_backbone(kargs))
         for i in range(seeds):
             sargs = dataclasses.replace(kargs, seed=args.seed + i, out=os.path.join(args.out, f"k{k}", f"seed{i}"))
-            rows += dial_seed(sargs) + retrieval_split(sargs)
+            rows += dial_seed(sargs) + retrieval_split(sargs) + convention_split(sargs)
     keys = ("k", "seed", "method", "measure", "step", "generations", "value")
     with open(os.path.join(args.out, "dial.csv"), "w") as f:
         f.write(",".join(keys) + "\n")
@@ -481,6 +503,16 @@ def dial_table(rows) -> str:
                          f"{_ms(v('share_refs_none'))} | {_ms(v('teacher_refs_none'))} |")
         lines += ["", "The teacher at φ0 split by what retrieval gave it (`retrieval_split`); a mean over the seeds "
                   "where the group is not empty."]
+    kept = sorted({r["measure"][5:] for r in rows if r["measure"].startswith("kept_")},
+                  key=lambda c: list(envs.CONVENTION_TOOLS).index(c))
+    if kept:
+        lines += ["", "| K | student | " + " | ".join(kept) + " |", "|---|---|" + "---|" * len(kept)]
+        for k in ks:
+            for method in ("base", *DIAL_METHODS):
+                cells = [_ms(list(_values(rows, k, method, f"kept_{c}").values())) for c in kept]
+                lines.append(f"| {k} | {'vanilla' if method == 'base' else method} | " + " | ".join(cells) + " |")
+        lines += ["", "Share of held-out episodes that took each convention's step exactly when the shop requires it "
+                  "(`convention_split`; verification counts only when taken before the first change)."]
     return "\n".join(lines) + "\n"
 
 

@@ -196,3 +196,19 @@ def test_each_shipped_backbone_reads_a_same_shop_reference(k):
     r = toy.reading_check(model, tok, tasks, ToolWorld, seed=0)
     same, other = r["same variant"], r["other variant"]
     assert same - vanilla > 0.2 and same - other > 0.3 and other < vanilla + 0.1, (vanilla, same, other)
+
+
+def test_conventions_kept_compares_the_calls_with_the_shop():
+    """Shop A's oracle episode read against a task of shop B keeps exactly the conventions A and B agree on
+    (brute force over the 16 × 16 pairs of K = 4); a verification after the first change does not count."""
+    rng = random.Random(4)
+    for a, b in itertools.product(envs.shops(4), repeat=2):
+        task_a = envs.make_task(rng, "t", shop=a, schema="cancel")
+        env, _ = play(task_a, oracle_calls(task_a))
+        kept = envs.conventions_kept(dataclasses.replace(task_a, shop=b), env.trace_text())
+        assert kept == {c: int(RULES[a][c] == RULES[b][c]) for c in RULES[b]}, (a, b)
+    task = envs.make_task(rng, "t", shop="cedar", schema="cancel")            # verify, no staging
+    late = [c for c in oracle_calls(task) if c[0] != "verify_customer"]       # ..., cancel_order (refused)
+    late += [("verify_customer", {"customer_id": late[1][1]["customer_id"]}), late[-1]]   # verify, cancel again
+    env, _ = play(task, late)
+    assert env.reward() == 1.0 and envs.conventions_kept(task, env.trace_text()) == {"verify": 0, "commit": 1}

@@ -338,6 +338,8 @@ def test_dial_command_at_tiny_size(runs, backbone, tmp_path):
     zero = [json.loads(line).get("grpo/zero_adv_groups") for line in open(out / "k2" / "seed0" / "grpo" / "metrics.jsonl")]
     assert flat == sum(z for z in zero if z is not None) / (4 * 1)       # 4 steps of one group of 4
     assert "| K | vanilla | teacher φ0 | LOPD |" in (out / "dial.md").read_text()
+    for m in ("base", *experiments.DIAL_METHODS):                          # convention_split: K = 2's two
+        assert {(m, "kept_verify", "0"), (m, "kept_commit", "0")} <= got
     # retrieval_split: the groups partition the held-out tasks, and their rewards add up to the teacher at φ0
     value = {r["measure"]: float(r["value"]) for r in rows if r["method"] == "base"}
     shares = [value.get(f"share_refs_{g}", 0.0) for g in ("all", "some", "none")]
