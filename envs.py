@@ -127,6 +127,7 @@ SHOPS = dict(zip(SHOP_NAMES, CONVENTIONS))   # alder (T, T), cedar (T, F), delta
 # Verification can: its refusal names it ("verify the customer first"). So K = 1 keeps commit, not verify.
 WORLD_CONVENTIONS = {1: ("commit",), 2: ("verify", "commit"), 3: ("verify", "commit", "ticket"),
                      4: ("verify", "commit", "ticket", "notify")}
+CHANGE_TOOLS = ("update_customer", "update_order", "add_order", "cancel_order")   # the calls that change records
 CONVENTION_TOOLS = {"verify": "verify_customer", "commit": "commit", "ticket": "open_ticket",
                     "notify": "notify_customer"}
 _DIAL_NAMES = {1: ("gorse", "hazel"),
@@ -810,13 +811,10 @@ def conventions_kept(task: Task, trace: str) -> dict:
     convention of the task's world, read from the episode's observation-lite trace (`lite_trace`). Verification
     counts as taken only up front, before the first change: a retry after the refusal is the readable way round."""
     names = re.findall(r"^\d+\. (\w+)\(", trace, flags=re.M)                      # the calls, in order
-    first_change = next((i for i, n in enumerate(names) if n in _CHANGES), len(names))
+    first_change = next((i for i, n in enumerate(names) if n in CHANGE_TOOLS), len(names))
     took = {c: tool in names for c, tool in CONVENTION_TOOLS.items()}
     took["verify"] = "verify_customer" in names[:first_change]
     return {c: int(took[c] == required) for c, required in RULES[task.shop].items()}
-
-
-_CHANGES = ("update_customer", "update_order", "add_order", "cancel_order")
 
 
 def lite_trace(trace: list) -> str:

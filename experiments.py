@@ -5,8 +5,9 @@
     python experiments.py figure4 --env code --seeds 1 --seed 2    # any train.py flag after the experiment's name
     python experiments.py dial                         # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
 
-Each experiment runs train.py's stages 1-4 once per seed (`train.prepare`, cached in OUT/seedI), then several joint
-stages from the same θ̄, bank and φ0 (`train.joint_training`), and writes its table (and figure) into --out:
+Each experiment runs train.py's stages 1-4 once per seed (`train.prepare`, cached in OUT/seedI; the dial's in
+OUT/kK/seedI), then several joint stages from the same θ̄, bank and φ0 (`train.joint_training`), and writes its
+table (and figure) into --out:
 
   ablations   OUT/ablations.md, ablations.json, ablations.png: vanilla, the world check (base + composer with same-shop, other-shop
               and no references), LOPD at m = 0.05 and m = 0, the frozen composer (Figure 3), the retrieval

@@ -69,7 +69,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import inject
 import losses
-from envs import (CONVENTION_TOOLS, DONE_TEXT, JUDGES, RULES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld,
+from envs import (CHANGE_TOOLS, CONVENTION_TOOLS, DONE_TEXT, JUDGES, RULES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld,
                   ToolWorld, code_oracle, format_call, lite_trace, make_code_problem, make_code_splits, make_splits,
                   make_task, oracle_calls, shops, world_of)
 from lopd import Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
@@ -164,7 +164,6 @@ RETRY = 0.9        # ... after "Error: verify the customer first", verifies and 
 COMMIT = 0.5       # ... and ends with commit() with this probability, in every shop
 TICKET = 0.5       # the dial's worlds (envs.WORLD_CONVENTIONS): open_ticket() before the changes, and ...
 NOTIFY = 0.5       # ... notify_customer after them, each with this probability in every shop of a world that has it
-MODIFY = ("update_customer", "update_order", "add_order", "cancel_order")
 
 
 def demo_calls(task, rng: random.Random):
@@ -180,7 +179,7 @@ def demo_calls(task, rng: random.Random):
     if "ticket" in rules and rng.random() < TICKET:
         out.append(("open_ticket", {}))
     for call in calls[1:]:
-        if call[0] in MODIFY and rules.get("verify") and not verified:
+        if call[0] in CHANGE_TOOLS and rules.get("verify") and not verified:
             out.append(call)                                   # refused: "verify the customer first"
             if rng.random() >= RETRY:
                 return out                                     # gives up

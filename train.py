@@ -474,7 +474,7 @@ def check_toy_world(args: Args, path: str):
     """A toy backbone knows the tools of the world it was built for: a UserError if --conventions asks for
     another world than the one `path` learned."""
     import toy
-    if args.env == "tools" and not args.tasks and is_toy(dataclasses.replace(args, model=path)):
+    if args.env == "tools" and not args.tasks and os.path.isfile(os.path.join(path, "toy_backbone.json")):
         k = toy.backbone_conventions(path)
         if k != args.conventions:
             raise UserError(f"--model {path!r} was built for the tool world with {k} conventions, not "
@@ -1212,14 +1212,20 @@ def write_results(out: str, rows: dict, extra: dict | None = None, env: str = "t
         f.write(markdown_table(rows, env=env))
 
 
+def check_same_world(args: Args):
+    """A UserError if OUT already holds a run of another tool world (--conventions): its cached stages would not
+    fit this one."""
+    saved = os.path.join(args.out, "args.json")
+    k = json.load(open(saved)).get("conventions", 2) if os.path.isfile(saved) else args.conventions
+    if k != args.conventions:
+        raise UserError(f"--out {args.out!r} holds a run of another tool world (its args.json has --conventions "
+                        f"{k}); its cached stages would not fit --conventions {args.conventions}: give another --out")
+
+
 def prepare(args: Args):
     """Stages 1-4 (each cached in OUT): returns the pieces the joint stage and evaluation need."""
     os.makedirs(args.out, exist_ok=True)
-    saved = os.path.join(args.out, "args.json")
-    if os.path.isfile(saved) and json.load(open(saved)).get("conventions", 2) != args.conventions:
-        raise UserError(f"--out {args.out!r} holds a run of another tool world (its args.json has --conventions "
-                        f"{json.load(open(saved)).get('conventions', 2)}); its cached stages would not fit "
-                        f"--conventions {args.conventions}: give another --out")
+    check_same_world(args)
     if lopd.rank() == 0:
         with open(os.path.join(args.out, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=1)
