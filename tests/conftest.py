@@ -43,3 +43,15 @@ def toy_backbone_dir(tmp_path_factory):
                        log=lambda *_: None)
     torch.set_num_threads(n)
     return out
+
+
+def pytest_report_header(config):
+    """The versions this run resolved, on pytest's first lines (CI installs the newest the requirements allow)."""
+    from importlib.metadata import PackageNotFoundError, version
+    got = []
+    for name in ("torch", "transformers", "peft", "faiss-cpu", "numpy", "tqdm", "pytest", "gguf"):
+        try:
+            got.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            got.append(f"{name} missing")
+    return "packages: " + ", ".join(got)
