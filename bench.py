@@ -13,6 +13,10 @@
     python bench.py --rollout-memory        # a rollout's peak memory: every step's logits kept (before) vs now
     python bench.py --verifier              # the code sandbox: programs/s on all cores, overhead per program
     python bench.py --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
+    python bench.py --loss --fused --vocab 151936 --rows 4096 --hidden 2560   # the chunked loss vs chunked CE
+    python bench.py --arch qwen3-vocab --rollouts 32 --micro-batch 32 --tokens 256 --loss-chunk 256   # Qwen3's
+                                            # vocabulary on CPU: the step's memory with and without --loss-chunk
+    python bench.py --gpu-check OUT         # a lent GPU's checks in one command (toy size on CPU without one)
 
 Machines are noisy: every comparison is a ratio measured in one run, best of --repeats.
 """
@@ -24,9 +28,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+import code_env
 import envs
 import losses
 import lopd
+import runtime
 
 
 def best_of(fn, repeats: int) -> float:
@@ -59,6 +65,49 @@ def bench_loss(B: int, T: int, V: int, M: int, repeats: int):
     print(f"  top-M + tail reverse KL  {t_kl * 1e3:8.1f} ms   (student and teacher gradients)")
     print(f"  F.cross_entropy          {t_ce * 1e3:8.1f} ms   (student gradient only)")
     print(f"  ratio KL / CE            {t_kl / t_ce:8.2f}")
+
+
+def bench_fused_loss(N: int, d: int, V: int, M: int, chunk: int, repeats: int):
+    """The chunked LOPD objective from hidden states (losses.lopd_objective_from_hidden: both LM heads applied a
+    chunk of rows at a time and recomputed in the backward) against a chunked cross-entropy on the same hidden
+    states and head (what SFT at this size would cost), forward + backward, on the accelerator when there is one.
+    N supervised rows, d hidden, V vocabulary. Peak memory on CUDA; on CPU time only."""
+    from torch.utils.checkpoint import checkpoint
+    cuda = torch.cuda.is_available()
+    dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    leaf = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(dev, dt).requires_grad_(True)  # noqa: E731
+    h_s, h_t, w_s, w_t = leaf(1, N, d), leaf(1, N, d), leaf(V, d), leaf(V, d)
+    ids = torch.randint(0, V, (1, N), generator=g).to(dev)                    # (1, N)
+    mask, r = torch.ones(1, N, dtype=torch.bool, device=dev), torch.ones(1, device=dev)
+
+    def fused():
+        loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, ((w_s, None), (w_t, None), (w_t, None)), ids, mask, r,
+                                                    0.1, 0.05, None, None, 0.2, M, chunk=chunk)
+        loss.backward()
+
+    def ce_rows(h, w, a):
+        return F.cross_entropy(F.linear(h, w).float(), a, reduction="sum")     # (C, V) logits, then a scalar
+
+    def ce():
+        total = sum(checkpoint(ce_rows, h_s[0, i:i + chunk], w_s, ids[0, i:i + chunk], use_reentrant=False)
+                    for i in range(0, N, chunk))
+        (total / N).backward()
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = {}
+    for name, fn in (("fused LOPD objective", fused), ("chunked cross-entropy", ce)):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        out[name] = best_of(lambda: (fn(), sync()), repeats)
+        out[name + " peak"] = torch.cuda.max_memory_allocated() / GB if cuda else None
+    print(f"chunked loss on {dev} ({dt}), N={N} rows, d={d}, V={V}, M={M}, chunk {chunk}, forward+backward, "
+          f"best of {repeats}:")
+    for name in ("fused LOPD objective", "chunked cross-entropy"):
+        peak = out[name + " peak"]
+        print(f"  {name:22s} {out[name] * 1e3:9.1f} ms" + (f"   peak {peak:6.2f} GB" if peak is not None else ""))
+    print(f"  ratio fused / CE       {out['fused LOPD objective'] / out['chunked cross-entropy']:9.2f}   (both heads, "
+          "top-M, δ; CE: one head)")
 
 
 class Timer:
@@ -141,9 +190,8 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     import random
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import retrieval
-    import train
     from composer import Composer, ComposerConfig
-    train.dist_setup("cpu")
+    runtime.dist_setup("cpu")
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
@@ -157,8 +205,8 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     torch.manual_seed(0)
     composer = Composer(base, tok, ComposerConfig(n_latents=8))
     c0 = lopd.anchor_cache(composer, ret, tasks, 3)
-    if lopd.world() > 1:
-        student = train.shard_student(student)
+    if runtime.world() > 1:
+        student = runtime.shard_student(student)
     opts = (torch.optim.AdamW(student.parameters(), lr=1e-5),
             torch.optim.AdamW(composer.trainable_parameters(), lr=1e-5))
     spent, stack = {}, []
@@ -191,7 +239,7 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     lopd.losses.lopd_objective = timed("loss", lopd.losses.lopd_objective)
     lopd.gathered = gathered
     cfg, scfg = lopd.LOPDConfig(micro_batch=4), lopd.SampleConfig(temperature=0.0)
-    mine = lopd.shard(tasks)
+    mine = runtime.shard(tasks)
     step = lambda: lopd.lopd_step(student, composer, tok, mine, ret, c0, 0.1, opts, cfg, scfg)   # noqa: E731
     step()
     spent.clear()
@@ -199,11 +247,11 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     for _ in range(repeats):
         step()
     total, cpu = (time.perf_counter() - t0) / repeats, (time.process_time() - cpu0) / repeats
-    cpus = lopd.gather([cpu])
+    cpus = runtime.gather([cpu])
     phases = {k: v / repeats for k, v in spent.items()}
     phases["backward (incl. FSDP2 reduce-scatter)"] = total - sum(phases.values())
-    if lopd.rank() == 0:
-        print(f"one toy LOPD iteration, {rollouts} rollouts over {lopd.world()} process(es), 1 thread each, "
+    if runtime.rank() == 0:
+        print(f"one toy LOPD iteration, {rollouts} rollouts over {runtime.world()} process(es), 1 thread each, "
               f"mean of {repeats}: {total:.3f} s wall; CPU time per rank " + ", ".join(f"{c:.3f}" for c in cpus)
               + " s (wall above CPU: the rank waited, or shared its core)")
         for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
@@ -246,14 +294,18 @@ def param_counts(config, lora_r: int = 8, n_latents: int = 32) -> dict:
             "qformer": sum(p.numel() for p in qformer.parameters())}
 
 
-def memory_plan(config, student_lora: bool, rollouts: int = 2, tokens: int = 2048, n_ret: int = 3,
-                exp_tokens: int = 512, checkpointing: bool = True, student_r: int = 64) -> dict:
-    """GB for one LOPD micro-batch of `rollouts` × `tokens`: the bf16 backbone θ̄ (teacher and encoder); everything
-    trained in fp32 (weights, gradients, AdamW m and v; train.py runs them under bf16 autocast on CUDA).
-    Activations: ~34·d bytes per token and layer without recomputation (Korthikanti et al. 2022, with flash/SDPA
-    attention), ~2·d with gradient checkpointing (layer inputs) plus one layer's 34·d;
-    for the student, the teacher (which back-propagates into the latents) and the composer's encoder (J
-    experiences per rollout); plus the logits: bf16 logits and fp32 log-probs, both sides."""
+def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 40960, n_ret: int = 3,
+                exp_tokens: int = 512, checkpointing: bool = True, student_r: int = 64, loss_chunk: int = 1024,
+                gen_batch: int = 8) -> dict:
+    """GB of one LOPD iteration at the paper's budgets, in its two phases. Resident: the bf16 backbone θ̄ (teacher
+    and encoder), everything trained in fp32 (weights; AdamW m and v). Training a micro-batch of `rollouts`
+    conversations of `tokens` adds the fp32 gradients, the activations and the loss. Activations: ~34·d bytes per
+    token and layer without recomputation (Korthikanti et al. 2022, with SDPA attention), ~2·d with gradient
+    checkpointing (layer inputs) plus one layer's 34·d, for the student, the teacher (which back-propagates into the
+    latents) and the composer's encoder (J experiences per rollout). The loss: with --loss-chunk C, ~6 fp32 (C, V)
+    tensors (both sides' logits and log-probs, a gradient) whatever the tokens; with full logits, bf16 logits and
+    fp32 log-probs of every token, both sides. Rolling out `gen_batch` conversations adds their KV cache (gradients
+    are freed by then). What is not counted: SDPA's causal mask, allocator fragmentation, CUDA's own context."""
     n = param_counts(config)
     P, d, L, V = n["backbone"], config.hidden_size, config.num_hidden_layers, config.vocab_size
     student = n["lora"] // 8 * student_r if student_lora else P                     # train.py --student-lora-r
@@ -261,36 +313,45 @@ def memory_plan(config, student_lora: bool, rollouts: int = 2, tokens: int = 204
     weights = 2 * P + 4 * trained                                                   # θ̄ bf16, trained fp32
     per_tok = (2 * d * L + 34 * d) if checkpointing else 34 * d * L
     act_tokens = rollouts * tokens * 2 + rollouts * n_ret * exp_tokens             # student + teacher, encoder
-    return {"weights": weights / GB, "gradients": 4 * trained / GB,
-            "optimizer": 8 * trained / GB,                                          # AdamW m and v, fp32
-            "activations": (per_tok * act_tokens + 2 * rollouts * tokens * V * (2 + 4)) / GB}
+    loss = 6 * 4 * loss_chunk * V if loss_chunk else 2 * rollouts * tokens * V * (2 + 4)
+    out = {"weights": weights / GB, "gradients": 4 * trained / GB, "optimizer": 8 * trained / GB,
+           "activations": per_tok * act_tokens / GB, "loss": loss / GB,
+           "kv cache": gen_batch * tokens * runtime.kv_bytes_per_token(config) / GB}
+    out["training"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "loss"))
+    out["rollout"] = out["weights"] + out["optimizer"] + out["kv cache"]
+    out["peak"] = max(out["training"], out["rollout"])
+    return out
 
 
-def print_memory_table(rollouts: int, tokens: int):
-    print(f"| backbone | student | weights | gradients | optimizer | activations ({rollouts} × {tokens} tokens, "
-          "checkpointing) | total | fits 80 GB | fits H200 (141 GB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def print_memory_table(rollouts: int, tokens: int, loss_chunk: int = 1024, gen_batch: int = 8):
+    print(f"| backbone | student | weights | gradients | optimizer | activations | loss (chunk {loss_chunk}) | "
+          f"KV cache ({gen_batch} conversations) | training | rollout | fits 80 GB | fits H200 (141 GB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ARCHS:
         cfg = arch_config(name)
         for student_lora in (False, True):
-            m = memory_plan(cfg, student_lora, rollouts, tokens)
-            total = sum(m.values())
-            print(f"| {name} | {'LoRA r 64 (--student-lora)' if student_lora else 'full'} | " +
-                  " | ".join(f"{m[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations")) +
-                  f" | {total:.1f} | {'yes' if total < 80 else 'no'} | {'yes' if total < 141 else 'no'} |")
+            m = memory_plan(cfg, student_lora, rollouts, tokens, loss_chunk=loss_chunk, gen_batch=gen_batch)
+            print(f"| {name} | {'LoRA r 64' if student_lora else 'full'} | " +
+                  " | ".join(f"{m[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "loss",
+                                                     "kv cache", "training", "rollout")) +
+                  f" | {'yes' if m['peak'] < 80 else 'no'} | {'yes' if m['peak'] < 141 else 'no'} |")
+    print(f"(GB; a micro-batch of {rollouts} x {tokens} tokens, checkpointing; rollout: weights, AdamW states and "
+          "the KV cache)")
 
 
-def memory_plan_gpus(config, student_lora: bool, gpus: int, rollouts: int = 2, tokens: int = 2048) -> dict:
+def memory_plan_gpus(config, student_lora: bool, gpus: int, rollouts: int = 1, tokens: int = 40960,
+                     gen_batch: int = 8) -> dict:
     """GB per GPU under `torchrun --nproc-per-node gpus` (train.py's data-parallel path), one micro-batch of
     `rollouts` × `tokens` per GPU. Replicated on every GPU: the bf16 backbone θ̄ (teacher and encoder) and the
     composer φ (fp32 weights, gradients, AdamW). Sharded by FSDP2 over the GPUs: the full student's fp32 weights,
     gradients and AdamW states (16 bytes per parameter / gpus); while it trains, its root (embeddings, head) stays
     gathered in bf16 and about two decoder layers are gathered at a time. While it rolls out, the whole student is
-    gathered in bf16 (lopd.gathered: generation without lockstep), 2 bytes per parameter; the KV cache of
-    generation is not counted. A LoRA student is replicated (16 bytes per parameter). Activations as `memory_plan`."""
+    gathered in bf16 (runtime.gathered: generation without lockstep), 2 bytes per parameter, next to the KV cache
+    of its `gen_batch` conversations. A LoRA student is replicated (16 bytes per parameter). Activations and the
+    loss's chunks as `memory_plan`."""
     n = param_counts(config)
     P, d, L, V = n["backbone"], config.hidden_size, config.num_hidden_layers, config.vocab_size
-    plain = memory_plan(config, student_lora, rollouts, tokens)
+    plain = memory_plan(config, student_lora, rollouts, tokens, gen_batch=gen_batch)
     phi = n["lora"] + n["qformer"]
     if student_lora:
         student, gathered, rollout = 16 * (n["lora"] // 8 * 64), 0, 0
@@ -299,8 +360,8 @@ def memory_plan_gpus(config, student_lora: bool, gpus: int, rollouts: int = 2, t
         student = 16 * P / gpus
         gathered = 2 * root + 2 * 2 * (P - root) / L                                     # bf16 root + 2 layers
         rollout = 2 * P                                                                   # the whole student, bf16
-    train = (2 * P + 16 * phi + student + gathered) / GB + plain["activations"]
-    roll = (2 * P + 16 * phi + student + rollout) / GB
+    train = (2 * P + 16 * phi + student + gathered) / GB + plain["activations"] + plain["loss"]
+    roll = (2 * P + 16 * phi + student + rollout) / GB + plain["kv cache"]
     return {"backbone": 2 * P / GB, "composer": 16 * phi / GB, "student": student / GB,
             "gathered": gathered / GB, "activations": plain["activations"], "training": train, "rollout": roll,
             "peak": max(train, roll)}
@@ -308,7 +369,8 @@ def memory_plan_gpus(config, student_lora: bool, gpus: int, rollouts: int = 2, t
 
 def print_memory_table_gpus(gpus: int, rollouts: int, tokens: int):
     print(f"Per GPU under torchrun --nproc-per-node {gpus}: backbone θ̄ replicated (bf16), composer φ replicated "
-          f"(fp32 + AdamW), full student sharded by FSDP2 (fp32 + AdamW / {gpus}); GB")
+          f"(fp32 + AdamW), full student sharded by FSDP2 (fp32 + AdamW / {gpus}); GB; the rollout adds the KV "
+          "cache of 8 conversations, training the loss's chunks")
     print(f"| backbone | student | θ̄ bf16 | φ | student shard | gathered while training | activations ({rollouts} "
           f"× {tokens}, ckpt) | training | rollout (student gathered bf16) | peak | fits 80 GB | fits H200 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -338,37 +400,46 @@ def synthetic_episodes(tok, tasks, tokens: int, vocab: int, make_env):
     return eps
 
 
-def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_lora: bool, grad_ckpt: bool):
+# A small random Qwen3 with Qwen3's whole vocabulary (~10 M parameters, most of them the tied embedding): on CPU it
+# shows what the vocabulary alone costs a step, and that --loss-chunk bounds it (bench.py --arch qwen3-vocab).
+SMALL_QWEN3_VOCAB = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, vocab_size=151936, tie_word_embeddings=True)
+
+
+def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_lora: bool, grad_ckpt: bool,
+               loss_chunk: int = 0):
     """One LOPD step of backbone `name` with random weights at rollouts × tokens: peak memory, generation tokens/s,
-    composer encoding, teacher + student forward/backward, and model FLOPs utilisation against the bf16 peak."""
+    composer encoding, teacher + student forward/backward, and model FLOPs utilisation against the bf16 peak.
+    The forward and the loss are train.py's (`lopd.micro_batch_objective`), with --loss-chunk as given."""
     import copy
     import random
     import toy
-    import train
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from composer import Composer, ComposerConfig
     cuda = torch.cuda.is_available()
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     tasks, _ = envs.make_splits(0, rollouts, 1)
     tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(200, 0), 0))
-    config = toy.toy_config(tok) if name == "toy" else arch_config(name)
+    config = (toy.toy_config(tok) if name == "toy" else arch_config(name) if name in ARCHS else
+              AutoConfig.for_model("qwen3", **SMALL_QWEN3_VOCAB))
     with device:
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     base.requires_grad_(False).eval()
     student = None if student_lora else copy.deepcopy(base).float().requires_grad_(True)
     if grad_ckpt:
         for m in filter(None, (base, student)):
-            train.checkpointing(m)
+            runtime.checkpointing(m)
     composer = Composer(base, tok, ComposerConfig(n_latents=8 if name == "toy" else 32, encode_batch_size=8))
-    student = train.LoraStudent(composer.peft, 64) if student_lora else student
+    student = runtime.LoraStudent(composer.peft, 64) if student_lora else student
     opts = (torch.optim.AdamW(student.parameters(), lr=1e-5), torch.optim.AdamW(composer.trainable_parameters(),
                                                                                   lr=1e-5))
-    eps = synthetic_episodes(tok, tasks, tokens, len(tok), envs.ToolWorld)
+    eps = synthetic_episodes(tok, tasks, tokens, config.vocab_size, envs.ToolWorld)
+    cfg = lopd.LOPDConfig(loss_chunk=loss_chunk)
     exps = [[{"task": t.text, "trace": "1. find_customer(account=\"A5\") -> C3\n" * 24} for _ in range(3)]
             for t in random.Random(0).sample(tasks, rollouts)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock, n_tok = Timer(), rollouts * tokens
-    with train.precision(composer.peft):
+    with runtime.precision(composer.peft):
         gen = min(tokens, 256)
         ids = torch.randint(0, len(tok), (rollouts, 128), device=device)
         clock("generation", lambda: (student.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -377,23 +448,27 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
         for i in range(0, rollouts, micro_batch):
             mb = slice(i, i + micro_batch)
             lat = clock("compose", lambda: lopd.compose(composer, tasks[mb], exps[mb]))
-            ls, lt, cid, om = clock("teacher + student forward", lambda: lopd.student_teacher_logits(
-                student, composer, tok, eps[mb], lat, envs.ToolWorld))
-            loss, _ = losses.lopd_objective(ls, lt, cid, om, torch.ones(len(ls), device=device), 0.1, 0.05, lat,
-                                            lat.detach(), 0.2, n_tokens=n_tok)
+            loss, _ = clock("teacher + student forward", lambda: lopd.micro_batch_objective(
+                student, composer, tok, eps[mb], lat, lat.detach(), torch.ones(len(eps[mb])), 0.1, 0.05, n_tok,
+                rollouts, cfg, envs.ToolWorld, None, False))
             clock("backward", lambda: (loss.backward(), sync()))
+        trained = [p for o in opts for g in o.param_groups for p in g["params"] if p.grad is not None]
+        finite = bool(trained) and all(bool(torch.isfinite(p.grad).all()) for p in trained)
         clock("optimizer", lambda: ([o.step() for o in opts], sync()))
     n_params = sum(p.numel() for n, p in base.named_parameters() if "embed" not in n and "lora_" not in n)
     step = sum(v for k, v in clock.t.items() if k != "generation")
     flops = 10 * n_params * n_tok          # student 6·N per token (fwd + bwd), teacher 4·N (fwd + input grads)
     peak = next((v for k, v in PEAK_BF16.items() if cuda and k in torch.cuda.get_device_name()), None)
-    print(f"{name}: {n_params / 1e9:.2f} B non-embedding parameters, {rollouts} rollouts x {tokens} tokens, "
-          f"micro-batch {micro_batch}, student {'LoRA' if student_lora else 'full'}, checkpointing {grad_ckpt}")
+    print(f"{name}: {n_params / 1e9:.2f} B non-embedding parameters, V {config.vocab_size}, {rollouts} rollouts x "
+          f"{tokens} tokens, micro-batch {micro_batch}, student {'LoRA' if student_lora else 'full'}, checkpointing "
+          f"{grad_ckpt}, loss chunk {loss_chunk or 'none (full logits)'}")
     print(f"  generation       {rollouts * gen / clock.t['generation']:10.0f} tokens/s ({rollouts} x {gen} new)")
     for k in ("compose", "teacher + student forward", "backward", "optimizer"):
         print(f"  {k:26s} {clock.t[k]:8.2f} s")
     print(f"  training step    {step:8.2f} s, {flops / step / 1e12:.1f} TFLOP/s" +
           (f", MFU {flops / step / peak:.1%} of {peak / 1e12:.0f} TFLOP/s bf16" if peak else ", MFU n/a (no GPU peak)"))
+    print(f"  gradients        {'all finite' if finite else 'NOT FINITE'} ({len(trained)} tensors; rows left-padded "
+          f"to the longest prompt of a micro-batch)")
     if cuda:
         print(f"  peak memory      {torch.cuda.max_memory_allocated() / GB:8.1f} GB")
     else:
@@ -495,15 +570,15 @@ def bench_verifier(n: int, workers: int | None = None):
     import os
     import subprocess
     import sys
-    prob = envs.CodeProblem("bench", "sum", tests=[{"input": "2 3\n", "output": "5\n"}])
+    prob = code_env.CodeProblem("bench", "sum", tests=[{"input": "2 3\n", "output": "5\n"}])
     code = "a, b = map(int, input().split())\nprint(a + b)\n"
     t0 = time.perf_counter()
-    results = envs.verify_many([(prob, code)] * n, workers=workers)
+    results = code_env.verify_many([(prob, code)] * n, workers=workers)
     wall = time.perf_counter() - t0
     assert all(ok for ok, _ in results)
     t0 = time.perf_counter()
     for _ in range(10):
-        envs.run_sandboxed(code, "2 3\n")
+        code_env.run_sandboxed(code, "2 3\n")
     sandboxed = (time.perf_counter() - t0) / 10
     t0 = time.perf_counter()
     for _ in range(10):
@@ -564,6 +639,40 @@ def bench_pretrain(steps: int = 40):
     print(f"build + both evaluations: {build + evals:.0f} s (target: 120 s; {(build + evals) / 120:.1f}x over)")
 
 
+def gpu_check(out: str, timeout: int = 300):
+    """The checks a lent GPU runs, in one command and nothing downloaded (random weights from the configs in ARCHS,
+    the toy tokenizer built offline, the toy world): the chunked loss against a chunked cross-entropy at Qwen3's
+    vocabulary; one LOPD iteration of Qwen3-4B with long rollouts, full and LoRA student (peak memory, generation
+    tokens/s, step time, MFU, finite gradients with left-padded rows); a short end-to-end toy run on the device
+    whose every step must not be skipped. Without a GPU the same sequence runs at toy size on CPU (a test runs it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    cuda = torch.cuda.is_available()
+    arch, rollouts, tokens, chunk = ("qwen3-4b", 8, 8192, 1024) if cuda else ("toy", 4, 48, 16)
+    bench_fused_loss(4096 if cuda else 64, 2560 if cuda else 32, 151936 if cuda else 1000, 20, chunk, 3 if cuda else 1)
+    for lora in (False, True):
+        bench_arch(arch, rollouts, tokens, 2, lora, True, chunk)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    run = os.path.join(out, "toy")
+    cmd = [sys.executable, "train.py", "--device", "cuda" if cuda else "cpu", "--out", run, "--n-train", "48",
+           "--n-test", "8", "--cold-steps", "5", "--steps", "3", "--rollouts-per-step", "8", "--micro-batch", "4",
+           "--eval-every", "0", "--loss-chunk", "32"]
+    done = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+                          timeout=timeout)
+    steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if done.returncode == 0 else []
+    skipped = [r["skipped"] for r in steps if r["stage"] == "lopd"]
+    ok = done.returncode == 0 and len(skipped) == 3 and not any(skipped)
+    print(f"end-to-end toy run on {'cuda' if cuda else 'cpu'}: exit {done.returncode}, LOPD steps {len(skipped)}, "
+          f"skipped {sum(skipped)} -> {'ok' if ok else 'FAILED'}")
+    if not ok:
+        print(done.stderr[-2000:])
+    return ok
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--loss", action="store_true", help="time the distillation loss against cross-entropy")
@@ -572,7 +681,8 @@ def main(argv=None):
     p.add_argument("--dist-step", action="store_true",
                    help="one toy LOPD iteration, phases timed; under torchrun the batch is split over the ranks")
     p.add_argument("--gpus", type=int, default=1, help="--memory: per-GPU plan under torchrun with this many GPUs")
-    p.add_argument("--arch", choices=[*ARCHS, "toy"], help="one LOPD step of this backbone with random weights")
+    p.add_argument("--arch", choices=[*ARCHS, "toy", "qwen3-vocab"],
+                   help="one LOPD step of this backbone with random weights (qwen3-vocab: ~10 M parameters, V 151,936)")
     p.add_argument("--rollout-memory", action="store_true",
                    help="peak memory of a rollout: every step's logits kept (before issue 18) against now")
     p.add_argument("--rollouts", type=int, help="rollouts for --arch and --dist-step (default 32) and --rollout-memory (8)")
@@ -588,30 +698,44 @@ def main(argv=None):
     p.add_argument("--verifier", action="store_true", help="throughput and overhead of the code sandbox")
     p.add_argument("--programs", type=int, default=64, help="programs for --verifier")
     p.add_argument("--pretrain", action="store_true", help="toy backbone: SFT step time, build and vanilla eval")
+    p.add_argument("--gpu-check", metavar="OUT", help="the lent GPU's checks in one command, files under OUT "
+                   "(at toy size on CPU without a GPU)")
+    p.add_argument("--fused", action="store_true", help="--loss: the chunked objective from hidden states vs a "
+                   "chunked cross-entropy (--rows, --hidden, --vocab, --loss-chunk)")
+    p.add_argument("--rows", type=int, default=4096, help="--loss --fused: supervised rows")
+    p.add_argument("--hidden", type=int, default=2560, help="--loss --fused: hidden size d (Qwen3-4B: 2560)")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="--arch: rows per LM-head application of the loss (0: full logits); --loss --fused: the "
+                        "chunk (default 1024)")
     a = p.parse_args(argv)
-    for flag in ("rollouts", "micro_batch", "batch", "tokens", "vocab", "top_m", "repeats", "programs", "gpus"):
+    for flag in ("rollouts", "micro_batch", "batch", "tokens", "vocab", "top_m", "repeats", "programs", "gpus", "rows",
+                 "hidden"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(a, flag)}")
     if a.rollout_memory:
         bench_rollout_memory(a.rollouts or 8, a.tokens or 256)
     rollouts, tokens = a.rollouts or 32, a.tokens or 512
-    if a.loss:
+    if a.loss and a.fused:
+        bench_fused_loss(a.rows, a.hidden, a.vocab, a.top_m, a.loss_chunk or 1024, a.repeats)
+    elif a.loss:
         bench_loss(a.batch, tokens, a.vocab, a.top_m, a.repeats)
     if a.step:
         bench_step(a.model, a.batch, a.repeats)
     if a.memory:
-        print_memory_table(rollouts=2, tokens=2048)
+        print_memory_table(rollouts=1, tokens=40960)
         if a.gpus > 1:
             print()
-            print_memory_table_gpus(a.gpus, rollouts=2, tokens=2048)
+            print_memory_table_gpus(a.gpus, rollouts=1, tokens=40960)
     if a.arch:
-        bench_arch(a.arch, rollouts, tokens, a.micro_batch, a.student_lora, a.grad_ckpt)
+        bench_arch(a.arch, rollouts, tokens, a.micro_batch, a.student_lora, a.grad_ckpt, a.loss_chunk)
     if a.verifier:
         bench_verifier(a.programs)
     if a.dist_step:
         bench_dist_step(a.model, rollouts, a.repeats)
     if a.pretrain:
         bench_pretrain()
+    if a.gpu_check:
+        raise SystemExit(0 if gpu_check(a.gpu_check) else 1)
     if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout_memory or a.dist_step):
         p.print_help()
 

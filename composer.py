@@ -11,10 +11,11 @@ privileged context c_φ, J·K continuous tokens that inject.py puts into the tea
                                               through the frozen base with the LoRA DISABLED; gradients reach ψ, χ
                                               only through the activations (the prefix-tuning mechanism, A.2)
 
-One backbone, three uses (DESIGN.md §2). The LoRA is injected into the backbone object itself (PEFT), so the same
-weights are the encoder (adapter on) and the teacher θ̄ (adapter off). The adapter is active ONLY while encoding:
-every other forward of that backbone, the teacher's scoring and any generation behind latents, must run inside
-`composer.adapter_disabled()` (or use `base_forward` / `teacher_logits`, which do it), A.4 "Encoder LoRA isolation".
+One backbone, three uses (docs/design.md, "Roles and memory"). The LoRA is injected into the backbone object itself
+(PEFT), so the same weights are the encoder (adapter on) and the teacher θ̄ (adapter off). The adapter is active ONLY
+while encoding: every other forward of that backbone, the teacher's scoring and any generation behind latents, must
+run inside `composer.adapter_disabled()` (or use `base_forward` / `teacher_logits`, which do it), A.4 "Encoder LoRA
+isolation".
 
     python -m pytest tests/test_composer.py -q
 
@@ -50,7 +51,7 @@ Deviations from the paper and the official code
 4. The composer runs with autocast switched off, whatever its caller's: the encoder in the backbone's own dtype
    (bf16 weights, the LoRA in fp32 as PEFT keeps it), the QFormer in fp32 (encoder states are upcast); latents
    are cast to the backbone's dtype at the end. So the cold start (no autocast), the anchor's cached c_φ0 and
-   c_φ in joint training (under train.precision's bf16 autocast on CUDA) are one function: at step 0 the anchor
+   c_φ in joint training (under runtime.precision's bf16 autocast on CUDA) are one function: at step 0 the anchor
    ||c_φ − sg c_φ0||² is exactly zero, not bf16 rounding noise.
 5. Optional, and the toy world's default (train.py --composer-input reference): `task_conditional=False` drops
    the current task from the encoder input, so the encoder reads "Reference past trajectory: \n{m_j}" alone.
@@ -234,7 +235,7 @@ def active_adapter(peft, name: str):
 def adapter_state(module) -> list:
     """What decides a forward of `module` under PEFT: each LoRA layer inside it, whether its adapters are off
     (`disable_adapter`) and which are active (`set_adapter`). A checkpointed layer's recompute restores it
-    (`restored_adapter_state`; train.checkpointing), since the backward runs after adapter_disabled() and
+    (`restored_adapter_state`; runtime.checkpointing), since the backward runs after adapter_disabled() and
     active_adapter() have closed."""
     return [(m, m._disable_adapters, m._active_adapter) for m in module.modules() if isinstance(m, BaseTunerLayer)]
 
@@ -308,7 +309,7 @@ class Composer(nn.Module):
         position_ids (B, T): for left-padded rows (lopd.pack); None lets the model count from 0."""
         embeds = inject.embed_with_latents(self.peft, input_ids, latents, starts)        # (B, T, d)
         return self.base_forward(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
-                                 logits_to_keep=keep).logits                             # (B, T or keep, V)
+                                 logits_to_keep=keep, use_cache=False).logits            # (B, T or keep, V)
 
     def trainable_parameters(self):
         """φ = (ψ, χ): this composer's LoRA and the QFormer (not another adapter that shares the backbone)."""
@@ -329,14 +330,14 @@ class Composer(nn.Module):
                                padding_side="right", add_special_tokens=False, return_tensors="pt").to(device)
         encoder = self.backbone.base_model                          # e.g. Qwen3ForCausalLM.model; LoRA inside
         # eq. (5): H_j = Enc_ψ(x, m_j), the final-norm hidden states of θ̄ + ψ
-        out = encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         return out.last_hidden_state, batch["attention_mask"]       # (N, T, d), (N, T)
 
     def compress(self, texts: list[str]) -> torch.Tensor:
         """E_j for each text (eqs. 5-6): -> (N, K, d) fp32.
 
         Autocast is off inside, whatever the caller's (deviation 4): the anchor's c_φ0 is cached without it and
-        c_φ computed under train.precision's bf16 autocast on CUDA, and they must be one function."""
+        c_φ computed under runtime.precision's bf16 autocast on CUDA, and they must be one function."""
         step = self.cfg.encode_batch_size or len(texts)
         # chunks of similar length pad less (right padding never changes a real token's state); order restored below
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -403,20 +404,27 @@ class Composer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Cold start (A.2, eq. 14)
 # ----------------------------------------------------------------------------------------------------------------
-def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, latents, n_tokens=None):
+def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, latents, n_tokens=None, head=None,
+                    chunk: int = 1024):
     """eq. (14): L_init(φ) = −log π_θ̄(y* | s, c_φ), averaged over the ω tokens of the batch.
 
     ids (B, T) right-padded latent-prompt conversations (placeholder span inside), attention_mask (B, T) from
     lengths, omega (B, T) assistant-token mask, starts (B,) span starts, latents (B, J·K, d) = composer(...).
     n_tokens: the divisor when this batch is one slice of a larger one (train.py under torchrun; default Σ ω).
     The base runs with the LoRA disabled; gradients reach ψ and χ through the latents only.
+    head (weight, bias): the caller has bypassed the LM head (runtime.lm_head_bypassed, train.py --loss-chunk), so
+    the forward returns hidden states and the NLL applies the head `chunk` rows at a time (memory bounded by tokens).
     """
     # logits are needed only from the position before the batch's first supervised token (the prompt, latents
     # included, is never a target)
     T, first = ids.shape[1], max(int(omega.argmax(1).min()), 1)
     # eq. (14): π_θ̄(· | s, c_φ) is the frozen base (LoRA off) on the latent-augmented input
     logits = composer.teacher_logits(ids, attention_mask, latents, starts, keep=T - first + 1)  # (B, T−first+1, V)
-    return losses.masked_nll(logits[:, :-1], ids[:, first:], omega[:, first:], n_tokens)   # logits at t predict t+1
+    if head is None:
+        return losses.masked_nll(logits[:, :-1], ids[:, first:], omega[:, first:], n_tokens)   # logits t -> t+1
+    n = omega[:, first:].sum().clamp(min=1) if n_tokens is None else n_tokens                # as masked_nll
+    logp = losses.token_logprobs_from_hidden(logits[:, :-1], head, ids[:, first:], omega[:, first:], chunk)
+    return -logp.sum() / n                                                                   # (B, T−first) summed
 
 
 def cold_start_batch(tokenizer, messages_list, episodes, n_latents: int, framing=inject.AGENTIC_FRAMING,

@@ -1,4 +1,4 @@
-"""Environments and verifiers: the toy tool-use world (paper §4.1, A.3, A.5, B.2) and the code domain (§4.1).
+"""Environments: the interface every world implements, and the toy tool-use world (paper §4.1, A.3, A.5, B.2).
 
 The paper trains on EnvScaler: multi-turn tasks where an agent changes a stateful database through tools and
 is scored by a checklist read from the final state. This file is a small world in that spirit, small enough for
@@ -11,7 +11,8 @@ The world
 ---------
 - A shop database: three customers (random id such as C4, account code such as A5, tier) and their orders (random
   id such as O8, customer, item code such as K7, qty, status).
-- Four shops ("variants", DESIGN.md §5), each with its own pair of conventions that the task text never states:
+- Four shops ("variants"; docs/design.md, "The toy world"), each with its own pair of conventions that the task
+  text never states:
     * whether a customer must be confirmed with `verify_customer` before any change to them or their orders
       (otherwise the change is refused: "Error: verify the customer first");
     * whether changes are staged until `commit()` or applied at once. Uncommitted changes are lost, and an
@@ -40,52 +41,38 @@ The world
   `step` never raises. A reply without a tool call ends the episode (the agent believes it is done; A.5 asks for
   exactly `Task Completed`), as does the step cap.
 
-The code domain (train.py --env code --tasks DIR)
--------------------------------------------------
-Single-turn problems behind the same interface (`CodeWorld`): the A.5 coding system prompt, a program in the reply,
-reward 1 if every test passes in the sandbox (`run_sandboxed`, `verify`, `verify_many`), else 0. Problems load
-from JSONL in our layout or as the releases ship them, each scored by its own harness's rules (the comment block
-"where each field rule comes from" names the source file of each): TACO (question, input_output, starter_code;
-call-based with fn_name), LiveCodeBench code_generation_lite (question_content, JSON public tests, base64/zlib/pickle
-private tests read by an unpickler that refuses every global, functional problems called on Solution()), EvalPlus
-HumanEval+ / MBPP+ (diff-testing against canonical_solution on base_input + plus_input within atol; the expected
-outputs are computed once in the sandbox and cached in TASKS.expected.json; base and plus reported apart), and
-plain HumanEval (prompt, test, entry_point). The sandbox's layers are listed above `SandboxLimits`, and README
-("The code verifier") says what it does not protect against.
+The interface (`Environment`)
+-----------------------------
+Every attribute and method that lopd.py and train.py read of an environment is written down in `Environment`
+below, with a default wherever one is optional; a new world subclasses it and is run with
+`python train.py --env my_env.py:MyWorld` (docs/adding-an-environment.md walks through a 40-line example).
+The shipped worlds are named in `ENVS`: `tools` (this file) and `code` (code_env.py: TACO, LiveCodeBench,
+EvalPlus and the toy code world).
 
 Deviations from the paper
 -------------------------
-1. EnvScaler's 2,349 tasks are replaced by this generated world (see DESIGN.md §5 and §7 for why the variants).
+1. EnvScaler's 2,349 tasks are replaced by this generated world (docs/design.md, "The toy world", says why the
+   variants).
 2. The step cap is 10 for the toy world (paper: 30 environment steps); oracle procedures take 2 to 6 calls.
 3. Every task involves one customer and at most one item: a 0.5 M-parameter model trained for minutes cannot tell
    two item codes of one task apart ("item K3, new item K9" failed in every episode); such schemas would only
    cap every row of the table without testing the method.
-4. The toy code world (`make_code_splits`: ten families of one-line programs, four judges with unstated output
-   conventions) stands in for TACO at toy scale; its toy backbone (toy.py --world code) passes 0.26 alone and
-   0.935 with a same-judge solved program in its prompt.
-5. Real benchmarks follow their harnesses where those were read (above `_NoGlobals`); the rest are assumptions
-   listed there: TACO's user message, TACO's lenient stdin comparison (ours is line-wise), MBPP+'s per-task
-   tuple/set input conversions (inputs are used as stored), and EvalPlus's special oracles that need code of their
-   own (Mbpp/581, Mbpp/558). Outputs of call-based tests are compared here, outside the sandbox, as plain values.
 """
 from __future__ import annotations
 
 import argparse
 import ast
-import base64
 import copy
-import dataclasses
-import inspect
-import io
+import functools
+import importlib
+import importlib.util
 import itertools
 import json
-import math
-import pickle
+import os
 import random
 import re
-import zlib
+import sys
 from dataclasses import asdict, dataclass, field
-from decimal import Decimal
 
 import inject
 
@@ -105,7 +92,6 @@ AGENTIC_SYSTEM_PROMPT = (
 # The toy backbone sees a short system prompt: a 0.5 M-parameter model gains nothing from 120 tokens of instructions
 # it cannot read, and every token costs CPU time. Real models get AGENTIC_SYSTEM_PROMPT.
 TOY_SYSTEM_PROMPT = "Use the tools. Reply Task Completed when done."
-TOY_CODE_SYSTEM_PROMPT = "Write the Python program only."
 DONE_TEXT = "Task Completed"
 ACCEPTED = {"set": "Updated", "removed": "Cancelled", "added": "Added"}   # staged or written, the same answer
 ABORTED = "Error: this shop has no '{}'; the session is aborted and its changes are rolled back"
@@ -219,7 +205,7 @@ class Task:
 
     @property
     def variant(self) -> str:
-        """The world variant whose conventions the task follows (DESIGN.md §5): its shop."""
+        """The world variant whose conventions the task follows: its shop."""
         return self.shop
 
 
@@ -533,16 +519,124 @@ class StepResult:
     errors: int = 0
 
 
+class Environment:
+    """What the learner reads of an environment, all of it: lopd.py and train.py use nothing else, and find nothing
+    by getattr. A world subclasses this, implements the three episode methods and the task source, and keeps or
+    overrides the rest. One instance plays one episode at a time; `lopd.rollout` makes one per episode.
+
+    A task is any object with these four fields (the tool world's `Task`, code_env's `CodeProblem`):
+        task_id   unique; retrieval never returns a task's own bank entries (eq. 16)
+        text      the user message: what the student sees
+        variant   the family of hidden rules it follows ("" if none): --retrieval other skips it, bank recall reads it
+        schema    the kind of task ("" if none): the cold start draws schema-balanced batches (A.2)
+    """
+    # -- what the learner reads: prompts, tools, retrieval --------------------------------------------------------
+    system_prompt: str = ""            # the first message (reset's to write; an empty one may be left out)
+    framing: tuple = inject.AGENTIC_FRAMING   # the words before and after the teacher's latent block (A.5)
+    tools: list | None = None          # JSON schemas for the chat template (`tools=`); None: no tools are listed
+    retrieval_instruction: str = "Given a task, retrieve a solved trajectory of a similar task"
+                                       # the retriever's query prompt (eq. 15; retrieval.DEFAULT_INSTRUCTION)
+    parallel_steps: bool = False       # True: a batch's step() calls run in threads (CodeWorld: one sandbox each)
+    response_template: dict | None = None   # the tokenizer's reply parser; lopd.rollout sets it where there is one
+    # -- what train.py reads: the run ------------------------------------------------------------------------------
+    toy_world: str | None = None       # the toy backbone that knows this world (toy.py --world): tools | code | None
+    toy_defaults: dict = {}            # settings of the toy run that differ from train.TOY_DEFAULTS, and why
+    paper_defaults: dict = {}          # settings of a real model's run that differ from train.PAPER_DEFAULTS
+    results: str = "table3"            # the results table: table3 (Table 3's behaviour columns) | pass@1 (Table 2)
+
+    def __init__(self):
+        self.trace = []                # [(name, arguments, result)] of the episode's actions: Table 3's counts
+
+    # -- the episode --------------------------------------------------------------------------------------------
+    def reset(self, task) -> list[dict]:
+        """Start an episode of `task` -> its first chat messages ([system, user])."""
+        raise NotImplementedError
+
+    def step(self, reply: str) -> "StepResult":
+        """Act on one assistant reply. Never raises on what the model wrote: a malformed action is an observation."""
+        raise NotImplementedError
+
+    def reward(self) -> float:
+        """The episode's reward in [0, 1], read from its final state (A = 2r − 1, eq. 12)."""
+        raise NotImplementedError
+
+    def trace_text(self) -> str:
+        """The experience the bank keeps of a successful episode (A.3): the observation-lite trace by default."""
+        return lite_trace(self.trace)
+
+    def oracle_trace(self, task) -> str | None:
+        """A known-good trajectory of `task` as text, or None. OPSD's pool falls back on it (baselines.opsd_pool)."""
+        return None
+
+    # -- the run: how train.py makes episodes and tasks -------------------------------------------------------------
+    @classmethod
+    def for_run(cls, args, toy: bool) -> "Environment":
+        """A fresh environment for a run with settings `args` (train.Args); `toy`: the backbone is toy.py's."""
+        return cls()
+
+    @classmethod
+    def make_splits(cls, args) -> tuple[list, list]:
+        """Generated (train, test) tasks from args.seed, args.n_train, args.n_test, when no --tasks is given."""
+        raise NotImplementedError(f"{cls.__name__} generates no tasks: give --tasks DIR")
+
+    @classmethod
+    def load_tasks(cls, path: str) -> list:
+        """The tasks of one JSONL file (--tasks DIR holds train.jsonl and test.jsonl)."""
+        raise NotImplementedError(f"{cls.__name__} reads no task files: leave --tasks out")
+
+    @classmethod
+    def save_tasks(cls, tasks, path: str) -> None:
+        """Write generated tasks to OUT/tasks (optional: a world that cannot write them keeps none)."""
+
+    @classmethod
+    def check_args(cls, args) -> str | None:
+        """A one-line error for settings this world cannot run, or None."""
+        if args.conventions != 2:
+            return "--conventions sets the generated tool world's difficulty; it takes --env tools and no --tasks"
+        return None
+
+
+# The shipped worlds by --env name. Any other world is --env FILE.py:CLASS (or module:CLASS), a subclass of
+# Environment in the user's own file: `environment_class` loads both the same way.
+ENVS = {"tools": "envs:ToolWorld", "code": "code_env:CodeWorld"}
+
+
+@functools.lru_cache(maxsize=None)
+def environment_class(spec: str) -> type:
+    """--env's value -> its class: a name in ENVS, or FILE.py:CLASS / module:CLASS. A ValueError of one line
+    naming what was expected otherwise."""
+    want = f"expected {' or '.join(ENVS)}, or FILE.py:CLASS naming a subclass of envs.Environment"
+    where, _, name = ENVS.get(spec, spec).rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--env {spec!r}: {want}")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ValueError(f"--env {spec!r}: no such file {where!r}; {want}")
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module        # dataclasses with string annotations look it up there
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except (ImportError, SyntaxError) as err:
+        raise ValueError(f"--env {spec!r}: cannot import {where!r} ({err}); {want}") from None
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"--env {spec!r}: {where} has no class {name!r} that subclasses envs.Environment; {want}")
+    return cls
+
+
 @dataclass
-class ToolWorld:
-    """The toy shop world. The interface a real environment implements:
+class ToolWorld(Environment):
+    """The toy shop world (`Environment`'s interface):
 
         messages = env.reset(task)      # [system, user] chat messages
         result = env.step(reply_text)   # execute the tool calls in one assistant reply
         r = env.reward()                # checklist reward of the current committed state, in [0, 1]
 
     It also names its prompts: the system prompt and the framing (before, after) around the teacher's latent block
-    (inject.py). The toy backbone gets short ones; `train.env_factory` gives real models A.5's.
+    (inject.py). The toy backbone gets short ones, real models A.5's (`for_run`).
     """
     system_prompt: str = TOY_SYSTEM_PROMPT
     framing: tuple = inject.TOY_FRAMING
@@ -730,12 +824,43 @@ class ToolWorld:
 
     # -- optional: ground truth for the OPSD baseline (a real environment may not offer it) ------------------------
     def oracle_trace(self, task: Task) -> str:
-        """The observation-lite trace of the intended procedure on `task` (lopd.opsd_pool's fallback: B.1 has
+        """The observation-lite trace of the intended procedure on `task` (baselines.opsd_pool's fallback: B.1 has
         stronger models write the pool's missing trajectories; the toy world knows them)."""
         self.reset(task)
         for name, args in oracle_calls(task):
             self.step(format_call(name, args))
         return lite_trace(self.trace)
+
+    # -- the run -------------------------------------------------------------------------------------------------
+    toy_world = "tools"
+
+    @classmethod
+    def for_run(cls, args, toy: bool) -> "ToolWorld":
+        """The toy backbone learned its tools from demonstrations: its prompt is short and lists none. A real model
+        reads A.5's system prompt and framing, and the tools of the run's world as JSON schemas."""
+        if toy:
+            return cls(system_prompt=TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING, max_steps=args.max_env_steps,
+                       tools=None)
+        return cls(system_prompt=AGENTIC_SYSTEM_PROMPT, framing=inject.AGENTIC_FRAMING,
+                   max_steps=args.max_env_steps, tools=tools_for(args.conventions))
+
+    @classmethod
+    def make_splits(cls, args) -> tuple[list, list]:
+        return make_splits(args.seed, args.n_train, args.n_test, conventions=args.conventions)
+
+    @classmethod
+    def load_tasks(cls, path: str) -> list:
+        return load_tasks(path)
+
+    @classmethod
+    def save_tasks(cls, tasks, path: str) -> None:
+        save_tasks(tasks, path)
+
+    @classmethod
+    def check_args(cls, args) -> str | None:
+        if args.conventions != 2 and args.tasks:
+            return "--conventions sets the generated tool world's difficulty; it takes no --tasks"
+        return None
 
 
 def checklist_reward(task: Task, db: dict) -> float:
@@ -824,903 +949,6 @@ def lite_trace(trace: list) -> str:
         arg_text = ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items())
         lines.append(f"{n}. {name}({arg_text}) -> {result}")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The code domain (paper §4.1 "coding", A.5): problems as JSONL, the sandboxed verifier, CodeWorld
-# ----------------------------------------------------------------------------------------------------------------
-# A.5, word for word (TACO and LiveCodeBench; EvalPlus uses no system prompt).
-CODING_SYSTEM_PROMPT = (
-    "You are an expert Python programmer. You will be given a question (problem specification) and will generate "
-    "a correct Python program that matches the specification and passes all tests.")
-
-
-@dataclass
-class CodeProblem:
-    """One single-turn problem: the statement and its tests, in one of three forms:
-    - `tests`: stdin/stdout pairs, and/or `asserts`, code that runs after the program (our layout, TACO stdin,
-      LiveCodeBench stdin, HumanEval's check());
-    - `calls`: call-based tests, [[args, expected]]: `fn_name` is called (on `Solution()` where the program defines
-      that class) with the JSON-parsed args (LiveCodeBench functional, TACO fn_name);
-    - `evalplus`: diff-testing against the canonical solution on base and plus inputs (HumanEval+, MBPP+).
-    `benchmark` names the release whose comparison rules apply ("" for ours and the toy's); variant / schema name a
-    toy family; real benchmarks leave them ""."""
-    task_id: str
-    text: str
-    tests: list = field(default_factory=list)     # [{"input": str, "output": str}]
-    asserts: str = ""
-    schema: str = ""
-    variant: str = ""
-    benchmark: str = ""       # "" | TACO | LiveCodeBench | HumanEval | HumanEval+ | MBPP+
-    fn_name: str = ""
-    calls: list = field(default_factory=list)     # [[args (list), expected]]
-    evalplus: dict = field(default_factory=dict)  # entry_point, reference, base_input, plus_input, atol, dataset,
-                                                  # expected ({"base", "plus", "base_s", "plus_s"}, filled on load)
-
-
-EVALPLUS = ("HumanEval+", "MBPP+")      # B.3: no system prompt for these (and plain HumanEval)
-NO_SYSTEM_PROMPT = EVALPLUS + ("HumanEval",)
-
-# -- where each field rule comes from, read from the releases' own loaders and harnesses (at LiveCodeBench 28fef95ea8c9,
-# evalplus 26d6d00bb1fd, FlagOpen/TACO 245eba3beb2d, rllm 1a95050504a9) ------------------------------------------
-# LiveCodeBench code_generation_lite, LiveCodeBench/LiveCodeBench:
-#   lcb_runner/benchmarks/code_generation.py: public_test_cases and metadata are JSON strings; private_test_cases is
-#     JSON or else base64 -> zlib -> pickle -> a JSON string (the decode below, minus the pickle's power to run code);
-#     each test is {input, output, testtype: stdin | functional}; metadata["func_name"] names the functional method.
-#   lcb_runner/evaluation/testing_util.py: an import prelude goes before every program (`_lcb_prelude`); functional:
-#     each line of a test's input is one JSON argument, its output one JSON value; the method is taken from
-#     Solution() when the program contains "class Solution"; a tuple result counts as a list; then result == expected,
-#     exactly (no float tolerance). stdin: both outputs stripped and split into lines, each line stripped; the line
-#     counts must agree and each line must be equal as text or as a list of Decimals.
-#   lcb_runner/prompts/code_generation.py: the A.5 system prompt is its SYSTEM_MESSAGE_GENERIC; the user message is
-#     "### Question:" + statement + "### Format:" (starter code, or the stdin instruction) + "### Answer:"
-#     (`_lcb_text`).
-# EvalPlus, evalplus/evalplus:
-#   evalplus/data/humaneval.py, data/utils.py (completeness_check): a record has task_id, prompt, entry_point,
-#     canonical_solution, contract, base_input, plus_input, atol (HumanEval+ keeps HumanEval's `test` too).
-#   evalplus/evaluate.py (get_groundtruth, check_correctness): the expected outputs are the outputs of
-#     prompt + canonical_solution on each input (computed once, cached); a program scores "base" on base_input and
-#     "plus" on plus_input; plus pass@1 counts base AND plus.
-#   evalplus/eval/__init__.py (unsafe_execute): out == expected, else, where atol != 0 (atol = 1e-6 where it is 0 and
-#     the expected value is a float or a list of floats), same type, same length and |out - exp| <= atol + 1e-7 |exp|;
-#     special oracles by entry point (evalplus/eval/_special_oracle.py; those kept here: `_evalplus_ok`).
-#   evalplus/codegen.py, provider/utility.py: the user message is the instruction prefix and the prompt in a fence.
-# TACO, FlagOpen/TACO (the HF dataset BAAI/TACO):
-#   README.md: fields question, solutions, starter_code, input_output (a JSON string), difficulty, ...
-#   metrics/testing_util.py: input_output {inputs, outputs, fn_name?}; with fn_name the test is call-based: each input
-#     is the argument list, Solution() is used when the program has "class Solution", a tuple result counts as a list,
-#     and result == output or result == output[0]; dicts whose keys are digit strings get int keys; an import
-#     prelude goes before the program. stdin inputs/outputs are strings or lists of lines (joined by "\n").
-# DeepCoder-Preview-Dataset (the paper's training set): rllm-org/rllm rllm/rewards/code_reward.py scores the taco
-#   subset's `tests` (a dict of lists, TACO's input_output) with TACO's harness and lcbv5's (a list of cases, func_name
-#   in their metadata) with LiveCodeBench's; the statement is `problem` (also in NVIDIA NeMo-RL's deepcoder loader).
-# Assumptions and departures (not in those sources): TACO's user message uses LiveCodeBench's template; TACO stdin
-# outputs keep our line comparison (TACO's own harness is more lenient: token sets, float closeness); MBPP+ inputs are
-# used as stored (EvalPlus turns some lists back into tuples/sets per task: evalplus/data/mbpp.py
-# mbpp_deserialize_inputs); EvalPlus's oracles for Mbpp/581 and Mbpp/558 (code of their own) are not reproduced;
-# a blank last line of a functional input is not an argument; TACO's int-key rule keeps the arguments after the
-# first; time limits are the sandbox's (per call: SandboxLimits.wall_s; EvalPlus: max(wall_s, 4 x the reference));
-# numpy cannot be imported in the sandbox (its import sets environment variables, which the guard refuses).
-
-
-class _NoGlobals(pickle.Unpickler):
-    """An unpickler that refuses every global: no class, function or module can be named, so nothing can be called
-    or built but the plain values pickle encodes by itself (str, bytes, numbers, lists, tuples, dicts, sets)."""
-
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"global {module}.{name} refused: only plain values may be unpickled")
-
-
-def decode_lcb_private(value, where: str):
-    """LiveCodeBench's private_test_cases: JSON, or base64 -> zlib -> pickle -> a JSON string (code_generation.py).
-    The pickle layer is read by `_NoGlobals`, so a crafted pickle that names os.system is refused, not run."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        pass
-    try:
-        raw = zlib.decompress(base64.b64decode(value.encode("ascii"), validate=True))
-    except (ValueError, zlib.error) as e:
-        raise ValueError(f"{where}: private_test_cases is neither JSON nor base64/zlib data ({e})") from None
-    try:
-        text = _NoGlobals(io.BytesIO(raw)).load()
-    except Exception as e:          # a malformed pickle raises anything from EOFError to KeyError
-        raise ValueError(f"{where}: private_test_cases: the pickle layer was refused ({e})") from None
-    if not isinstance(text, str):
-        raise ValueError(f"{where}: private_test_cases must unpickle to a JSON string, not {type(text).__name__}")
-    return json.loads(text)
-
-
-def encode_lcb_private(cases: list) -> str:
-    """The inverse chain, as the release stores private tests (fixtures and tests write rows with it)."""
-    return base64.b64encode(zlib.compress(pickle.dumps(json.dumps(cases)))).decode("ascii")
-
-
-def _lcb_prelude() -> str:
-    """The imports LiveCodeBench's harness puts before every program (testing_util.py: import_string)."""
-    mods = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random", "statistics",
-            "itertools", "functools", "operator", "io", "sys", "json")
-    return "".join([f"from {m} import *\n" for m in mods + ("builtins", "typing")] + [f"import {m}\n" for m in mods]
-                   + ["sys.setrecursionlimit(50000)\n"])
-
-
-def _taco_prelude() -> str:
-    """The imports TACO's harness puts before every program (metrics/testing_util.py: synthesize_cb_code). Its numpy
-    import is tried only: the sandbox's guard refuses what numpy's import does to the environment."""
-    return "\n".join([
-        "import sys", "import time", "import itertools",
-        "from itertools import accumulate, product, permutations, combinations", "import collections",
-        "from collections import Counter, OrderedDict, deque, defaultdict, ChainMap", "from functools import lru_cache",
-        "import math", "from math import sqrt, sin, cos, tan, ceil, fabs, floor, gcd, exp, log, log2",
-        "import fractions", "from typing import List, Tuple", "try:", "    import numpy as np", "except Exception:",
-        "    pass", "import random", "import heapq", "from heapq import *", ""])
-
-
-PRELUDES = {"LiveCodeBench": _lcb_prelude(), "TACO": _taco_prelude()}
-
-
-def _lcb_text(statement: str, starter_code: str) -> str:
-    """LiveCodeBench's user message (prompts/code_generation.py, the generic template); TACO's too (an assumption)."""
-    if starter_code:
-        fmt = ("You will use the following starter code to write the solution to the problem and enclose your code "
-               f"within delimiters.\n```python\n{starter_code}\n```\n\n")
-    else:
-        fmt = ("Read the inputs from stdin solve the problem and write the answer to stdout (do not directly test on "
-               "the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python "
-               "program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n"
-               "```python\n# YOUR CODE HERE\n```\n\n")
-    return f"### Question:\n{statement}\n\n### Format: {fmt}### Answer: (use the provided format with backticks)\n\n"
-
-
-def _int_keys(x):
-    """TACO's process_input_output: a dict whose keys are all digit strings gets int keys (JSON has only strings)."""
-    try:
-        return {int(k): v for k, v in x.items()} if isinstance(x, dict) else x
-    except ValueError:
-        return x
-
-
-def _tests_from_io(io_, where: str) -> dict:
-    """TACO's `input_output` (a JSON string or object: inputs, outputs, optional fn_name) -> CodeProblem fields."""
-    io_ = json.loads(io_) if isinstance(io_, str) else io_
-    if not isinstance(io_, dict) or not isinstance(io_.get("inputs"), list) or not isinstance(io_.get("outputs"), list):
-        raise ValueError(f"{where}: field 'input_output' must hold lists 'inputs' and 'outputs'")
-    if len(io_["inputs"]) != len(io_["outputs"]):
-        raise ValueError(f"{where}: 'input_output' has {len(io_['inputs'])} inputs but {len(io_['outputs'])} outputs")
-    if io_.get("fn_name"):   # call-based: each input is the argument list, each output the return value
-        calls = []
-        for a, o in zip(io_["inputs"], io_["outputs"]):
-            if not isinstance(a, list):
-                raise ValueError(f"{where}: call-based input {a!r} is not an argument list")
-            calls.append([a, o])
-        return {"fn_name": io_["fn_name"], "calls": calls}
-    return {"tests": [{"input": _text(a), "output": _text(o)} for a, o in zip(io_["inputs"], io_["outputs"])]}
-
-
-def _text(x) -> str:
-    return "\n".join(map(str, x)) if isinstance(x, list) else str(x)
-
-
-def _tests_from_lcb(cases, fn_name: str, where: str) -> dict:
-    """LiveCodeBench's test cases (a list of {input, output, testtype}) -> CodeProblem fields: stdin tests, or, for
-    functional ones, calls whose args are the input's JSON lines and whose expected value is the JSON output."""
-    if not isinstance(cases, list) or any(not isinstance(c, dict) or not {"input", "output"} <= set(c) for c in cases):
-        raise ValueError(f"{where}: test cases must be a list of {{input, output, testtype}} objects")
-    kinds = {c.get("testtype", "stdin") for c in cases}
-    if kinds - {"stdin", "functional"}:
-        raise ValueError(f"{where}: unknown LiveCodeBench testtype {sorted(kinds - {'stdin', 'functional'})}")
-    if "functional" not in kinds:
-        return {"tests": [{"input": c["input"], "output": c["output"]} for c in cases]}
-    if kinds != {"functional"} or not fn_name:
-        raise ValueError(f"{where}: functional tests need metadata.func_name and no stdin tests beside them")
-    try:   # one JSON value per line (testing_util.py); a blank last line is not an argument
-        calls = [[[json.loads(line) for line in c["input"].rstrip("\n").split("\n")], json.loads(c["output"])]
-                 for c in cases]
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: a functional test is not one JSON value per line ({e.msg})") from None
-    return {"fn_name": fn_name, "calls": calls}
-
-
-def _lcb_row(row: dict, where: str) -> dict:
-    meta = row.get("metadata") or {}
-    meta = json.loads(meta) if isinstance(meta, str) else meta
-    public = row.get("public_test_cases", [])
-    public = json.loads(public) if isinstance(public, str) else public
-    cases = public + decode_lcb_private(row.get("private_test_cases", []), where)
-    fields = _tests_from_lcb(cases, meta.get("func_name") or "", where)
-    return {**fields, "text": _lcb_text(row["question_content"], row.get("starter_code") or ""),
-            "benchmark": "LiveCodeBench"}
-
-
-def _deepcoder_row(row: dict, where: str) -> dict:
-    """DeepCoder-Preview-Dataset (the paper's "TACO subset of DeepCoder"): problem + tests, a JSON string holding
-    TACO's input_output dict (taco subset) or LiveCodeBench's list of cases (lcbv5 subset, func_name in each case's
-    metadata); scored by TACO's or LiveCodeBench's rules accordingly."""
-    tests = json.loads(row["tests"]) if isinstance(row["tests"], str) else row["tests"]
-    if isinstance(tests, dict):
-        return {**_tests_from_io(tests, where), "benchmark": "TACO",
-                "text": _lcb_text(row["problem"], row.get("starter_code") or "")}
-    meta = (tests[0].get("metadata") or {}) if tests and isinstance(tests[0], dict) else {}
-    meta = json.loads(meta) if isinstance(meta, str) else meta
-    return {**_tests_from_lcb(tests, meta.get("func_name") or "", where), "benchmark": "LiveCodeBench",
-            "text": _lcb_text(row["problem"], row.get("starter_code") or "")}
-
-
-def _evalplus_row(row: dict, where: str) -> dict:
-    """An EvalPlus record (HumanEval+ "HumanEval/N", MBPP+ "Mbpp/N"): the reference is prompt + canonical_solution."""
-    for key, typ in (("base_input", list), ("plus_input", list), ("canonical_solution", str), ("entry_point", str)):
-        if not isinstance(row.get(key), typ):
-            raise ValueError(f"{where}: EvalPlus field '{key}' must be a {typ.__name__}")
-    mbpp = str(row.get("task_id", "")).startswith("Mbpp/")
-    text = ("Please provide a self-contained Python script that solves the following problem in a markdown code "
-            f"block:\n```\n{row['prompt'].strip()}\n```\n")
-    spec = {"entry_point": row["entry_point"], "reference": row["prompt"] + row["canonical_solution"],
-            "base_input": row["base_input"], "plus_input": row["plus_input"], "atol": float(row.get("atol") or 0),
-            "dataset": "mbpp" if mbpp else "humaneval", "expected": None}
-    return {"text": text, "evalplus": spec, "benchmark": "MBPP+" if mbpp else "HumanEval+"}
-
-
-def problem_from_row(row: dict, where: str) -> CodeProblem:
-    """One JSONL row in any of six layouts, told apart by their field names:
-    ours (task_id, text, tests / asserts / calls), TACO (question, input_output, starter_code), LiveCodeBench
-    (question_content, public/private_test_cases, metadata, starter_code), DeepCoder (problem, tests), EvalPlus
-    HumanEval+ / MBPP+ (prompt, canonical_solution, base_input, plus_input, atol, entry_point), HumanEval (prompt,
-    test, entry_point)."""
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if "text" in row:
-        tests = row.get("tests", [])
-        if not isinstance(tests, list) or any(not isinstance(t, dict) or set(t) != {"input", "output"} for t in tests):
-            raise ValueError(f"{where}: field 'tests' must be a list of {{\"input\", \"output\"}} objects")
-        fields = {k: row[k] for k in ("text", "tests", "asserts", "benchmark", "fn_name", "calls", "evalplus")
-                  if k in row}
-    elif "question" in row and "input_output" in row:
-        fields = {**_tests_from_io(row["input_output"], where), "benchmark": "TACO",
-                  "text": _lcb_text(row["question"], row.get("starter_code") or "")}
-    elif "question_content" in row:
-        fields = _lcb_row(row, where)
-    elif "problem" in row and "tests" in row:
-        fields = _deepcoder_row(row, where)
-    elif {"prompt", "entry_point", "canonical_solution", "base_input", "plus_input"} <= set(row):
-        fields = _evalplus_row(row, where)
-    elif {"prompt", "test", "entry_point"} <= set(row):
-        fields = {"asserts": row["test"] + f"\n\ncheck({row['entry_point']})\n", "text": row["prompt"],
-                  "benchmark": "HumanEval"}
-    else:
-        raise ValueError(f"{where}: no known problem layout (need 'text', or TACO's 'question' + 'input_output', "
-                         f"LiveCodeBench's 'question_content', DeepCoder's 'problem' + 'tests', EvalPlus's "
-                         f"'prompt' + 'canonical_solution' + "
-                         f"'base_input' + 'plus_input' + 'entry_point', or HumanEval's 'prompt' + 'test' + "
-                         f"'entry_point')")
-    if not isinstance(fields.get("text"), str) or not fields["text"].strip():
-        raise ValueError(f"{where}: the problem statement is empty")
-    if not (fields.get("tests") or fields.get("asserts") or fields.get("calls") or fields.get("evalplus")):
-        raise ValueError(f"{where}: the problem has no tests")
-    task_id = str(row.get("task_id", row.get("question_id", row.get("id", where))))
-    return CodeProblem(task_id, schema=str(row.get("schema", "")), variant=str(row.get("variant", "")), **fields)
-
-
-def save_problems(problems, path: str) -> None:
-    """Write problems as JSONL in our layout (what `load_problems` reads back). EvalPlus expected outputs are left
-    out (JSON would turn their tuples into lists): load_problems recomputes or reads them from its cache."""
-    rows = [asdict(p) for p in problems]
-    for row in rows:
-        if row["evalplus"]:
-            row["evalplus"]["expected"] = None
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-
-
-def load_problems(path: str, limits: SandboxLimits | None = None) -> list[CodeProblem]:
-    """Read code problems from JSONL; a bad line raises ValueError naming `path:line` and the reason.
-    EvalPlus problems get their expected outputs here: from the cache PATH.expected.json next to the file, else run
-    once in the sandbox (the canonical solution on every input) and cached there (`evalplus_expected`)."""
-    problems = read_jsonl(path, problem_from_row)
-    if any(p.evalplus for p in problems):
-        evalplus_expected(problems, path + ".expected.json", limits or SandboxLimits())
-    return problems
-
-
-# -- the sandbox -------------------------------------------------------------------------------------------------
-# What it does, layer by layer (README "The code verifier" says what it does NOT protect against):
-#   1. a separate process (`python -I`: no user site, no PYTHON* variables), in its own session and process group;
-#   2. a fresh temporary working directory, deleted afterwards;
-#   3. kernel limits set in the child before the program runs: CPU seconds (SIGXCPU), address space (memory: a
-#      MemoryError), file size (stdout and stderr are files, so endless output dies of SIGXFSZ), no core dumps,
-#      no new processes (RLIMIT_NPROC; the kernel does not enforce it for root);
-#   4. no network: a new, empty network namespace where the kernel allows it (root, or unprivileged user
-#      namespaces); otherwise the Python guard below only;
-#   5. a Python-level guard: fork/exec/spawn/kill/setsid and file removal raise, the subprocess, multiprocessing,
-#      socket and ctypes modules cannot be imported, and open() for writing outside the working directory raises;
-#   6. a wall-time limit, after which (and after every run) the whole process group is killed with SIGKILL.
-@dataclass
-class SandboxLimits:
-    wall_s: float = 5.0        # wall-clock seconds per run
-    cpu_s: int = 4             # CPU seconds per run
-    memory_mb: int = 512       # address-space cap
-    output_kb: int = 256       # cap on stdout, stderr and any file written
-
-
-@dataclass
-class RunResult:
-    status: str                # ok | error (non-zero exit) | timeout | cpu limit | output limit | killed
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-
-SANDBOX_GUARD = r'''
-import builtins, io, os, resource, sys
-cpu, mem, fsize, python_guard = (int(x) for x in sys.argv[1:5])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
-try:   # a new, empty network namespace: CLONE_NEWNET, else CLONE_NEWUSER | CLONE_NEWNET (unprivileged)
-    import ctypes
-    _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.unshare(0x40000000) != 0:
-        _libc.unshare(0x10000000 | 0x40000000)
-    del _libc, ctypes
-except Exception:
-    pass
-WORK = os.getcwd()
-_open, _os_open = builtins.open, os.open
-src = _open("prog.py").read()
-def _inside(path):
-    real = os.path.realpath(os.fsdecode(path))
-    return real == WORK or real.startswith(WORK + os.sep)
-def _guarded_open(file, mode="r", *a, **k):
-    if not isinstance(file, int) and any(c in mode for c in "wax+") and not _inside(file):
-        raise PermissionError(f"sandbox: writing outside the working directory is refused: {file}")
-    return _open(file, mode, *a, **k)
-def _guarded_os_open(path, flags, *a, **k):
-    if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC) and not _inside(path):
-        raise PermissionError(f"sandbox: writing outside the working directory is refused: {path}")
-    return _os_open(path, flags, *a, **k)
-def _refused(name):
-    def f(*a, **k):
-        raise PermissionError(f"sandbox: os.{name} is refused")
-    return f
-if python_guard:
-    builtins.open = io.open = _guarded_open
-    os.open = _guarded_os_open
-    for _name in ("fork", "forkpty", "system", "popen", "execv", "execve", "execl", "execle", "execlp", "execlpe",
-                  "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
-                  "spawnvpe", "posix_spawn", "posix_spawnp", "kill", "killpg", "setsid", "setpgid", "setpgrp",
-                  "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate", "chmod",
-                  "chown", "lchown", "symlink", "link", "putenv", "unsetenv", "chdir", "fchdir", "chroot"):
-        if hasattr(os, _name):
-            setattr(os, _name, _refused(_name))
-    for _mod in ("subprocess", "_posixsubprocess", "multiprocessing", "socket", "_socket", "ctypes", "_ctypes",
-                 "pty", "asyncio"):
-        sys.modules[_mod] = None
-sys.argv = ["prog.py"]
-del cpu, mem, fsize, python_guard
-exec(compile(src, "prog.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
-'''
-
-
-def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(),
-                  python_guard: bool = True) -> RunResult:
-    """Run `code` as a Python program in the sandbox with `stdin`; never raises on anything the program does.
-    python_guard=False keeps only the OS layers (process, limits, namespace, group kill): for tests of those."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    import time
-    cap = limits.output_kb * 1024
-    with tempfile.TemporaryDirectory(prefix="lopd-run-") as io_dir, \
-            tempfile.TemporaryDirectory(prefix="lopd-sandbox-") as work:
-        with open(os.path.join(work, "prog.py"), "w") as f:
-            f.write(code)
-        paths = {k: os.path.join(io_dir, k) for k in ("stdin", "stdout", "stderr")}
-        with open(paths["stdin"], "w") as f:
-            f.write(stdin)
-        cmd = [sys.executable, "-I", "-c", SANDBOX_GUARD, str(limits.cpu_s), str(limits.memory_mb << 20), str(cap),
-               str(int(python_guard))]
-        t0 = time.time()
-        with open(paths["stdin"]) as fin, open(paths["stdout"], "w") as fout, open(paths["stderr"], "w") as ferr:
-            proc = subprocess.Popen(cmd, cwd=work, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
-                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
-            try:
-                proc.wait(timeout=limits.wall_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                try:                                   # the whole group, stragglers included
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
-        seconds = time.time() - t0
-        sizes = [os.path.getsize(paths[k]) for k in ("stdout", "stderr")]
-        out, err = (_read_capped(paths[k], cap) for k in ("stdout", "stderr"))
-    rc = proc.returncode
-    status = ("timeout" if timed_out else "output limit" if max(sizes) >= cap else "ok" if rc == 0 else
-              "error" if rc > 0 else {-signal.SIGXCPU: "cpu limit", -signal.SIGXFSZ: "output limit"}.get(rc, "killed"))
-    return RunResult(status, rc, out, err, seconds)
-
-
-def _read_capped(path: str, cap: int) -> str:
-    with open(path, "rb") as f:
-        return f.read(cap).decode("utf-8", "replace")
-
-
-def _same_output(got: str, want: str) -> bool:
-    """Outputs match up to trailing whitespace on each line and trailing blank lines (ours and TACO's stdin tests)."""
-    norm = lambda s: "\n".join(line.rstrip() for line in s.strip("\n").splitlines()).strip()   # noqa: E731
-    return norm(got) == norm(want)
-
-
-def _lcb_same_output(got: str, want: str) -> bool:
-    """LiveCodeBench's stdin rule (testing_util.py, grade_stdio): stripped lines, as many as expected, each equal as
-    text or as a list of Decimals ("2.50" == "2.5", but "2.5000001" != "2.5")."""
-    lines = lambda s: [x.strip() for x in s.strip().split("\n")]   # noqa: E731
-    got_lines, want_lines = lines(got), lines(want)
-    if len(got_lines) != len(want_lines):
-        return False
-    for a, b in zip(got_lines, want_lines):
-        if a == b:
-            continue
-        try:
-            if [Decimal(x) for x in a.split()] != [Decimal(x) for x in b.split()]:
-                return False
-        except ArithmeticError:     # decimal.InvalidOperation: not numbers
-            return False
-    return True
-
-
-# -- call-based tests: one sandboxed run calls the function on every input and reports the results ----------------
-# The program's results travel back as JSON with tags for what JSON lacks. Only plain values pass, rebuilt from their
-# base types, so a result object with its own __eq__ cannot pass for the expected value; the comparison is done here,
-# outside the sandbox. A result line carries a random nonce the program never sees through its own stdin/stdout (it
-# could still dig it out of the driver's frames: the sandbox bounds what a program can do to the machine, not how
-# hard it tries to cheat the verdict; the same holds for the `asserts` path and for the official harnesses).
-def _encode(x):
-    """A plain value -> JSON with tags (tuple, set, frozenset, dict, complex, bytes); TypeError for anything else."""
-    if x is None or type(x) is bool:
-        return x
-    for base in (int, float, str):
-        if isinstance(x, base):
-            return base(x)
-    if isinstance(x, list):
-        return [_encode(v) for v in x]
-    for base, tag in ((tuple, "tuple"), (frozenset, "frozenset"), (set, "set")):
-        if isinstance(x, base):
-            return {tag: [_encode(v) for v in x]}
-    if isinstance(x, dict):
-        return {"dict": [[_encode(k), _encode(v)] for k, v in x.items()]}
-    if isinstance(x, complex):
-        return {"complex": [x.real, x.imag]}
-    if isinstance(x, bytes):
-        return {"bytes": bytes(x).decode("latin-1")}
-    if hasattr(x, "tolist") and type(x).__module__.startswith("numpy"):     # numpy arrays and scalars
-        return _encode(x.tolist())
-    raise TypeError(f"a {type(x).__name__} result cannot be compared")
-
-
-def _decode(x):
-    """The inverse of _encode."""
-    if isinstance(x, list):
-        return [_decode(v) for v in x]
-    if not isinstance(x, dict):
-        return x
-    (tag, v), = x.items()
-    if tag == "dict":
-        return {_decode(k): _decode(val) for k, val in v}
-    return {"tuple": lambda: tuple(map(_decode, v)), "set": lambda: set(map(_decode, v)),
-            "frozenset": lambda: frozenset(map(_decode, v)), "complex": lambda: complex(*v),
-            "bytes": lambda: v.encode("latin-1")}[tag]()
-
-
-CALL_DRIVER = r'''
-import io, json, signal, sys, time
-spec = json.loads(sys.stdin.read())
-sys.stdin = io.StringIO("")
-real_stdout = sys.stdout
-{codec}
-def _time_up(signum, frame):
-    raise TimeoutError("time limit")
-def _report(results):
-    real_stdout.write(spec["nonce"] + json.dumps(results) + "\n")
-    real_stdout.flush()
-signal.signal(signal.SIGALRM, _time_up)
-sys.stdout = io.StringIO()                    # what the program prints is not its answer
-module = {"__name__": "solution"}
-try:
-    signal.setitimer(signal.ITIMER_REAL, spec["load_s"])
-    exec(compile(spec["prelude"] + spec["code"], "solution.py", "exec"), module)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    if spec["method"] and "class Solution" in spec["code"]:
-        fn = getattr(module["Solution"](), spec["fn_name"])
-    else:
-        fn = module[spec["fn_name"]]
-except BaseException as e:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    _report([{"error": "cannot load %s: %s: %s" % (spec["fn_name"], type(e).__name__, str(e)[:200]), "load": 1}])
-    raise SystemExit(0)
-results = []
-for args, limit in zip(spec["inputs"], spec["limits"]):
-    try:
-        args = _decode(args)
-        signal.setitimer(signal.ITIMER_REAL, limit)
-        t0 = time.perf_counter()
-        out = fn(*args)
-        took = time.perf_counter() - t0
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        if spec["not_none"] == "all" or (spec["not_none"] == "non-bool" and type(out) is not bool):
-            out = out is not None
-        results.append({"out": _encode(out), "s": took})
-    except BaseException as e:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        results.append({"error": "%s: %s" % (type(e).__name__, str(e)[:200])})
-        break
-_report(results)
-'''
-
-
-def run_calls(code: str, fn_name: str, inputs: list, limits: SandboxLimits = SandboxLimits(), per_call=None,
-              prelude: str = "", method: bool = True, not_none: str = "") -> tuple[list | None, str]:
-    """Load `code` (after `prelude`) in the sandbox and call fn_name(*args) for each args in `inputs` (plain values),
-    on Solution() if `method` and the code has that class; stops at the first error.
-    -> ([{"out": value, "s": seconds} | {"error": str}], "") or (None, why no result came back); a program that
-    does not load (or lacks fn_name) gives [{"error": "cannot load ...", "load": 1}].
-    per_call: seconds allowed per call (default limits.wall_s each); the run's own limits grow with their sum.
-    not_none: "all" reports `out is not None`, "non-bool" does so unless out is a bool (EvalPlus's MBPP oracles)."""
-    import secrets
-    per_call = list(per_call) if per_call is not None else [limits.wall_s] * len(inputs)
-    nonce = secrets.token_hex(16)
-    spec = {"nonce": nonce, "code": code, "prelude": prelude, "fn_name": fn_name, "method": method,
-            "inputs": [_encode(a) for a in inputs], "limits": per_call, "load_s": limits.wall_s, "not_none": not_none}
-    total = limits.wall_s + sum(per_call)
-    run_limits = dataclasses.replace(limits, wall_s=total, cpu_s=int(math.ceil(total)) + 1,
-                                     output_kb=max(limits.output_kb, 64 << 10))
-    driver = CALL_DRIVER.replace("{codec}", inspect.getsource(_encode) + "\n" + inspect.getsource(_decode))
-    r = run_sandboxed(driver, json.dumps(spec), run_limits)
-    line = next((x for x in reversed(r.stdout.splitlines()) if x.startswith(nonce)), None)
-    if line is None:
-        return None, r.status + (f" ({_last_line(r.stderr)})" if r.stderr else "")
-    results = json.loads(line[len(nonce):])
-    return [({"out": _decode(x["out"]), "s": x["s"]} if "out" in x else x) for x in results], ""
-
-
-def _lcb_call_ok(out, want) -> bool:
-    """LiveCodeBench (testing_util.py, grade_call_based): a tuple counts as a list; then exact equality."""
-    return (list(out) if isinstance(out, tuple) else out) == want
-
-
-def _taco_call_ok(out, want) -> bool:
-    """TACO (metrics/testing_util.py, execute_cb_code): a tuple counts as a list; out == output, or out == output[0]
-    (TACO often wraps a return value in a list), or a list of tuples as lists == output[0]."""
-    out = list(out) if isinstance(out, tuple) else out
-    want = _int_keys(want)
-    if out == want or (isinstance(want, list) and want and out == _int_keys(want[0])):
-        return True
-    if isinstance(out, list) and out and isinstance(out[0], tuple) and isinstance(want, list) and want:
-        return [list(x) for x in out] == want[0]
-    return False
-
-
-def _verify_calls(problem: CodeProblem, code: str, limits: SandboxLimits) -> tuple[bool, str]:
-    taco = problem.benchmark == "TACO"
-    args = [[_int_keys(a[0])] + a[1:] if taco and a else a for a, _ in problem.calls]
-    results, why = run_calls(code, problem.fn_name, args, limits, prelude=PRELUDES.get(problem.benchmark, ""))
-    if results is None:
-        return False, f"no result: {why}"
-    if results and results[0].get("load"):
-        return False, results[0]["error"]
-    same = _taco_call_ok if taco else _lcb_call_ok
-    for i, (res, (_, want)) in enumerate(zip(results, problem.calls)):
-        if "error" in res:
-            return False, f"test {i}: {res['error']}"
-        if not same(res["out"], want):
-            return False, f"test {i}: wrong answer"
-    return (True, "all tests passed") if len(results) == len(problem.calls) else (False, "missing results")
-
-
-# -- EvalPlus: diff-testing against the canonical solution (evalplus/evaluate.py, eval/__init__.py) ----------------
-MBPP_SET_EQ = ("similar_elements", "find_char_long", "common_in_nested_lists", "extract_singly", "larg_nnum",
-               "intersection_array", "find_dissimilar", "Diff")     # eval/_special_oracle.py: compared as sets
-MBPP_NOT_NONE = ("check_str", "text_match_three", "text_starta_endb")  # only "is the result not None" is compared
-
-
-def _is_floats(x) -> bool:
-    return isinstance(x, float) or (isinstance(x, (list, tuple)) and bool(x) and all(isinstance(v, float) for v in x))
-
-
-def _close(out, exp, atol: float) -> bool:
-    """np.allclose(out, exp, rtol=1e-7, atol) for numbers and (nested) lists of numbers of equal shape."""
-    if isinstance(exp, (list, tuple)):
-        return isinstance(out, (list, tuple)) and len(out) == len(exp) and all(
-            _close(o, e, atol) for o, e in zip(out, exp))
-    try:
-        return abs(out - exp) <= atol + 1e-7 * abs(exp)
-    except TypeError:
-        return False
-
-
-def _evalplus_ok(out, exp, args, atol: float, spec: dict) -> bool:
-    """One input, EvalPlus's rule (eval/__init__.py, unsafe_execute) with the special oracles that need no code of
-    their own: MBPP set comparisons, HumanEval find_zero (|poly(xs, out)| <= atol), MBPP are_equivalent / sum_div."""
-    entry, mbpp = spec["entry_point"], spec["dataset"] == "mbpp"
-    exact = out == exp
-    if mbpp and entry == "are_equivalent":
-        return True
-    if mbpp and entry == "sum_div":
-        exact = exact or out == 0
-    if mbpp and entry in MBPP_SET_EQ:
-        try:
-            exact = set(out) == set(exp)
-        except TypeError:
-            return False
-    if not mbpp and entry == "find_zero":
-        try:
-            return abs(sum(c * math.pow(out, i) for i, c in enumerate(args[0]))) <= atol
-        except (TypeError, ValueError, OverflowError):
-            return False
-    if atol == 0 and _is_floats(exp):
-        atol = 1e-6
-    if exact or atol == 0:
-        return bool(exact)
-    same_shape = type(out) is type(exp) and (not isinstance(exp, (list, tuple)) or len(out) == len(exp))
-    return same_shape and _close(out, exp, atol)
-
-
-def _evalplus_key(spec: dict) -> str:
-    import hashlib
-    blob = json.dumps([spec["reference"], spec["entry_point"], spec["base_input"], spec["plus_input"]])
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def evalplus_expected(problems, cache_path: str | None, limits: SandboxLimits = SandboxLimits()) -> None:
-    """Fill each EvalPlus problem's expected outputs ({"base", "plus", "base_s", "plus_s"}): from the cache file if
-    it holds them for the same reference and inputs (a sha256 key), else by running the canonical solution once in
-    the sandbox on every input (evaluate.py, get_groundtruth), in parallel; new ones are written back atomically.
-    A reference that fails is a bad release file: ValueError naming the task."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-    cache = json.load(open(cache_path)) if cache_path and os.path.isfile(cache_path) else {}
-    todo = []
-    for p in problems:
-        if not p.evalplus or p.evalplus.get("expected"):
-            continue
-        hit = cache.get(p.task_id)
-        if hit and hit.get("key") == _evalplus_key(p.evalplus):
-            p.evalplus["expected"] = {k: _decode(v) if k in ("base", "plus") else v for k, v in hit.items()
-                                      if k != "key"}
-        else:
-            todo.append(p)
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        done = list(pool.map(lambda p: _reference_outputs(p, limits), todo))
-    for p, expected in zip(todo, done):
-        p.evalplus["expected"] = expected
-        cache[p.task_id] = {"key": _evalplus_key(p.evalplus), **{k: _encode(v) if k in ("base", "plus") else v
-                                                                 for k, v in expected.items()}}
-    if todo and cache_path:
-        tmp = cache_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, cache_path)
-
-
-def _reference_outputs(p: CodeProblem, limits: SandboxLimits) -> dict:
-    """The canonical solution's outputs and seconds on base and plus inputs, from one sandboxed run."""
-    spec = p.evalplus
-    not_none = "all" if spec["dataset"] == "mbpp" and spec["entry_point"] in MBPP_NOT_NONE else ""
-    inputs, n_base = spec["base_input"] + spec["plus_input"], len(spec["base_input"])
-    results, why = run_calls(spec["reference"], spec["entry_point"], inputs, limits, method=False, not_none=not_none)
-    bad = why or next((r["error"] for r in results if "error" in r), "")
-    if bad or len(results) != len(inputs):
-        raise ValueError(f"{p.task_id}: the canonical solution fails on its own inputs ({bad or 'missing results'})")
-    outs, secs = [r["out"] for r in results], [r["s"] for r in results]
-    return {"base": outs[:n_base], "plus": outs[n_base:], "base_s": secs[:n_base], "plus_s": secs[n_base:]}
-
-
-def _verify_evalplus(problem: CodeProblem, code: str, limits: SandboxLimits) -> tuple[bool, str, dict]:
-    """Base inputs, then plus inputs, in one sandboxed run that stops at the first error; plus counts only with
-    base (EvalPlus's plus pass@1). Per-input time limit: max(limits.wall_s, 4 x the reference's time) (EvalPlus:
-    max(4 s, 4 x)). -> (passed, reason, {"base": bool, "plus": bool})."""
-    spec = problem.evalplus
-    if not spec.get("expected"):
-        spec["expected"] = _reference_outputs(problem, limits)
-    exp = spec["expected"]
-    not_none = "non-bool" if spec["dataset"] == "mbpp" and spec["entry_point"] in MBPP_NOT_NONE else ""
-    inputs, want = spec["base_input"] + spec["plus_input"], exp["base"] + exp["plus"]
-    per_call = [max(limits.wall_s, 4 * s) for s in exp["base_s"] + exp["plus_s"]]
-    results, why = run_calls(code, spec["entry_point"], inputs, limits, per_call, method=False, not_none=not_none)
-    n_base = len(spec["base_input"])
-    parts = {"base": n_base == 0, "plus": False}
-    if results is None or (results and results[0].get("load")):
-        return False, results[0]["error"] if results else f"no result: {why}", parts
-    for i, res in enumerate(results):
-        part, k = ("base", i) if i < n_base else ("plus", i - n_base)
-        if "error" in res:
-            return False, f"{part} input {k}: {res['error']}", parts
-        if not _evalplus_ok(res["out"], want[i], inputs[i], spec["atol"], spec):
-            return False, f"{part} input {k}: wrong answer", parts
-        parts["base"] = i + 1 >= n_base
-    if len(results) != len(inputs):
-        return False, "missing results", parts
-    parts["plus"] = True
-    return True, "all tests passed", parts
-
-
-def verify(problem: CodeProblem, code: str, limits: SandboxLimits = SandboxLimits()) -> tuple[bool, str]:
-    """Reward 1 iff every test passes. -> (passed, a one-line reason); stops at the first failure."""
-    return verify_detail(problem, code, limits)[:2]
-
-
-def verify_detail(problem: CodeProblem, code: str, limits: SandboxLimits = SandboxLimits()) -> tuple[bool, str, dict]:
-    """verify(), plus the parts EvalPlus reports: {"base": bool, "plus": bool} for HumanEval+ / MBPP+, else {}.
-    stdin tests run one per process (LiveCodeBench's rule and prelude for its rows), then asserts after the program;
-    call-based tests run in one process (`run_calls`); EvalPlus diff-tests (`_verify_evalplus`)."""
-    if problem.evalplus:
-        return _verify_evalplus(problem, code, limits)
-    if problem.calls:
-        return (*_verify_calls(problem, code, limits), {})
-    program = PRELUDES.get(problem.benchmark, "") + code
-    same = _lcb_same_output if problem.benchmark == "LiveCodeBench" else _same_output
-    for i, t in enumerate(problem.tests):
-        r = run_sandboxed(program, t["input"], limits)
-        if r.status != "ok":
-            return False, f"test {i}: {r.status}" + (f" ({_last_line(r.stderr)})" if r.stderr else ""), {}
-        if not same(r.stdout, t["output"]):
-            return False, f"test {i}: wrong output", {}
-    if problem.asserts:
-        r = run_sandboxed(code + "\n\n" + problem.asserts + "\n", "", limits)
-        if r.status != "ok":
-            return False, f"asserts: {r.status}" + (f" ({_last_line(r.stderr)})" if r.stderr else ""), {}
-    return True, "all tests passed", {}
-
-
-def _last_line(text: str) -> str:
-    lines = [x for x in text.strip().splitlines() if x.strip()]
-    return lines[-1][:200] if lines else ""
-
-
-def verify_many(pairs, limits: SandboxLimits = SandboxLimits(), workers: int | None = None) -> list:
-    """verify() over [(problem, code)] in parallel, up to the core count (each run is its own process)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda pc: verify(pc[0], pc[1], limits), pairs))
-
-
-CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
-
-
-def extract_code(reply: str) -> str:
-    """The program in a reply: the last fenced block, else the whole reply (thinking stripped)."""
-    reply = re.sub(r"<think>.*?</think>", "", reply, flags=re.S)
-    blocks = CODE_BLOCK_RE.findall(reply)
-    return blocks[-1] if blocks else reply
-
-
-@dataclass
-class CodeWorld:
-    """The code environment behind ToolWorld's interface, single-turn: reset -> [system, user]; step(reply)
-    extracts the program, verifies it in the sandbox and ends the episode; reward is 1 if all tests passed.
-    Its trace (for the experience bank) is the program that passed."""
-    system_prompt: str = CODING_SYSTEM_PROMPT
-    framing: tuple = inject.CODING_FRAMING
-    retrieval_instruction: str = "Given a programming problem, retrieve a solved problem that needs a similar program"
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
-    max_steps: int = 1
-    parallel_steps = True          # lopd.rollout verifies a batch's programs in threads (one process each)
-    task: CodeProblem | None = None
-    steps: int = 0
-    passed: bool = False
-    trace: list = field(default_factory=list)
-    parts: dict = field(default_factory=dict)    # EvalPlus: {"base": bool, "plus": bool} of the last step
-    log: dict | None = None                      # if given: task_id -> {passed, detail, base, plus} (eval.py)
-    tools = None
-
-    def reset(self, task: CodeProblem) -> list[dict]:
-        self.task, self.steps, self.passed, self.trace, self.parts = task, 0, False, [], {}
-        system = [] if task.benchmark in NO_SYSTEM_PROMPT else [{"role": "system", "content": self.system_prompt}]
-        return system + [{"role": "user", "content": task.text}]   # B.3: EvalPlus has no system prompt
-
-    def step(self, reply: str) -> StepResult:
-        self.steps += 1
-        code = extract_code(reply)
-        self.passed, detail, self.parts = verify_detail(self.task, code, self.limits)
-        self.trace = [("program", {"code": code}, detail)]
-        if self.log is not None:
-            self.log[self.task.task_id] = {"passed": self.passed, "detail": detail, **self.parts}
-        return StepResult([], True, 0, int(not self.passed))
-
-    def reward(self) -> float:
-        return float(self.passed)
-
-    def trace_text(self) -> str:
-        """The experience the bank keeps: the program (A.3's code analogue of the observation-lite trace)."""
-        return self.trace[0][1]["code"] if self.trace else ""
-
-
-# -- the toy code world: families of one-line programs, judges with unstated output conventions -------------------
-# It mirrors the tool world. A problem states WHAT to compute from one input line ("Print the line reversed.
-# Judge: cedar."); each judge ("variant") has its own pair of output conventions that the statement never states:
-# whether the answer is prefixed with "Answer: ", and whether a last line "END" follows. The tests compare outputs
-# exactly, so a convention applied where the judge does not want it fails as surely as a missing one. A solved
-# problem of the same judge shows both conventions; one from another judge misleads.
-# Its toy backbone: toy.py --world code (deviation 4 above).
-CODE_FAMILIES = {   # family: (statement, the expression of the answer, computed from the line s)
-    "reverse": ("Print the line reversed.", "s[::-1]"),
-    "upper": ("Print the line in capitals.", "s.upper()"),
-    "lower": ("Print the line in small letters.", "s.lower()"),
-    "words": ("Print how many words the line has.", "len(s.split())"),
-    "first": ("Print the first word of the line.", "s.split()[0]"),
-    "last": ("Print the last word of the line.", "s.split()[-1]"),
-    "sum": ("The line holds integers: print their sum.", "sum(map(int, s.split()))"),
-    "max": ("The line holds integers: print the largest.", "max(map(int, s.split()))"),
-    "sort": ("The line holds integers: print them sorted, space separated.",
-             "' '.join(sorted(s.split(), key=int))"),
-    "count": ("Print how many times the letter {char} occurs in the line.", "s.count({char!r})"),
-}
-JUDGES = dict(zip(SHOP_NAMES, CONVENTIONS))      # judge: (answer prefixed with "Answer: ", a last line "END")
-
-
-def _code_input(rng: random.Random, family: str) -> str:
-    if family in ("sum", "max", "sort"):
-        return " ".join(str(rng.randrange(-9, 10)) for _ in range(rng.randrange(2, 6)))
-    letters = "abcdeKLMN"
-    word = lambda: "".join(rng.choice(letters) for _ in range(rng.randrange(1, 5)))   # noqa: E731
-    return " ".join(word() for _ in range(rng.randrange(1, 4)))
-
-
-def code_oracle(problem: CodeProblem) -> str:
-    """The program that passes: the family's expression, with the judge's conventions."""
-    prefix, end = JUDGES[problem.variant]
-    char = re.search(r"letter (\w)", problem.text)                 # the "count" family names its letter
-    expr = CODE_FAMILIES[problem.schema][1].format(char=char.group(1) if char else "")
-    lines = ["s = input()", f"print('Answer:', {expr})" if prefix else f"print({expr})"]
-    return "\n".join(lines + (["print('END')"] if end else [])) + "\n"
-
-
-def code_conventions(problem: CodeProblem, reply: str) -> dict:
-    """Which of its judge's output conventions a reply to a toy code problem writes, and whether each is right for
-    that judge (eval.py --conventions: did a student learn WHEN to write them, or only how often?)."""
-    want_prefix, want_end = JUDGES[problem.variant]
-    prefix, end = "Answer" in reply, "END" in reply
-    return {"prefix": prefix, "end": end, "prefix_right": prefix == want_prefix, "end_right": end == want_end}
-
-
-def make_code_problem(rng: random.Random, task_id: str, judge: str | None = None, family: str | None = None,
-                      n_tests: int = 3) -> CodeProblem:
-    """One toy code problem; its tests are the oracle's outputs on random lines (computed here, not run)."""
-    judge, family = judge or rng.choice(SHOP_NAMES), family or rng.choice(sorted(CODE_FAMILIES))
-    char = rng.choice("abcde")
-    text = CODE_FAMILIES[family][0].format(char=char) + f" Judge: {judge}."
-    prefix, end = JUDGES[judge]
-    tests = []
-    for _ in range(n_tests):
-        s = _code_input(rng, family)
-        value = eval(CODE_FAMILIES[family][1].format(char=char), {}, {"s": s})   # our own fixed expressions only
-        out = ("Answer: " if prefix else "") + str(value) + ("\nEND" if end else "")
-        tests.append({"input": s + "\n", "output": out + "\n"})
-    return CodeProblem(task_id, text, tests, schema=family, variant=judge)
-
-
-def make_code_splits(seed: int = 0, n_train: int = 400, n_test: int = 100):
-    """Seeded train and test splits of toy code problems, disjoint by statement AND tests."""
-    rng = random.Random(seed)
-    seen, splits = set(), {"test": [], "train": []}
-    for split, n in (("test", n_test), ("train", n_train)):
-        while len(splits[split]) < n:
-            p = make_code_problem(rng, f"code-{split}-{len(splits[split]):05d}")
-            key = p.text + json.dumps(p.tests)
-            if key not in seen:
-                seen.add(key)
-                splits[split].append(p)
-    return splits["train"], splits["test"]
 
 
 def _demo():

@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import envs
+import code_env
 import lopd
+import runtime
 import train
 
 
@@ -53,7 +54,7 @@ def final_eval(args: train.Args, n_test: int = 0, temperature=None, controls: bo
                                                        run["tok"], tasks, temperature, keep=keep))
     if controls:
         rows.update({k: v for k, v in train.world_check(args, run, tasks).items() if k not in rows})
-    train.write_results(args.out, rows, env=args.env)
+    train.write_results(args.out, rows, table=train.environment(args).results)
     return rows, run, tasks
 
 
@@ -64,7 +65,7 @@ def conventions_table(tok, episodes: dict) -> str:
     keys = ("prefix", "prefix_right", "end", "end_right")
     lines = ["| row | pass | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for name, eps in episodes.items():
-        marks = [envs.code_conventions(e.task, tok.decode(e.ids[e.prompt_len:], skip_special_tokens=True))
+        marks = [code_env.code_conventions(e.task, tok.decode(e.ids[e.prompt_len:], skip_special_tokens=True))
                  for e in eps]
         rates = [sum(m[k] for m in marks) / len(marks) for k in keys]
         passed = sum(e.reward for e in eps) / len(eps)
@@ -128,7 +129,7 @@ def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
     composer, tok, ret, make_env = run["composer"], run["tok"], run["retriever"], train.env_factory(args)
     tools = make_env().tools
     part = tasks[:n_tasks]
-    with torch.no_grad(), train.precision(composer.peft):
+    with torch.no_grad(), runtime.precision(composer.peft):
         latents = {mode: lopd.compose(composer, part, lopd.retrieve(ret, part, args.n_ret, mode))   # (N, J·K, d)
                    for mode in ("same", "other")}
         greedy = dataclasses.replace(train.sample_config(args), temperature=0.0)
@@ -148,7 +149,7 @@ def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
 def paper_value(benchmark: str) -> str:
     """The Qwen3-4B values the paper's text quotes for a benchmark's aggregate (train.PAPER_TABLE2), e.g.
     "vanilla 45.61, LOPD 48.78 (LiveCodeBench aggregate)"; "" for TACO (the training set) and our own layout."""
-    agg = "EvalPlus" if benchmark in envs.EVALPLUS else benchmark
+    agg = "EvalPlus" if benchmark in code_env.EVALPLUS else benchmark
     vals = [f"{row.replace(' student', '')} {v[agg]}" for row, v in train.PAPER_TABLE2.items() if agg in v]
     return f"{', '.join(vals)} ({agg} aggregate)" if vals else ""
 
@@ -170,9 +171,9 @@ def load_eval_student(args):
     """The run's student for a benchmark: the backbone with the latest checkpoint's student (a full HF folder, or a
     LoRA adapter with --student-lora), or the backbone itself if the run has no checkpoint yet.
     -> (model, tokenizer, row name)."""
-    device, dtype = train.pick_device(args.device, args.dtype)
+    device, dtype = runtime.pick_device(args.device, args.dtype)
     model, tok = train.load_backbone(args, device, dtype)
-    ckpt = train.latest_checkpoint(args.out)
+    ckpt = runtime.latest_checkpoint(args.out)
     if ckpt is None:
         return model, tok, "vanilla (the run has no checkpoint)"
     path = os.path.join(ckpt, "student")
@@ -194,7 +195,7 @@ def benchmark_rows(problems, log: dict, source: str) -> list[dict]:
         ids = [p.task_id for p in problems if (p.benchmark or "ours") == bench]
         row = {"benchmark": bench, "file": source, "problems": len(ids),
                "pass@1": sum(log[i]["passed"] for i in ids) / len(ids)}
-        if bench in envs.EVALPLUS:
+        if bench in code_env.EVALPLUS:
             row["base pass@1"] = sum(log[i].get("base", False) for i in ids) / len(ids)
         rows.append(row)
     return rows
@@ -219,12 +220,13 @@ def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict
     model, tok, name = load_eval_student(args)
     cfg, rows = benchmark_sample_config(args, temperature), []
     for path in files:
-        problems = envs.load_problems(path)
+        problems = code_env.load_problems(path)
         problems = problems[:n_test] if n_test else problems
         log = {}
-        make_env = lambda: envs.CodeWorld(log=log)   # noqa: E731
-        train.seed_everything(args.seed + 1)
-        with train.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}", leave=False) as bar:
+        make_env = lambda: code_env.CodeWorld(log=log)   # noqa: E731
+        runtime.seed_everything(args.seed + 1)
+        with runtime.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}",
+                                            leave=False) as bar:
             lopd.rollout(model, tok, problems, cfg, make_env, None, progress=bar)
         rows += benchmark_rows(problems, log, os.path.basename(path))
     print(benchmark_table(rows, name))
@@ -265,9 +267,9 @@ def main(argv=None):
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     keep = {} if a.conventions else None
-    with train.one_line_errors():
+    with runtime.one_line_errors():
         rows, run, tasks = final_eval(args, a.n_test, a.temperature, a.world_check, keep)
-    print(train.markdown_table(rows, env=args.env))
+    print(train.markdown_table(rows, table=train.environment(args).results))
     if a.conventions:
         print(conventions_table(run["tok"], train.name_student_row(args, keep)))
     if a.inspect_latents:

@@ -35,8 +35,10 @@ import os
 
 import numpy as np
 
+import baselines
 import envs
 import lopd
+import runtime
 import train
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -62,7 +64,7 @@ def ablation_seed(args: train.Args) -> dict:
                                             which=("vanilla",))["vanilla"]["reward"], "generations": 0}}
     rows.update({k: {"teacher": v["reward"], "generations": len(run["episodes"])}
                  for k, v in train.world_check(args, run, run["test"]).items()})
-    base_student = run["student"] if isinstance(run["student"], train.LoraStudent) else copy.deepcopy(run["student"])
+    base_student = run["student"] if isinstance(run["student"], runtime.LoraStudent) else copy.deepcopy(run["student"])
     for name, change in VARIANTS.items():
         # only LOPD itself is evaluated along the way (its curve is Figure 4's): the others' evaluations would add
         # ~40% to the table's time, and its rows read the end only
@@ -70,13 +72,13 @@ def ablation_seed(args: train.Args) -> dict:
         vargs = dataclasses.replace(args, out=os.path.join(args.out, _slug(name)), resume=True, eval_every=drift,
                                     **change)
         os.makedirs(vargs.out, exist_ok=True)
-        train.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+        runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
         if vargs.retrieval != "same":            # its own φ0, cold-started on what it will read
-            train.reset_composer(run["composer"], os.path.join(args.out, "composer_init"))
-            train.cold_start(vargs, None, run["tok"], run["retriever"], run["episodes"], run["train"], train.Log(vargs.out),
-                       composer=run["composer"])
-        fresh = base_student.reset() if isinstance(base_student, train.LoraStudent) else copy.deepcopy(base_student)
-        student = train.joint_training({**run, "args": vargs, "student": fresh, "log": train.Log(vargs.out)})
+            runtime.reset_composer(run["composer"], os.path.join(args.out, "composer_init"))
+            train.cold_start(vargs, None, run["tok"], run["retriever"], run["episodes"], run["train"],
+                             runtime.Log(vargs.out), composer=run["composer"])
+        fresh = base_student.reset() if isinstance(base_student, runtime.LoraStudent) else copy.deepcopy(base_student)
+        student = train.joint_training({**run, "args": vargs, "student": fresh, "log": runtime.Log(vargs.out)})
         end = train.evaluate(vargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
                              which=("base + composer", "LOPD student"))
         gens = len(run["episodes"]) + (0 if vargs.method == "rft" else vargs.steps * vargs.rollouts_per_step)
@@ -182,17 +184,17 @@ def figure4_seed(args: train.Args) -> list[dict]:
     Returns CSV rows: method, seed, step, generations (with the bank where the method uses it), training
     generations (without), reward of the student alone on the first --eval-tasks held-out tasks."""
     run = train.prepare(args)
-    base_student = run["student"] if isinstance(run["student"], train.LoraStudent) else copy.deepcopy(run["student"])
+    base_student = run["student"] if isinstance(run["student"], runtime.LoraStudent) else copy.deepcopy(run["student"])
     vanilla = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"][:args.eval_tasks],
                        which=("vanilla",))["vanilla"]["reward"]
     rows = []
     for method in FIGURE4_METHODS:
         margs = dataclasses.replace(args, method=method, out=method_dir(args.out, method), resume=True)
         os.makedirs(margs.out, exist_ok=True)
-        train.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-        fresh = base_student.reset() if isinstance(base_student, train.LoraStudent) else copy.deepcopy(base_student)
-        train.joint_training({**run, "args": margs, "student": fresh, "log": train.Log(margs.out)})
-        bank = len(run["episodes"]) if method in train.USES_BANK else 0
+        runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+        fresh = base_student.reset() if isinstance(base_student, runtime.LoraStudent) else copy.deepcopy(base_student)
+        train.joint_training({**run, "args": margs, "student": fresh, "log": runtime.Log(margs.out)})
+        bank = len(run["episodes"]) if baselines.METHODS[method].uses_bank else 0
         rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
                          reward=vanilla))
         last = {k: r for k, r in _logged(os.path.join(margs.out, "metrics.jsonl"), method).items()
@@ -325,10 +327,10 @@ def dial_seed(args: train.Args) -> list[dict]:
 def dial_method(margs: train.Args, run: dict, method: str, curve0: float) -> list[dict]:
     """One method's joint stage from the seed's θ̄ and φ0, and its rows (dial_seed's docstring)."""
     os.makedirs(margs.out, exist_ok=True)
-    train.reset_composer(run["composer"], os.path.join(os.path.dirname(margs.out), "composer0"))
+    runtime.reset_composer(run["composer"], os.path.join(os.path.dirname(margs.out), "composer0"))
     base = run["student"]
-    fresh = base.reset() if isinstance(base, train.LoraStudent) else copy.deepcopy(base)
-    student = train.joint_training({**run, "args": margs, "student": fresh, "log": train.Log(margs.out)})
+    fresh = base.reset() if isinstance(base, runtime.LoraStudent) else copy.deepcopy(base)
+    student = train.joint_training({**run, "args": margs, "student": fresh, "log": runtime.Log(margs.out)})
     last = _logged(os.path.join(margs.out, "metrics.jsonl"), margs.method)
     rows = [_row(margs, method, "student", 0, 0, curve0)]
     rows += [_row(margs, method, "student", k + 1, r["generations"], r["reward/eval"])
@@ -378,7 +380,7 @@ def retrieval_split(args: train.Args) -> list[dict]:
     if os.path.isfile(done):
         return json.load(open(done))
     run, keep = train.prepare(args), {}
-    train.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+    runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
     train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"], which=("base + composer",),
                    keep=keep)
     refs = lopd.retrieve(run["retriever"], run["test"], args.n_ret, args.retrieval)      # what that teacher read
@@ -405,8 +407,8 @@ def convention_split(args: train.Args) -> list[dict]:
     for method in ("base", *DIAL_METHODS):
         keep, which = {}, ("vanilla",) if method == "base" else ("LOPD student",)
         if method != "base":
-            train.load_student_weights(run["student"], os.path.join(
-                train.latest_checkpoint(os.path.join(args.out, method)), "student"))
+            runtime.load_student_weights(run["student"], os.path.join(
+                runtime.latest_checkpoint(os.path.join(args.out, method)), "student"))
         train.evaluate(args, run["composer"], run["student"], run["retriever"], run["tok"], run["test"], which=which,
                        keep=keep)
         kept = [envs.conventions_kept(ep.task, ep.trace) for ep in keep[which[0]]]
@@ -582,7 +584,7 @@ def main(argv=None):
         ks = ()
     if not ks or any(k not in DIAL_KS for k in ks):
         p.error(f"--ks must list K from 1, 2, 3, 4 separated by commas, not {mine.ks!r}")
-    with train.one_line_errors():
+    with runtime.one_line_errors():
         if mine.experiment == "dial":
             return dial(train.parse_args(rest), mine.seeds, ks, given=rest)
         return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds)

@@ -18,10 +18,10 @@ span: the embedding path and the token-id path give the same logits and the same
 
 Notation: B batch, L (or T) tokens, J experiences, K latents per experience, n = J·K latents in the span, d hidden.
 
-THE TRAP (DESIGN.md §3). The placeholder id IS the pad id. Anything that infers the attention mask from
-`input_ids != pad_token_id` (generate() without an `attention_mask`, a collator, a hand-written mask) masks the
-placeholders too, and the teacher silently never sees its latents (measured: logits change by 0.56). Always pass
-an explicit attention_mask built from row LENGTHS (`lopd.left_pad`, `length_mask`), never from ids.
+THE TRAP (docs/design.md, "Correctness traps"). The placeholder id IS the pad id. Anything that infers the attention
+mask from `input_ids != pad_token_id` (generate() without an `attention_mask`, a collator, a hand-written mask)
+masks the placeholders too, and the teacher silently never sees its latents (measured: logits change by 0.56).
+Always pass an explicit attention_mask built from row LENGTHS (`lopd.left_pad`, `length_mask`), never from ids.
 
 Left padding. Generation pads on the left, so the span of row b starts at its unpadded start plus the number of
 pad positions left of it (`span_starts`); each row has its own start.

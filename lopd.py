@@ -1,17 +1,18 @@
-"""LOPD, Algorithm 1: one iteration, and the rollouts and bookkeeping it rests on (paper §3.1, §3.3, Alg. 1).
+"""LOPD, Algorithm 1: one iteration, and the rollouts and scoring it rests on (paper §3.1, §3.3, Alg. 1).
 
     rollout / Episode          roll the student out on-policy from the task alone (eq. 1), keeping the exact
                                sampled token ids, the assistant-token mask ω and the sampling-time log-probs
     retrieve / compose         Ret(x) (eq. 16) and c_φ = Φ_φ(x, E) (eqs. 4-7)
+    teacher_rollout            "base + composer": the frozen base acting behind latents (evaluation)
     student_logits /           p_S and p_T on the SAME sampled ids, the teacher behind its latent prompt with the
       teacher_logits           composer's LoRA off (eq. 8, A.4)
     lopd_step                  Algorithm 1: rollouts -> retrieve -> compose -> re-score -> eq. 13 -> AdamW -> dual step
-    teacher_rollout            "base + composer": the frozen base acting behind latents (evaluation)
-    rft_step                   the RFT control: NLL on the bank's successes, no teacher (train.py --method rft)
-    grpo_step / opsd_step /    the baselines of B.1 on the same rollout and scoring functions; only the teacher's
-      sdpo_step                context and the loss differ (the table above `BaselineConfig`)
-    shard / all_sum /          data parallel under torchrun (train.py): each rank's slice, global normalisers,
-      sync_grads / gathered    summed gradients, a sharded student gathered for generation; identities in 1 process
+    micro_batches /            its forward/backward passes (by rollouts, or by a token budget), and one pass: both
+      micro_batch_objective    models' scores and eq. 13, from full logits or (--loss-chunk) from hidden states
+
+The baselines (RFT, GRPO, OPSD, SDPO) run on these same functions: baselines.py. The calls `runtime.all_sum`,
+`runtime.gathered` and their kind are data parallel under torchrun and the identity in one process: a first
+read can skip them (runtime.py).
 
     python train.py --steps 5                   # runs lopd_step in the full pipeline
     python -m pytest tests/test_rollout.py tests/test_lopd.py -q
@@ -24,7 +25,7 @@ A conversation is one flat token sequence:
      ω = 0                                                ω = 1                     ω = 0           ω = 1
 
 where an observation is the chat template's rendering of the tool results plus the next assistant header. Replies
-are never re-tokenized: the ids that were sampled are the ids that are scored (DESIGN.md §3).
+are never re-tokenized: the ids that were sampled are the ids that are scored (docs/design.md, "Correctness traps").
 
 Deviations from the paper
 -------------------------
@@ -32,29 +33,23 @@ Deviations from the paper
    SGLang/vLLM; each turn re-encodes the conversation so far.
 2. A reply cut off by the per-turn token budget ends the episode (the reply is kept, unterminated), and so does a
    conversation whose next reply might not fit its budget (`SampleConfig.max_len`, train.py --max-len).
-3. Baselines. GRPO takes one update per batch, as LOPD does, so its PPO clip never binds (ρ = 1). OPSD's pool is
-   the bank's successes, and the toy world's oracle trace where a task has none (B.1 asks stronger models).
-   On the toy backbone OPSD's and SDPO's teachers read their trajectory text in the framed span where LOPD's
-   latents go (`text_context_ids`, "span"): the toy learned to read a reference only there. Real models get the
-   B.1 system-message wording (OPSD) and a reprompt appended to the task (SDPO).
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import inject
 import losses
-from envs import DONE_TEXT, ToolWorld, format_call, lite_trace
+import runtime
+from envs import DONE_TEXT, Environment, ToolWorld, format_call
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,7 +128,12 @@ def _mean_rows(rows) -> dict:
     return {k: sum(r[k] for r in rows) / max(1, len(rows)) for k in rows[0]} if rows else {}
 
 
-def _record_step(ep: Episode, env: ToolWorld, reply: str, n_new: int) -> list[str]:
+def summarize_all(episodes) -> dict:
+    """`summarize` over every rank's episodes (under torchrun; this is `summarize` in one process)."""
+    return _mean_rows(runtime.gather([e.metrics() for e in episodes]))
+
+
+def _record_step(ep: Episode, env: Environment, reply: str, n_new: int) -> list[str]:
     """Execute one reply in the environment and update the episode's counts; returns the observations."""
     n_before = len(env.trace)
     return _count_step(ep, env, env.step(reply), n_before, n_new)
@@ -142,13 +142,13 @@ def _record_step(ep: Episode, env: ToolWorld, reply: str, n_new: int) -> list[st
 def _step_all(envs_, replies) -> list:
     """env.step(reply) for each live episode. An environment that runs programs to verify them (CodeWorld sets
     `parallel_steps`) steps in threads, one sandboxed process each, up to the core count; the tool world in order."""
-    if envs_ and getattr(envs_[0], "parallel_steps", False):
+    if envs_ and envs_[0].parallel_steps:
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             return list(pool.map(lambda pair: pair[0].step(pair[1]), zip(envs_, replies)))
     return [env.step(reply) for env, reply in zip(envs_, replies)]
 
 
-def _count_step(ep: Episode, env: ToolWorld, result, n_before: int, n_new: int) -> list[str]:
+def _count_step(ep: Episode, env: Environment, result, n_before: int, n_new: int) -> list[str]:
     """Update the episode's counts from a step's result (the calls after env.trace[n_before]); -> observations."""
     ep.steps += 1
     ep.first_len = ep.first_len or n_new
@@ -162,12 +162,12 @@ def _count_step(ep: Episode, env: ToolWorld, result, n_before: int, n_new: int) 
     return result.observations
 
 
-def _finish(ep: Episode, env: ToolWorld):
-    text = env.trace_text() if hasattr(env, "trace_text") else lite_trace(env.trace)   # the bank's experience
+def _finish(ep: Episode, env: Environment):
+    text = env.trace_text()                                       # the bank's experience (A.3)
     ep.done, ep.reward, ep.trace = True, env.reward(), text
 
 
-def scripted_episode(tokenizer, env: ToolWorld, task, calls, tools=None, prompt_fn=None) -> Episode:
+def scripted_episode(tokenizer, env: Environment, task, calls, tools=None, prompt_fn=None) -> Episode:
     """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one.
     calls: one (name, arguments) per reply, or a list of them for one reply with several (parallel) calls.
     prompt_fn(tokenizer, messages) -> ids overrides the prompt, as in `rollout`."""
@@ -188,7 +188,7 @@ def scripted_episode(tokenizer, env: ToolWorld, task, calls, tools=None, prompt_
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Batched multi-turn rollouts with Hugging Face generate
+# Algorithm 1, steps 1-2: batched multi-turn rollouts with Hugging Face generate (eq. 1)
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class SampleConfig:
@@ -198,7 +198,8 @@ class SampleConfig:
     max_new_tokens: int = 64      # per reply
     max_len: int = 768            # the conversation's token budget: an episode ends when its next reply might not
                                   # fit (train.py --max-len; B.2's 40,960 for real models, 768 for the toy)
-    batch_size: int = 64          # episodes generated together
+    batch_size: int = 64          # episodes generated together (train.py --gen-batch, or from --kv-budget)
+    sort_by_length: bool = False  # batch tasks of similar length together (real models: less left padding)
     enable_thinking: bool = False # chat template: Qwen3 thinking mode (prompts, observations, latent prompts)
 
 
@@ -247,9 +248,9 @@ def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=Non
     with the episode as a check that re-scoring reproduces sampling."""
     device = next(model.parameters()).device
     ids, att = left_pad(contexts, tokenizer.pad_token_id, device)        # (B, L)
-    sample, logps = cfg.temperature > 0, SampledLogProbs()
+    sample, logps, eos = cfg.temperature > 0, SampledLogProbs(), eos_ids(model, tokenizer)
     kw = dict(attention_mask=att, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
-              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos if len(eos) > 1 else eos[0],
               logits_processor=LogitsProcessorList([logps]),
               synced_gpus=False)   # under torchrun a sharded student generates gathered (`gathered`): no lockstep
     if sample:
@@ -260,14 +261,26 @@ def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=Non
         new = model.generate(input_ids=ids, **kw)[:, ids.shape[1]:]        # (B, N)
     else:
         new = model.generate(inputs_embeds=embed_fn(ids, att), **kw)       # (B, N): only new tokens
-    return cut_at_eos(new, logps.finish(new), tokenizer.eos_token_id)      # logps: (B, N)
+    return cut_at_eos(new, logps.finish(new), eos)                          # logps: (B, N)
 
 
-def cut_at_eos(new, logp, eos_id: int) -> list:
-    """Each row's reply up to and including its first eos: [(ids, log-probs, ended with eos)]. new, logp (B, N)."""
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end a reply: the tokenizer's eos (the chat template's end of turn) first, then every other id
+    of the model's generation config (Qwen3 lists <|im_end|> and <|endoftext|>)."""
+    config = getattr(model, "generation_config", None) or getattr(getattr(model, "peft", None),
+                                                                   "generation_config", None)
+    more = getattr(config, "eos_token_id", None)
+    more = [] if more is None else [more] if isinstance(more, int) else list(more)
+    return [tokenizer.eos_token_id] + [i for i in more if i != tokenizer.eos_token_id]
+
+
+def cut_at_eos(new, logp, eos_id) -> list:
+    """Each row's reply up to and including its first eos (one id or a list of them): [(ids, log-probs, ended with
+    eos)]. new, logp (B, N)."""
+    ends = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=new.device)
     rows = []
     for i in range(new.shape[0]):
-        eos = (new[i] == eos_id).nonzero()
+        eos = torch.isin(new[i], ends).nonzero()
         n = int(eos[0]) + 1 if len(eos) else new.shape[1]
         rows.append((new[i, :n].tolist(), logp[i, :n].tolist(), bool(len(eos))))
     return rows
@@ -278,15 +291,18 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
     """Roll out one episode per task (eq. 1), batched across tasks, turn by turn.
 
     prompt_fn(tokenizer, messages) -> ids overrides the prompt (the teacher's latent prompt, inject.py);
-    embed_fn(ids, attention_mask, rows) then fills the placeholder span, where rows index `tasks`."""
-    episodes = []
+    embed_fn(ids, attention_mask, rows) then fills the placeholder span, where rows index `tasks`.
+    cfg.sort_by_length: batches of tasks of similar length (less left padding); episodes come back in task order."""
+    episodes = [None] * len(tasks)
+    order = sorted(range(len(tasks)), key=lambda i: len(tasks[i].text)) if cfg.sort_by_length else range(len(tasks))
     was_training = model.training
     model.eval()
     for start in range(0, len(tasks), cfg.batch_size):
-        chunk = tasks[start:start + cfg.batch_size]
+        which = order[start:start + cfg.batch_size]                          # indices into tasks
+        chunk = [tasks[j] for j in which]
         envs = [make_env() for _ in chunk]
         for env in envs:          # the tokenizer's own reply parser, where it has one (envs.parse_tool_calls)
-            if getattr(tokenizer, "response_template", None) and hasattr(env, "response_template"):
+            if getattr(tokenizer, "response_template", None):
                 env.response_template = tokenizer.response_template
         eps = [Episode(t) for t in chunk]
         for ep, env in zip(eps, envs):
@@ -297,7 +313,7 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
         while not all(ep.done for ep in eps):
             live = [i for i, ep in enumerate(eps) if not ep.done]
             bound = None if embed_fn is None else (  # tell embed_fn which tasks the rows are
-                lambda ids, att, rows=[start + i for i in live]: embed_fn(ids, att, rows))
+                lambda ids, att, rows=[which[i] for i in live]: embed_fn(ids, att, rows))
             replies = generate_replies(model, tokenizer, [eps[i].ids for i in live], cfg, bound)
             texts = [tokenizer.decode(new, skip_special_tokens=False).replace(tokenizer.eos_token, "")
                      for new, _, _ in replies]
@@ -313,7 +329,8 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
                 ep.add(observation_ids(tokenizer, obs, cfg.enable_thinking), sampled=False)
                 if len(ep.ids) + cfg.max_new_tokens > cfg.max_len:
                     _finish(ep, env)
-        episodes += eps
+        for j, ep in zip(which, eps):
+            episodes[j] = ep
         if progress is not None:
             progress.update(len(chunk))
     model.train(was_training)
@@ -331,6 +348,8 @@ def experience_text(entry: dict) -> str:
 # What the composer reads in the "task only" control (train.py --retrieval none): no reference, and the task where
 # the encoder is task-conditional (composer.py; the toy's encoder reads the reference alone, so then nothing).
 NO_REFERENCE = {"task_id": "", "task": "", "trace": "(no reference)", "reward": 0.0, "meta": {}}
+
+
 RETRIEVAL_MODES = ("same", "other", "none")
 
 
@@ -371,134 +390,8 @@ def teacher_rollout(composer, tokenizer, tasks, latents, cfg: SampleConfig, make
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Data parallel under torchrun (train.py's `dist_setup` joins the process group). Every helper is the identity
-# with one process and no process group, so that path is exactly the single-process code.
-#
-# The rule that keeps N ranks on the mathematics of one process: each rank holds a contiguous slice of the batch
-# (`shard`); the normalisers (supervised tokens, trajectories) are summed over ranks BEFORE the backward, so each
-# rank's loss is its share of the whole-batch loss; gradients are then SUMMED over ranks (FSDP2 for the sharded
-# student, with its averaging switched off in train.py; `sync_grads` for replicated trainable parameters: the
-# composer's LoRA and QFormer, a LoRA student). Logged values are summed or gathered the same way.
+# Algorithm 1, step 4: the student and the teacher score the SAME sampled ids (eq. 8)
 # ----------------------------------------------------------------------------------------------------------------
-def world() -> int:
-    """Processes in the job (1 without a process group)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank() -> int:
-    return dist.get_rank() if world() > 1 else 0
-
-
-def shard(items: list) -> list:
-    """This rank's contiguous slice of items (all of them in one process); `gather` restores the order."""
-    n, r, w = len(items), rank(), world()
-    return items[r * n // w:(r + 1) * n // w]
-
-
-def gather(items: list) -> list:
-    """Concatenate every rank's list of picklable items, in rank order (all_gather_object)."""
-    if world() == 1:
-        return items
-    parts = [None] * world()
-    dist.all_gather_object(parts, items)
-    return [x for part in parts for x in part]
-
-
-def _collective_device():
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def all_sum(*values):
-    """Sum numbers over ranks (one all-reduce); ints stay ints. -> a tuple, or the number itself for one value."""
-    if world() > 1:
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
-        dist.all_reduce(t)
-        values = [type(v)(x) if isinstance(v, int) else x for v, x in zip(values, t.tolist())]
-    return tuple(values) if len(values) > 1 else values[0]
-
-
-def all_max(value: float) -> float:
-    if world() == 1:
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return type(value)(t.item())
-
-
-def all_true(flag: bool) -> bool:
-    """True on every rank only if it is True on every rank (a skipped step is skipped everywhere)."""
-    return flag if world() == 1 else all_max(float(not flag)) == 0.0
-
-
-def assert_same(value: float, name: str):
-    """Cheap check that a float (β after the dual step) is identical on every rank: one all-reduce of (v, −v)."""
-    if world() > 1:
-        t = torch.tensor([value, -value], dtype=torch.float64, device=_collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        assert t[0] == -t[1] == value, f"{name} differs across ranks: max {t[0].item()}, min {-t[1].item()}"
-
-
-def sync_grads(params):
-    """Sum the gradients of REPLICATED parameters over ranks (FSDP2 sums the sharded student's itself: DTensor
-    parameters are skipped). Every rank then takes the same optimizer step and keeps identical weights."""
-    if world() == 1:
-        return
-    from torch.distributed.tensor import DTensor
-    for p in params:
-        if not isinstance(p, DTensor):
-            if p.grad is None:                  # a parameter this rank did not reach still joins the sum
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-
-
-def broadcast_params(params):
-    """Rank 0's values into every rank's replicated parameters (fresh random inits: QFormer, LoRA)."""
-    if world() > 1:
-        with torch.no_grad():
-            for p in params:
-                dist.broadcast(p.data, 0)
-
-
-@contextmanager
-def gathered(model):
-    """A FSDP2-sharded model with all its weights gathered (no collective inside): ranks generate rollouts of
-    different lengths and turn counts without matching all-gathers. Any other model passes through."""
-    from torch.distributed.fsdp import FSDPModule
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if isinstance(model, torch.nn.Module) else []
-    for m in units:
-        m.set_reshard_after_forward(False, recurse=False)
-        m.unshard()
-    try:
-        yield model
-    finally:
-        for m in units:
-            m.reshard()
-            m.set_reshard_after_forward(m is not model, recurse=False)   # layers reshard, the root stays (train.py)
-
-
-def summarize_all(episodes) -> dict:
-    """`summarize` over every rank's episodes."""
-    return summarize(episodes) if world() == 1 else _mean_rows(gather([e.metrics() for e in episodes]))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Algorithm 1: one LOPD iteration
-# ----------------------------------------------------------------------------------------------------------------
-@dataclass
-class LOPDConfig:
-    n_ret: int = 3             # J
-    top_m: int = 20            # M (eq. 9)
-    margin: float = 0.05       # m (eq. 13)
-    anchor: float = 0.2        # λ (eq. 13)
-    dual_lr: float = 0.5       # η_β (eq. 13)
-    delta_per: str = "trajectory"   # Δ normalisation (eq. 12)
-    micro_batch: int = 8       # rollouts per forward/backward
-    clip: float = 1.0          # gradient clipping, student and composer each
-    freeze_composer: bool = False
-    retrieval: str = "same"    # what the composer reads: same (the method) | other | none (controls, `retrieve`)
-    privilege_against: str = "student"   # δ's baseline: the student (eq. 11) | phi0, the teacher behind c_φ0
-
-
 def pack(prefixes, conts, pad_id, device):
     """Left-pad prefixes to a common length P and right-pad continuations to Tc, so that column P + t holds
     continuation token t in every row. Returns ids (B, P+Tc), attention mask, position ids, P, left-pad sizes."""
@@ -528,14 +421,28 @@ def continuation_logits(model, tokenizer, prefixes, eps, device):
     conts, omega = continuation(eps, device)
     ids, att, pos, P, _ = pack(prefixes, conts, tokenizer.pad_token_id, device)
     Tc = omega.shape[1]
-    # only the last Tc+1 columns' logits are computed (HF logits_to_keep): the prefix is never a target
-    logits = model(input_ids=ids, attention_mask=att, position_ids=pos, logits_to_keep=Tc + 1).logits  # (B, Tc+1, V)
+    # only the last Tc+1 columns' logits are computed (HF logits_to_keep): the prefix is never a target. A scoring
+    # forward keeps no KV cache (use_cache=False): nothing reads it, and at 40k tokens it is gigabytes
+    logits = model(input_ids=ids, attention_mask=att, position_ids=pos, logits_to_keep=Tc + 1,
+                   use_cache=False).logits                                             # (B, Tc+1, V)
     return logits[:, :Tc], ids[:, P:], omega     # column P-1+t (here t) predicts continuation token t
 
 
 def student_logits(student, tokenizer, eps, device):
     """π_θ^S on the sampled continuation behind the student's own prompt (eq. 8): (B, Tc, V), ids (B, Tc), ω."""
     return continuation_logits(student, tokenizer, [e.ids[:e.prompt_len] for e in eps], eps, device)
+
+
+def student_logprobs(student, tokenizer, eps, device, loss_chunk: int = 0):
+    """log π_θ(a_t) of each episode's own sampled ids behind the student's prompt: (B, Tc) fp32, zeros off ω, with
+    ids and ω (B, Tc); the NLL of RFT and GRPO's log π. loss_chunk > 0: from hidden states, the LM head applied that
+    many rows at a time (memory bounded by tokens, `runtime.lm_head_bypassed`); 0: from full logits."""
+    if not loss_chunk:
+        ls, ids, omega = student_logits(student, tokenizer, eps, device)                  # (B, Tc, V)
+        return losses.token_logprobs(ls, ids, omega), ids, omega
+    with runtime.lm_head_bypassed(student):
+        h, ids, omega = student_logits(student, tokenizer, eps, device)                   # (B, Tc, d)
+    return losses.token_logprobs_from_hidden(h, runtime.lm_head(student), ids, omega, loss_chunk), ids, omega
 
 
 def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None, enable_thinking=False):
@@ -561,6 +468,26 @@ def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env,
     return ls, teacher_logits(composer, tokenizer, eps, latents, make_env, tools, enable_thinking), ids, omega
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Algorithm 1: one LOPD iteration
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class LOPDConfig:
+    n_ret: int = 3             # J
+    top_m: int = 20            # M (eq. 9)
+    margin: float = 0.05       # m (eq. 13)
+    anchor: float = 0.2        # λ (eq. 13)
+    dual_lr: float = 0.5       # η_β (eq. 13)
+    delta_per: str = "trajectory"   # Δ normalisation (eq. 12)
+    micro_batch: int = 8       # rollouts per forward/backward
+    clip: float = 1.0          # gradient clipping, student and composer each
+    freeze_composer: bool = False
+    retrieval: str = "same"    # what the composer reads: same (the method) | other | none (controls, `retrieve`)
+    privilege_against: str = "student"   # δ's baseline: the student (eq. 11) | phi0, the teacher behind c_φ0
+    loss_chunk: int = 0        # supervised rows per LM-head application of the loss; 0: full logits (the reference)
+    token_budget: int = 0      # padded tokens per forward/backward (0: micro_batch rollouts each; `micro_batches`)
+
+
 @torch.no_grad()
 def anchor_cache(composer, retriever, tasks, n_ret: int, mode: str = "same", chunk: int = 32) -> dict:
     """c_φ0 per task from the cold-started composer, computed once (Algorithm 1: "cache c_φ0 per task")."""
@@ -577,34 +504,27 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
     """One iteration of Algorithm 1 on `tasks`. opts = (student optimizer, composer optimizer or None).
     Returns (β, metrics, episodes); a non-finite loss skips the update and β, and says so in the metrics."""
     # 1-2. on-policy student rollouts from the task alone (eq. 1); r_i from the verifier, A_i = 2 r_i − 1 later
-    with gathered(student):
+    with runtime.gathered(student):
         eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
     rewards = torch.tensor([e.reward for e in eps])                                       # (B,)
     # 3. retrieve J experiences per task (eq. 16)
     exps = retrieve(retriever, tasks, cfg.n_ret, cfg.retrieval)
     # whole-batch normalisers (summed over ranks under torchrun: the loss is then this rank's share of the total)
-    n_tokens, n_traj = all_sum(sum(sum(e.mask) for e in eps), len(eps))
+    n_tokens, n_traj = runtime.all_sum(sum(sum(e.mask) for e in eps), len(eps))
     student.train()
     totals, finite = {}, True
-    for i in range(0, len(eps), cfg.micro_batch):
-        mb = slice(i, i + cfg.micro_batch)
+    for mb in micro_batches(eps, cfg.micro_batch, cfg.token_budget):
+        idle = mb.stop == mb.start      # torchrun: a rank's extra micro-batch re-scores one episode with weight 0
+        mb = slice(0, 1) if idle else mb
         with torch.set_grad_enabled(not cfg.freeze_composer):
             latents = compose(composer, tasks[mb], exps[mb])                              # (b, J·K, d) c_φ
         c0 = torch.stack([c0_cache[t.task_id] for t in tasks[mb]]).to(latents)           # (b, J·K, d) sg[c_φ0]
-        # 4. the teacher re-scores exactly the student's ids behind c_φ; the student behind its own prompt
-        ls, lt, ids, omega = student_teacher_logits(student, composer, tokenizer, eps[mb], latents, make_env, tools,
-                                                    sample_cfg.enable_thinking)
-        ref = None                                                                        # eq. (11): the student
-        if cfg.privilege_against == "phi0":       # option: the teacher behind φ0's latents (losses.py, deviation 6)
-            with torch.no_grad():
-                ref = teacher_logits(composer, tokenizer, eps[mb], c0, make_env, tools, sample_cfg.enable_thinking)
-        # 5. eq. (13) at fixed β: one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor).
-        # Each micro-batch carries its share b / B of the constant β·m, so that the micro-batch losses (and their
-        # logged values) sum to eq. (13) of the whole batch; the constant has no gradient.
+        # 4-5. both models score the same ids; eq. (13) at fixed β. Each micro-batch carries its share b / B of the
+        # constant β·m, so that the micro-batch losses (and their logged values) sum to eq. (13) of the whole batch
         share = cfg.margin * len(eps[mb]) / n_traj
-        loss, m = losses.lopd_objective(ls, lt, ids, omega, rewards[mb].to(ls.device), beta, share,
-                                        None if cfg.freeze_composer else latents, c0, cfg.anchor, cfg.top_m,
-                                        n_tokens, cfg.delta_per, n_traj, ref)
+        loss, m = micro_batch_objective(student, composer, tokenizer, eps[mb], latents, c0, rewards[mb], beta, share,
+                                        n_tokens, n_traj, cfg, make_env, tools, sample_cfg.enable_thinking)
+        loss, m = (0.0 * loss, {}) if idle else (loss, m)
         finite &= bool(torch.isfinite(loss))
         if finite:
             loss.backward()
@@ -614,10 +534,10 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
     # every part adds up over micro-batches and ranks, "loss/total" included: it is the sum of the losses
     # backpropagated (eq. 13 of the whole batch)
     parts = ("loss/distill", "privilege/delta", "loss/anchor", "loss/total")
-    totals.update(zip(parts, all_sum(*(totals[k] for k in parts))))
-    finite = all_true(finite)
+    totals.update(zip(parts, runtime.all_sum(*(totals[k] for k in parts))))
+    finite = runtime.all_true(finite)
     # 6. AdamW steps, gradients clipped per model; 7. the dual step β ← [β + η_β (m − Δ)]₊
-    finite = _step(opts, student, composer, cfg.clip, finite)
+    finite = optimizer_step(opts, student, composer, cfg.clip, finite)
     if finite:
         beta = losses.dual_step(beta, totals["privilege/delta"], cfg.margin, cfg.dual_lr)
     behaviour = summarize_all(eps)
@@ -626,15 +546,59 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
     return beta, metrics, eps
 
 
-def _step(opts, student, composer, clip: float, ok: bool = True) -> bool:
+def micro_batches(eps, size: int, token_budget: int = 0) -> list[slice]:
+    """The forward/backward passes of a batch, as consecutive slices of its episodes: `size` episodes each, or with
+    a token budget as many as fit in it, counted as a padded batch (rows × the longest episode; at least one).
+    Losses are normalised by the whole batch's counts, so any split gives the same gradient. Under torchrun every
+    rank runs as many as the busiest one (a sharded model's forward is a collective): the extra ones are empty."""
+    if not token_budget:
+        out = [slice(i, i + size) for i in range(0, len(eps), size)]
+    else:
+        out, start, longest = [], 0, 0
+        for i, e in enumerate(eps):
+            longest = max(longest, len(e.ids))
+            if i > start and longest * (i + 1 - start) > token_budget:   # e does not fit: it opens the next one
+                out.append(slice(start, i))
+                start, longest = i, len(e.ids)
+        out.append(slice(start, len(eps)))
+    busiest = int(runtime.all_max(float(len(out))))
+    return out + [slice(0, 0)] * (busiest - len(out))
+
+
+def micro_batch_objective(student, composer, tokenizer, eps, latents, c0, rewards, beta, share, n_tokens, n_traj,
+                          cfg: LOPDConfig, make_env, tools, enable_thinking):
+    """Algorithm 1, steps 4-5 for one micro-batch: both models score the SAME sampled ids (eq. 8), then eq. (13)
+    at fixed β, whose one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor). -> (loss, metrics).
+    cfg.loss_chunk > 0: the forwards return hidden states and the loss applies the LM heads a chunk of rows at a
+    time (memory bounded by the chunk, not by the conversation; `runtime.lm_head_bypassed`). 0: full logits and
+    the readable `losses.lopd_objective`; the two agree in value and gradient (tests/test_losses.py)."""
+    chunked = runtime.lm_head_bypassed(student, composer.peft) if cfg.loss_chunk else contextlib.nullcontext()
+    with chunked:
+        # 4. the teacher re-scores exactly the student's ids behind c_φ; the student behind its own prompt
+        ls, lt, ids, omega = student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools,
+                                                    enable_thinking)          # (b, Tc, V), or (b, Tc, d) chunked
+        ref = None                                                             # eq. (11): δ against the student
+        if cfg.privilege_against == "phi0":       # option: the teacher behind φ0's latents (losses.py, deviation 6)
+            with torch.no_grad():
+                ref = teacher_logits(composer, tokenizer, eps, c0, make_env, tools, enable_thinking)
+    # 5. eq. (13)
+    rest = (ids, omega, rewards.to(ls.device), beta, share, None if cfg.freeze_composer else latents, c0, cfg.anchor,
+            cfg.top_m, n_tokens, cfg.delta_per, n_traj)
+    if not cfg.loss_chunk:
+        return losses.lopd_objective(ls, lt, *rest, ref)
+    heads = (runtime.lm_head(student), runtime.lm_head(composer.peft), runtime.lm_head(composer.peft))
+    return losses.lopd_objective_from_hidden(ls, lt, heads, *rest, h_ref=ref, chunk=cfg.loss_chunk)
+
+
+def optimizer_step(opts, student, composer, clip: float, ok: bool = True) -> bool:
     """Clip and step each optimizer. If the loss (ok=False) or any gradient is non-finite, drop all gradients
     (also those of micro-batches that did finish) and return False."""
     groups = [(opts[0], list(student.parameters()))]
     if opts[1] is not None:
         groups.append((opts[1], composer.trainable_parameters()))
-    ok = all_true(ok)
+    ok = runtime.all_true(ok)
     for _, params in groups:           # replicated parameters: gradients summed over ranks (no-op in one process)
-        sync_grads(params)
+        runtime.sync_grads(params)
     norms = [torch.nn.utils.clip_grad_norm_(params, clip) for _, params in groups]   # global norms under FSDP2
     ok = ok and all(bool(torch.isfinite(n)) for n in norms)
     for opt, _ in groups:
@@ -642,190 +606,3 @@ def _step(opts, student, composer, clip: float, ok: bool = True) -> bool:
             opt.step()
         opt.zero_grad(set_to_none=True)
     return ok
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The RFT control (train.py --method rft): rejection fine-tuning on the bank, no teacher
-# ----------------------------------------------------------------------------------------------------------------
-def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: float = 1.0):
-    """One step of rejection fine-tuning: the NLL of successful bank episodes' own ω tokens, normalised by the
-    batch's token count, on the student's optimizer. What differs from `lopd_step`: no rollout, no retrieval,
-    no teacher and no composer; the targets are tokens the base already produced. Returns metrics."""
-    device = next(student.parameters()).device
-    n_tokens, total = all_sum(sum(sum(e.mask) for e in episodes)), 0.0
-    student.train()
-    for i in range(0, len(episodes), micro_batch):
-        ls, ids, omega = student_logits(student, tokenizer, episodes[i:i + micro_batch], device)  # (b, Tc, V)
-        loss = losses.masked_nll(ls, ids, omega, n_tokens)           # micro-batch parts add up to the batch mean
-        loss.backward()
-        total += loss.item()
-    student.eval()
-    total = all_sum(total)
-    ok = _step((opt, None), student, None, clip, math.isfinite(total))
-    return {"loss/rft": total, "skipped": int(not ok), "tokens": n_tokens}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Baselines in the same loop (train.py --method grpo|opsd|sdpo; paper B.1)
-# ----------------------------------------------------------------------------------------------------------------
-# Each baseline shares `rollout`, `continuation_logits`, `_step` and the evaluation with LOPD. What differs is only
-# the teacher's context (none; a trajectory as TEXT; latents c_φ for LOPD) and the loss (each keeps its paper's):
-#
-#   method  teacher                          context                            loss
-#   lopd    frozen θ̄ (LoRA off)              latents c_φ of J retrieved trajs    reverse KL, teacher top-M (eq. 13)
-#   grpo    none                             none                               PPO-clip, group-normalised Â
-#   opsd    frozen θ̄                         a successful traj. of the SAME task forward KL, full vocabulary
-#   sdpo    EMA of θ (rate 0.05)             a successful SIBLING in the group   reverse KL, student top-K + tail
-@dataclass
-class BaselineConfig:
-    group: int = 4             # G rollouts per task (GRPO, SDPO; B.1)
-    clip_eps: float = 0.2      # ε_lo = ε_hi (GRPO; B.1)
-    top_k: int = 20            # SDPO's top-K support (the same M = 20 as LOPD)
-    ema_rate: float = 0.05     # SDPO's teacher update rate (B.1)
-    success: float = 1.0       # reward threshold of a "successful" trajectory (the bank's)
-    context: str = "system"    # where the text goes: system | user | span (see `text_context_ids`)
-    micro_batch: int = 8
-    clip: float = 1.0
-
-
-# B.1, OPSD: appended to the system message (the paper's wording).
-OPSD_CONTEXT = (
-    "The following is a reference plan for the upcoming task. Use it only as guidance for your own reasoning; you "
-    "must still interact with the environment to complete the task.\n\n{text}\n\nAfter reading the reference "
-    "solution above, make sure you truly understand the reasoning behind each step. Now, using your own words and "
-    "independent reasoning, derive the same final answer.")
-# SDPO: a successful attempt from the same group, appended to the task (our wording of SDPO's reprompt).
-SDPO_CONTEXT = "\n\nA successful attempt at this task:\n{text}\n\nNow complete the task yourself."
-
-
-def text_context_ids(tokenizer, messages, text, template, where, framing, tools=None, enable_thinking=False):
-    """The teacher's prompt ids with a trajectory as TEXT (OPSD, SDPO), where LOPD's teacher has latents.
-
-    where="system": the template is appended to the system message; "user": to the first user message;
-    "span": the text's own ids fill the framed placeholder span of A.5, exactly where LOPD's latents go. The toy
-    backbone learned to read a reference only there (toy.py, "in-context reading"), so the toy uses "span"."""
-    if where == "span":
-        ref = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids, s = inject.latent_prompt_ids(tokenizer, messages, len(ref), framing, tools, enable_thinking)
-        return ids[:s] + ref + ids[s + len(ref):]
-    role = {"system": "system", "user": "user"}[where]
-    msgs = [dict(m) for m in messages]
-    i = next(k for k, m in enumerate(msgs) if m["role"] == role)
-    msgs[i]["content"] += ("\n\n" if role == "system" else "") + template.format(text=text)
-    return prompt_ids(tokenizer, msgs, tools, enable_thinking)
-
-
-def _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg: BaselineConfig, make_env, tools,
-                         enable_thinking, device):
-    """The teacher re-scores the student's ids behind its text context (one text per episode). -> (B, Tc, V)"""
-    framing = make_env().framing
-    prefixes = [text_context_ids(tokenizer, make_env().reset(e.task), x, template, cfg.context, framing, tools,
-                                 enable_thinking) for e, x in zip(eps, texts)]
-    with torch.no_grad():
-        return continuation_logits(teacher, tokenizer, prefixes, eps, device)[0]          # (B, Tc, V)
-
-
-def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: SampleConfig, make_env=ToolWorld,
-              tools=None):
-    """GRPO: G rollouts per task, Â group-normalised, PPO-clip. No teacher, no context.
-
-    One update per batch (as LOPD), so π_old is the policy that sampled: ρ = 1 at the update, the clip never
-    binds, and π_old's log-probs need no extra forward (they are the detached current ones)."""
-    group_tasks = [t for t in tasks for _ in range(cfg.group)]                               # rows of a group adjacent
-    with gathered(student):
-        eps = rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
-    rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
-    adv = losses.group_advantages(rewards, cfg.group)                                       # (B,) groups never split
-    device, n_tokens = next(student.parameters()).device, all_sum(sum(sum(e.mask) for e in eps))
-    student.train()
-    total, clipped = 0.0, 0.0
-    for i in range(0, len(eps), cfg.micro_batch):
-        ls, ids, omega = student_logits(student, tokenizer, eps[i:i + cfg.micro_batch], device)  # (b, Tc, V)
-        logp = losses.token_logprobs(ls, ids, omega)                                        # (b, Tc)
-        loss, frac = losses.ppo_clip_loss(logp, logp.detach(), adv[i:i + cfg.micro_batch].to(device), omega,
-                                          cfg.clip_eps, cfg.clip_eps, n_tokens)
-        loss.backward()
-        total, clipped = total + loss.item(), max(clipped, frac)
-    student.eval()
-    total, clipped = all_sum(total), all_max(clipped)
-    ok = _step((opt, None), student, None, cfg.clip, math.isfinite(total))
-    zero = all_sum(int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()))
-    return {"reward/student": summarize_all(eps)["reward"], "loss/grpo": total, "grpo/clip_frac": clipped,
-            "grpo/zero_adv_groups": zero, "skipped": int(not ok), "tokens": n_tokens}, eps
-
-
-def _distill_step(student, teacher, tokenizer, eps, texts, template, loss_fn, opt, cfg, make_env, tools,
-                  enable_thinking):
-    """Shared by OPSD and SDPO: rows with a text context are distilled, normalised by their token count."""
-    device = next(student.parameters()).device
-    rows = [i for i, x in enumerate(texts) if x is not None]
-    n_tokens = all_sum(sum(sum(eps[i].mask) for i in rows))
-    # under torchrun every rank runs as many micro-batches as the busiest one (sharded models' forwards are
-    # collectives); a rank's extra ones re-score its first episode with weight 0
-    n_mb = int(all_max(float(math.ceil(len(rows) / cfg.micro_batch))))
-    student.train()
-    total = 0.0
-    for k in range(0, n_mb * cfg.micro_batch, cfg.micro_batch):
-        mb, weight = rows[k:k + cfg.micro_batch], 1.0
-        if not mb:
-            mb, weight = [0], 0.0
-        lt = _text_teacher_logits(teacher, tokenizer, [eps[i] for i in mb], [texts[i] or "" for i in mb], template,
-                                  cfg, make_env, tools, enable_thinking, device)             # (b, Tc, V)
-        ls, _, omega = student_logits(student, tokenizer, [eps[i] for i in mb], device)       # (b, Tc, V)
-        loss = weight * loss_fn(ls, lt, omega, n_tokens)
-        loss.backward()
-        total += loss.item()
-    student.eval()
-    total = all_sum(total)
-    ok = _step((opt, None), student, None, cfg.clip, math.isfinite(total))
-    return {"loss/distill": total, "context/rows": all_sum(len(rows)), "skipped": int(not ok), "tokens": n_tokens}
-
-
-def opsd_step(student, base, tokenizer, tasks, pool, opt, cfg: BaselineConfig, sample_cfg: SampleConfig,
-              make_env=ToolWorld, tools=None):
-    """OPSD: the frozen base θ̄ sees a successful trajectory of the SAME task as text; forward KL, full vocabulary.
-    pool: task_id -> trace text (`opsd_pool`); a task missing from it gives no teacher signal."""
-    with gathered(student):
-        eps = rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
-    texts = [pool.get(t.task_id) for t in tasks]
-    m = _distill_step(student, base, tokenizer, eps, texts, OPSD_CONTEXT,
-                      losses.forward_kl_full, opt, cfg, make_env, tools, sample_cfg.enable_thinking)
-    return {"reward/student": summarize_all(eps)["reward"], **m}, eps
-
-
-def opsd_pool(bank, tasks, make_env=ToolWorld, success: float = 1.0) -> dict:
-    """B.1's shared pool of verified-successful trajectories: the bank's own (base rollouts, already counted as
-    generations), and where a task has none, the environment's oracle trace if it offers one (the toy world does;
-    B.1 asks stronger models here). -> {task_id: trace text}, and the number filled by the oracle."""
-    pool = {e["task_id"]: e["trace"] for e in bank if e.get("reward", 1.0) >= success}
-    oracle = getattr(make_env(), "oracle_trace", None)
-    missing = [t for t in tasks if t.task_id not in pool]
-    if oracle is not None:
-        pool.update({t.task_id: oracle(t) for t in missing})
-    return pool, len(missing) if oracle is not None else 0
-
-
-def sdpo_step(student, ema_teacher, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: SampleConfig,
-              make_env=ToolWorld, tools=None):
-    """SDPO: G rollouts per task; each rollout's teacher is the EMA θ̄_ema behind a successful SIBLING's trace (never
-    its own); reverse KL over the student's top-K + tail; then θ̄_ema ← (1 − rate)θ̄_ema + rate·θ.
-    A rollout with no successful sibling gets no teacher signal."""
-    group_tasks = [t for t in tasks for _ in range(cfg.group)]
-    with gathered(student):
-        eps = rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
-    texts = sibling_contexts(eps, cfg.group, cfg.success)
-    m = _distill_step(student, ema_teacher, tokenizer, eps, texts, SDPO_CONTEXT,
-                      lambda ls, lt, om, n: losses.reverse_kl_student_topk(ls, lt, om, cfg.top_k, n), opt, cfg,
-                      make_env, tools, sample_cfg.enable_thinking)
-    losses.ema_update(ema_teacher.parameters(), student.parameters(), cfg.ema_rate)   # shard by shard under FSDP2
-    return {"reward/student": summarize_all(eps)["reward"], **m}, eps
-
-
-def sibling_contexts(eps, group: int, success: float = 1.0):
-    """For each rollout, the trace of the first successful OTHER rollout of its group, or None."""
-    out = []
-    for i, e in enumerate(eps):
-        g = i // group * group
-        sib = [eps[j] for j in range(g, g + group) if j != i and eps[j].reward >= success]
-        out.append(sib[0].trace if sib else None)
-    return out

@@ -1,14 +1,13 @@
 """LOPD losses: top-M + tail reverse KL, per-token privilege, outcome-weighted margin, dual step, latent anchor.
 
-Implements §3.3 of "Latent On-Policy Self-Distillation" (paper/lopd-paper.md), eqs. (9)-(13):
+Implements §3.3 of "Latent On-Policy Self-Distillation" (arXiv 2608.13040), eqs. (9)-(13):
   (9)  p̃(v): the teacher's top-M ids plus one tail bucket ⊥, built for the student and the teacher
   (10) L_distill = Σ ω·KL(p̃S ‖ p̃T) / Σ ω                                 reverse KL, student first
   (11) δ = log πT(a) − sg[log πS(a)]                                       per-token privilege
   (12) Δ = E_τ[ Σ ω·A(τ)·δ / Σ ω ],  A(τ) = 2r(τ) − 1                      outcome-weighted privilege
   (13) L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖²,   β ← max(0, β + η_β(m − Δ))
 and the masked NLL that the cold start (eq. 14), the toy's SFT and the RFT control share (`masked_nll`).
-Baselines (B.1), each with its own paper's loss: GRPO's group-normalised advantages and PPO-clip surrogate,
-OPSD's full-vocabulary forward KL, SDPO's reverse KL over the student's top-K + tail and its EMA teacher update.
+The baselines' losses (GRPO, OPSD, SDPO; B.1) sit beside their steps in baselines.py.
 Every loss is a pure function of tensors (no model inside). Math runs in fp32, or float64 when given float64
 (so that torch.autograd.gradcheck can run on these functions).
 
@@ -21,7 +20,10 @@ distribution that ids[:, t] was sampled from. A causal LM's logits at t predict 
 
 Memory: V is ~150k for real models. Full-vocabulary log-softmax is computed only at the N supervised rows, never
 at padding, and `lopd_objective` keeps one (N, V) fp32 log-prob tensor per side alive (two in all) and reuses it
-for both the KL and δ.
+for both the KL and δ. That is the readable reference, and the toy's path. At the paper's budgets N is thousands
+of tokens a micro-batch, so real models take `lopd_objective_from_hidden` (train.py --loss-chunk, default 1024 for
+them): the same values and gradients from the final hidden states, the LM heads applied C rows at a time and
+recomputed in the backward, so the peak holds a few (C, V) tensors whatever N is.
 
 Tests: pytest tests/test_losses.py -q
 
@@ -32,9 +34,10 @@ Deviations from the paper (and choices it leaves open):
   2. One KL, two gradients. The official code runs a student phase (teacher top-M values under no_grad) and a
      composer phase (student values detached). Here one KL without detach gives both gradients (see
      `reverse_kl_topm`); the values and gradients are the same.
-  3. Normalisation. L_distill divides by the supervised-token count of the WHOLE batch (DESIGN.md §3), for the
-     student and the composer alike; the official composer phase divides each trajectory by its own count and
-     averages over trajectories. Eq. (10) writes the per-trajectory form for one τ inside E_τ.
+  3. Normalisation. L_distill divides by the supervised-token count of the WHOLE batch (docs/design.md,
+     "Correctness traps"), for the student and the composer alike; the official composer phase divides each
+     trajectory by its own count and averages over trajectories. Eq. (10) writes the per-trajectory form for one
+     τ inside E_τ.
   4. Δ. Default per="trajectory" (eq. 12, which the official code also uses for the composer's loss).
      per="token" is Σ ω A δ / Σ ω over the batch: the value the official code feeds the dual step. Here the same Δ
      goes into the loss and into `dual_step`.
@@ -220,6 +223,11 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     a = ids[sel].unsqueeze(-1)                                          # (N, 1)
     logp_ref = logp_s if ref_logits is None else supervised_logprobs(ref_logits, sel)     # (N, V)
     delta = privilege_delta(logp_t.gather(-1, a).squeeze(-1), logp_ref.gather(-1, a).squeeze(-1))  # (N,)
+    return _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj)
+
+
+def _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj):
+    """Eqs. (12)-(13) from L_distill (scalar) and δ at the N supervised tokens (N,): -> (loss, metrics)."""
     # eq. (12): outcome-weighted privilege Δ
     norm = n_traj if per == "trajectory" else n_tokens
     Delta = outcome_weighted_privilege(_unflatten(delta, sel), sel, rewards, per, norm)  # scalar
@@ -229,6 +237,55 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     metrics = {"loss/distill": distill.item(), "privilege/delta": Delta.item(),
                "loss/anchor": anchor.item(), "loss/total": loss.item()}
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The same objective from hidden states, chunk by chunk: memory bounded by a chunk of rows, not by the conversation
+# ----------------------------------------------------------------------------------------------------------------
+# `lopd_objective` above is the readable reference. At the paper's sizes (V = 151,936, thousands of supervised
+# tokens a micro-batch) its (N, V) fp32 log-probs, two per side and their gradients, are tens of GB. Here the LM
+# heads are applied to C supervised rows at a time, the chunk's KL and sampled-token log-probs are taken, and the
+# chunk is recomputed in the backward (torch.utils.checkpoint): the peak holds a few (C, V) tensors whatever N is.
+# Same values and gradients for θ, φ and the heads (tests/test_losses.py checks them against `lopd_objective`).
+def _chunk_terms(h_s, h_t, a, w_s, b_s, w_t, b_t, top_m, h_ref, w_ref, b_ref):
+    """One chunk of C supervised rows: h_* (C, d) hidden states, a (C, 1) sampled ids, w_* (V, d) heads ->
+    (Σ over the chunk of KL(p̃S ‖ p̃T), log πT(a) (C,), log π_ref(a) (C,): the student's unless h_ref is given)."""
+    logp_s = F.log_softmax(_fp32(F.linear(h_s, w_s, b_s)), dim=-1)      # (C, V) fp32
+    logp_t = F.log_softmax(_fp32(F.linear(h_t, w_t, b_t)), dim=-1)      # (C, V) fp32
+    logq_s, logq_t = topm_tail(logp_s, logp_t, top_m)                   # (C, M+1) each, eq. (9)
+    kl = bucket_reverse_kl(logq_s, logq_t).sum()                        # scalar, eq. (10)'s numerator
+    if h_ref is not None:                                               # --privilege-against phi0
+        logp_s = F.log_softmax(_fp32(F.linear(h_ref, w_ref, b_ref)), dim=-1)   # (C, V)
+    return kl, logp_t.gather(-1, a).squeeze(-1), logp_s.gather(-1, a).squeeze(-1)   # scalar, (C,), (C,)
+
+
+def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, beta, margin, c, c0, anchor_weight,
+                               top_m=20, n_tokens=None, per="trajectory", n_traj=None, h_ref=None, chunk=1024):
+    """Eq. (13) exactly as `lopd_objective`, from the final hidden states instead of logits.
+
+    h_s, h_t (B, T, d) ALIGNED with ids and mask ω (B, T) (h[:, t] is what the LM head turns into the distribution
+    ids[:, t] was drawn from); heads = ((w_s, b_s), (w_t, b_t), (w_ref, b_ref)): each side's LM head weight (V, d)
+    and bias (or None); a tied head is the embedding matrix itself, and its gradient reaches it. h_ref (B, T, d):
+    the reference side of δ (None: the student, eq. 11). chunk: supervised rows per LM-head application.
+    Returns (loss, metrics) as `lopd_objective`."""
+    from torch.utils.checkpoint import checkpoint
+    (w_s, b_s), (w_t, b_t), (w_ref, b_ref) = heads
+    sel = mask.bool()                                                   # (B, T)
+    hs, ht = h_s[sel], h_t[sel]                                         # (N, d) each
+    hr = None if h_ref is None else h_ref[sel]                          # (N, d)
+    a = ids[sel].unsqueeze(-1)                                          # (N, 1)
+    kl, lt, lr = _fp32(hs.new_zeros(())), [], []
+    for i in range(0, hs.shape[0], chunk):
+        part = slice(i, i + chunk)
+        k, t, r = checkpoint(_chunk_terms, hs[part], ht[part], a[part], w_s, b_s, w_t, b_t, top_m,
+                             None if hr is None else hr[part], w_ref, b_ref, use_reentrant=False)
+        kl, lt, lr = kl + k, lt + [t], lr + [r]
+    n = sel.sum() if n_tokens is None else n_tokens
+    distill = kl / n                                                    # eq. (10), scalar
+    logp_t_a = torch.cat(lt) if lt else kl.new_zeros(0)                 # (N,)
+    logp_r_a = torch.cat(lr) if lr else kl.new_zeros(0)                 # (N,)
+    delta = privilege_delta(logp_t_a, logp_r_a)                         # (N,) eq. (11)
+    return _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj)
 
 
 def masked_nll(logits, ids, mask, n_tokens=None):
@@ -242,62 +299,38 @@ def masked_nll(logits, ids, mask, n_tokens=None):
     return -token_logprobs(logits, ids, mask).sum() / n
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Baselines (train.py --method grpo|opsd|sdpo, paper B.1). Each keeps its own paper's loss and KL direction.
-# ----------------------------------------------------------------------------------------------------------------
-def group_advantages(rewards, group: int, eps: float = 1e-4):
-    """GRPO's group-normalised advantage: Â_i = (r_i − mean_g r) / (std_g r + eps) within each group of G.
-
-    rewards (B,) with B = n_groups·G, rows of one group adjacent -> (B,) fp32. std is the unbiased sample std
-    (as TRL's GRPOTrainer); a group whose rewards are all equal gets Â = 0 (no signal)."""
-    r = _fp32(rewards).reshape(-1, group)                               # (n_groups, G)
-    mean, std = r.mean(1, keepdim=True), r.std(1, keepdim=True)         # (n_groups, 1) each
-    return ((r - mean) / (std + eps)).reshape(-1)                       # (B,)
-
-
-def ppo_clip_loss(logp, logp_old, advantages, mask, eps_lo=0.2, eps_hi=0.2, n_tokens=None):
-    """GRPO's clipped surrogate, token level: −Σ ω·min(ρ Â, clip(ρ, 1−ε_lo, 1+ε_hi) Â) / n_tokens, ρ = π/π_old.
-
-    logp (B, T) log π_θ(a_t) with gradient, logp_old (B, T) the same under the policy that sampled (no gradient),
-    advantages Â (B,) one per trajectory, mask ω (B, T) -> (scalar loss, clip fraction over ω tokens).
-    n_tokens: the whole batch's Σ ω when micro-batching. With one update per batch ρ = 1 and the clip never
-    binds: the gradient is then Σ ω Â ∇log π / n_tokens, plain REINFORCE with a group baseline."""
-    ratio = torch.exp(logp - logp_old.detach())                         # (B, T) ρ
-    adv = _fp32(advantages).unsqueeze(1)                                # (B, 1)
-    # the pessimistic bound: min of the unclipped and the clipped surrogate
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv)   # (B, T)
-    n = mask.sum() if n_tokens is None else n_tokens
-    clipped = ((ratio < 1 - eps_lo) | (ratio > 1 + eps_hi)).float()     # (B, T)
-    return -(surrogate * mask).sum() / n, ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()
+def token_logprobs_from_hidden(h, head, ids, mask, chunk=1024):
+    """`token_logprobs` from hidden states: log π(ids[b, t]) under the softmax of head(h[b, t]), C rows at a time,
+    recomputed in the backward. h (B, T, d), head (weight (V, d), bias or None), ids, mask (B, T) -> (B, T) fp32,
+    zeros where mask is 0. The NLL of the cold start (eq. 14) and of RFT, and GRPO's log π, at any length."""
+    from torch.utils.checkpoint import checkpoint
+    sel = mask.bool()                                                   # (B, T)
+    rows, a = h[sel], ids[sel].unsqueeze(-1)                            # (N, d), (N, 1)
+    parts = [checkpoint(_logp_rows, rows[i:i + chunk], a[i:i + chunk], *head, use_reentrant=False)
+             for i in range(0, rows.shape[0], chunk)]
+    flat = torch.cat(parts) if parts else _fp32(h.new_zeros(0))        # (N,)
+    return _unflatten(flat, sel)                                        # (B, T)
 
 
-def forward_kl_full(student_logits, teacher_logits, mask, n_tokens=None):
-    """OPSD's (and SDFT's) loss: Σ ω·KL(πT ‖ πS) / n_tokens over the FULL vocabulary, FORWARD KL (teacher first):
-    Σ_v πT(v) log(πT(v)/πS(v)). The teacher is a target: its side is detached, only θ learns.
-
-    student_logits, teacher_logits (B, T, V) aligned with mask ω (B, T) -> scalar fp32."""
-    logp_s = supervised_logprobs(student_logits, mask)                  # (N, V)
-    logp_t = supervised_logprobs(teacher_logits, mask).detach()         # (N, V)
-    kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)                     # (N,)
-    n = mask.sum() if n_tokens is None else n_tokens
-    return kl.sum() / n
+def _logp_rows(h, a, w, b):
+    """(C, d) hidden rows, (C, 1) ids -> (C,) their log-probs under the head (w, b)."""
+    return F.log_softmax(_fp32(F.linear(h, w, b)), dim=-1).gather(-1, a).squeeze(-1)   # (C,)
 
 
-def reverse_kl_student_topk(student_logits, teacher_logits, mask, top_k=20, n_tokens=None):
-    """SDPO's loss: reverse KL(p̃S ‖ sg p̃T) over the STUDENT's top-K ids plus a tail bucket (SDPO picks the
-    support from the student; LOPD's eq. 9 from the teacher). The EMA teacher is a target: detached.
+def rowwise_from_hidden(loss_fn, h_s, h_t, head_s, head_t, mask, n_tokens=None, chunk=1024):
+    """A loss of the form Σ_ω f(p_S, p_T) / n_tokens over (B, T, V) logits (the baselines' forward KL, SDPO's
+    reverse KL) computed from hidden states C rows at a time, recomputed in the backward: loss_fn(logits_s, logits_t,
+    mask, n_tokens) is called on each chunk's (1, C, V) logits with n_tokens = 1, so it returns the chunk's sum.
+    h_s, h_t (B, T, d), heads (weight, bias), mask ω (B, T) -> scalar fp32."""
+    from torch.utils.checkpoint import checkpoint
+    sel = mask.bool()
+    hs, ht = h_s[sel], h_t[sel]                                         # (N, d) each
 
-    student_logits, teacher_logits (B, T, V) aligned with mask ω (B, T) -> scalar fp32."""
-    logp_s = supervised_logprobs(student_logits, mask)                  # (N, V)
-    logp_t = supervised_logprobs(teacher_logits, mask).detach()         # (N, V)
-    # topm_tail(a, b) takes b's top ids: passing the student second puts the support on the student
-    logq_t, logq_s = topm_tail(logp_t, logp_s, top_k)                   # (N, K+1) each
-    n = mask.sum() if n_tokens is None else n_tokens
-    return bucket_reverse_kl(logq_s, logq_t).sum() / n
-
-
-@torch.no_grad()
-def ema_update(teacher_params, student_params, rate: float):
-    """SDPO's teacher: θ̄ ← (1 − rate)·θ̄ + rate·θ, in place, parameter by parameter (rate 0.05 in B.1)."""
-    for t, s in zip(teacher_params, student_params):
-        t.mul_(1 - rate).add_(s.detach().to(t.dtype), alpha=rate)
+    def part(hs, ht, ws, bs, wt, bt):
+        ls, lt = F.linear(hs, ws, bs)[None], F.linear(ht, wt, bt)[None]  # (1, C, V) each
+        return loss_fn(ls, lt, torch.ones(ls.shape[:2], device=ls.device), 1)   # Σ over the chunk's rows
+    total = _fp32(hs.new_zeros(()))
+    for i in range(0, hs.shape[0], chunk):
+        total = total + checkpoint(part, hs[i:i + chunk], ht[i:i + chunk], *head_s, *head_t, use_reentrant=False)
+    n = sel.sum() if n_tokens is None else n_tokens
+    return total / n

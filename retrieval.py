@@ -210,6 +210,7 @@ class Embedder:
         self.pooling, self.instruction, self.max_length = pooling, instruction, max_length
         self.batch_size, self.padding_side = batch_size, padding_side
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
+        self._takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
     @classmethod
     def from_model(cls, model, tokenizer, **kwargs) -> "Embedder":
@@ -252,6 +253,8 @@ class Embedder:
                              padding_side=self.padding_side, return_tensors="pt").to(self.device)
         if not self._takes_token_types:  # e.g. Qwen3Model has no token_type_ids argument
             enc.pop("token_type_ids", None)
+        if self._takes_use_cache:        # a decoder embedder (the backbone) would keep a KV cache nothing reads
+            enc["use_cache"] = False
         hidden = self.model(**enc).last_hidden_state  # (B, T, d)
         pooled = POOLERS[self.pooling](hidden, enc["attention_mask"]).float()  # (B, d)
         # eq. (15): z = f_ret(text) / ||f_ret(text)||_2

@@ -37,7 +37,7 @@ learns to read a reference there, as Qwen3 can; the composer must then learn to 
 start, eq. 14). Without this, the frozen base ignores whatever fills the span and the teacher gains little from
 experience.
 
-The code world (`python toy.py --world code`, envs.make_code_problem) follows the same recipe: a demonstrator that
+The code world (`python toy.py --world code`, code_env.make_code_problem) follows the same recipe: a demonstrator that
 knows each family's one-line program but writes the judges' output conventions ("Answer: " prefix, last line
 "END") at chance, and 40% of demonstrations with a same-judge solved program in the span, followed. Shipped in
 assets/toy-code-backbone (142 s to build on two cores); on 200 held-out problems at T 0.7: vanilla pass@1 0.26, with
@@ -69,8 +69,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import inject
 import losses
-from envs import (CHANGE_TOOLS, CONVENTION_TOOLS, DONE_TEXT, JUDGES, RULES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld,
-                  ToolWorld, code_oracle, format_call, lite_trace, make_code_problem, make_code_splits, make_splits,
+from code_env import (JUDGES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, code_oracle, make_code_problem,
+                      make_code_splits)
+from envs import (CHANGE_TOOLS, CONVENTION_TOOLS, DONE_TEXT, RULES, ToolWorld, format_call, lite_trace, make_splits,
                   make_task, oracle_calls, shops, world_of)
 from lopd import Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
 
@@ -148,7 +149,7 @@ def toy_config(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 2) ->
     appeared anywhere between 250 and 500+ steps, at 32 by step 200-400), and q/k/v biases (as in Qwen2; Qwen3
     has none), which let a head attend by relative position alone (copying began ~100 steps earlier)."""
     return Qwen3Config(
-        vocab_size=len(tokenizer),          # decode() drops ids >= len(tokenizer): keep them equal (DESIGN.md §4)
+        vocab_size=len(tokenizer),          # decode() drops ids >= len(tokenizer): keep them equal (docs/design.md)
         hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
         max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True, attention_bias=True,
@@ -248,7 +249,7 @@ def demo_episodes(tokenizer, tasks, seed: int, reference_share: float = 0.4):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The toy code world's demonstrations (envs.make_code_problem): the same recipe, for programs
+# The toy code world's demonstrations (code_env.make_code_problem): the same recipe, for programs
 # ----------------------------------------------------------------------------------------------------------------
 # The demonstrator knows every family's expression but not the judges' output conventions: it writes the
 # "Answer: " prefix and the last line "END" each with probability 0.5, for every judge (so it passes one problem
@@ -327,7 +328,8 @@ def reading_references(tokenizer, tasks, same: bool, seed: int = 0) -> dict:
 def reading_check(model, tokenizer, tasks, make_env, seed: int = 0, temperature: float = 0.7) -> dict:
     """Does the base read a reference in the framed span, as a pretrained LLM reads one in its prompt? Reward with
     a solved task of the same variant as text there, and with another variant's (compare: vanilla, nothing there).
-    Same must beat other, or the frozen teacher ignores whatever the composer writes there (DESIGN.md §5)."""
+    Same must beat other, or the frozen teacher ignores whatever the composer writes there (docs/design.md, "The toy
+    world")."""
     out = {}
     for name, same in (("same variant", True), ("other variant", False)):
         refs = reading_references(tokenizer, tasks, same, seed)

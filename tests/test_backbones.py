@@ -18,9 +18,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Olmo3Config, Qwen3Co
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import code_env  # noqa: E402
 import envs  # noqa: E402
 import inject  # noqa: E402
 import lopd  # noqa: E402
+import runtime  # noqa: E402
 import toy  # noqa: E402
 import train  # noqa: E402
 
@@ -124,8 +126,8 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(folders):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(folders["qwen3"]).train()
         if ckpt:
-            train.checkpointing(model)
-        assert all((layer.forward.__func__ is train._checkpointed_forward) == ckpt for layer in model.model.layers)
+            runtime.checkpointing(model)
+        assert all((layer.forward.__func__ is runtime._checkpointed_forward) == ckpt for layer in model.model.layers)
         eps = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t)) for t in tasks]
         logits, ids, omega = lopd.student_logits(model, tok, eps, "cpu")
         loss = -(torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0] * omega).sum() / omega.sum()
@@ -159,6 +161,6 @@ def test_code_env_runs_the_pipeline_with_a_real_model_folder(folders, tmp_path):
     assert len(recs) == 12 and all(r["steps"] == 1 and r["reward"] in (0.0, 1.0) for r in recs)
     for r in recs:
         reply = tok.decode(r["ids"][r["prompt_len"]:], skip_special_tokens=False).replace(tok.eos_token, "")
-        assert r["trace"] == envs.extract_code(reply)
+        assert r["trace"] == code_env.extract_code(reply)
     bank = [json.loads(line) for line in open(out / "bank" / "bank.jsonl")]
     assert sorted(e["trace"] for e in bank) == sorted(r["trace"] for r in recs)   # --bank-threshold 0: all of them

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
@@ -25,7 +26,7 @@ from test_lopd import SAMPLE, make_models, world  # noqa: E402,F401  (world is a
 # ------------------------------------------------------------------------------------------------------------
 def test_group_advantages_match_a_per_group_loop():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.2, 0.2, 0.2, 0.0, 1.0, 1.0, 0.25])
-    got = losses.group_advantages(rewards, 4)
+    got = baselines.group_advantages(rewards, 4)
     want = []
     for g in range(3):
         r = [float(x) for x in rewards[4 * g:4 * g + 4]]
@@ -44,7 +45,7 @@ def test_ppo_clip_loss_matches_a_token_loop_and_clips_both_ways():
     logp.requires_grad_(True)
     adv = torch.tensor([1.3, -0.7, 0.4], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.float64)
-    loss, frac = losses.ppo_clip_loss(logp, logp_old, adv, mask, 0.2, 0.2, n_tokens=20.0)
+    loss, frac = baselines.ppo_clip_loss(logp, logp_old, adv, mask, 0.2, 0.2, n_tokens=20.0)
     total, clipped = 0.0, 0
     for b in range(B):
         for t in range(T):
@@ -69,7 +70,7 @@ def test_one_update_ppo_clip_is_reinforce_with_a_group_baseline():
     """With π_old = the sampling policy (ρ = 1) the clip never binds: ∇ = −Σ ω Â ∇log π / N."""
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
     adv, mask = torch.tensor([0.5, -1.0]), torch.ones(2, 2)
-    loss, frac = losses.ppo_clip_loss(logp, logp.detach(), adv, mask, n_tokens=4)
+    loss, frac = baselines.ppo_clip_loss(logp, logp.detach(), adv, mask, n_tokens=4)
     loss.backward()
     assert frac == 0.0
     assert torch.allclose(logp.grad, torch.tensor([[-0.125, -0.125], [0.25, 0.25]]))
@@ -95,7 +96,7 @@ def test_forward_kl_full_matches_a_vocabulary_loop_and_trains_only_the_student()
     ls.requires_grad_(True)
     lt.requires_grad_(True)
     mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]], dtype=torch.float64)
-    got = losses.forward_kl_full(ls, lt, mask, n_tokens=10.0)
+    got = baselines.forward_kl_full(ls, lt, mask, n_tokens=10.0)
     want = 0.0
     for b in range(2):
         for t in range(4):
@@ -106,14 +107,14 @@ def test_forward_kl_full_matches_a_vocabulary_loop_and_trains_only_the_student()
     got.backward()
     assert lt.grad is None or torch.all(lt.grad == 0)                      # the teacher is a target
     assert ls.grad.abs().sum() > 0
-    assert losses.forward_kl_full(lt, lt, mask).item() == pytest.approx(0.0, abs=1e-12)
+    assert baselines.forward_kl_full(lt, lt, mask).item() == pytest.approx(0.0, abs=1e-12)
 
 
 def test_sdpo_reverse_kl_uses_the_students_top_k_plus_tail():
     ls, lt = _rand_logits(seed=1)
     mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 0]], dtype=torch.float64)
     K = 3
-    got = losses.reverse_kl_student_topk(ls, lt, mask, top_k=K)
+    got = baselines.reverse_kl_student_topk(ls, lt, mask, top_k=K)
     want, n = 0.0, 0
     for b in range(2):
         for t in range(4):
@@ -127,7 +128,7 @@ def test_sdpo_reverse_kl_uses_the_students_top_k_plus_tail():
             want += sum(a * math.log(a / c) for a, c in zip(qs, qt))          # KL(student ‖ teacher)
     assert got.item() == pytest.approx(want / n, abs=1e-10)
     # K = V: the full-vocabulary reverse KL
-    full = losses.reverse_kl_student_topk(ls, lt, mask, top_k=7)
+    full = baselines.reverse_kl_student_topk(ls, lt, mask, top_k=7)
     ref = sum(sum(p * math.log(p / q) for p, q in zip(_softmax(ls[b, t].tolist()), _softmax(lt[b, t].tolist())))
               for b in range(2) for t in range(4) if mask[b, t]) / n
     assert full.item() == pytest.approx(ref, abs=1e-6)
@@ -140,7 +141,7 @@ def test_ema_update_matches_the_closed_form():
     t0 = [t.clone() for t in teacher]
     r, k = 0.05, 7
     for _ in range(k):
-        losses.ema_update(teacher, student, r)
+        baselines.ema_update(teacher, student, r)
     for t, a, s in zip(teacher, t0, student):
         assert torch.allclose(t, (1 - r) ** k * a + (1 - (1 - r) ** k) * s, atol=1e-12)
     assert torch.equal(student[0], torch.tensor([3.0, 0.0], dtype=torch.float64))   # the student is untouched
@@ -148,14 +149,14 @@ def test_ema_update_matches_the_closed_form():
 
 def test_sibling_contexts_never_use_the_rollouts_own_trace():
     eps = [lopd.Episode(task=None, reward=r, trace=f"t{i}") for i, r in enumerate([1.0, 0.0, 1.0, 0.0, 0, 0, 0, 1])]
-    assert lopd.sibling_contexts(eps, 4) == ["t2", "t0", "t0", "t0", "t7", "t7", "t7", None]
+    assert baselines.sibling_contexts(eps, 4) == ["t2", "t0", "t0", "t0", "t7", "t7", "t7", None]
 
 
 def test_opsd_pool_prefers_the_bank_then_the_oracle():
     train, _ = envs.make_splits(seed=0, n_train=4, n_test=1)
     bank = [{"task_id": train[0].task_id, "trace": "from the bank", "reward": 1.0},
             {"task_id": train[1].task_id, "trace": "a failure", "reward": 0.5}]
-    pool, n_oracle = lopd.opsd_pool(bank, train)
+    pool, n_oracle = baselines.opsd_pool(bank, train)
     assert pool[train[0].task_id] == "from the bank" and n_oracle == 3
     env = envs.ToolWorld()
     env.reset(train[1])
@@ -184,25 +185,26 @@ def _run_method(world, method, monkeypatch):
 
     monkeypatch.setattr(lopd, "rollout", rollout)
     monkeypatch.setattr(lopd, "continuation_logits", scoring)
-    for name in ("lopd_objective", "ppo_clip_loss", "forward_kl_full", "reverse_kl_student_topk"):
-        real = getattr(losses, name)
-        monkeypatch.setattr(losses, name, lambda *a, _n=name, _r=real, **kw: calls["loss"].append(_n) or _r(*a, **kw))
+    for module, name in ((losses, "lopd_objective"), (baselines, "ppo_clip_loss"), (baselines, "forward_kl_full"),
+                         (baselines, "reverse_kl_student_topk")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **kw: calls["loss"].append(_n) or _r(*a, **kw))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
-    bcfg = lopd.BaselineConfig(group=2, context="span", micro_batch=8, success=0.0)   # every sibling counts
+    bcfg = baselines.BaselineConfig(group=2, context="span", micro_batch=8, success=0.0)   # every sibling counts
     torch.manual_seed(0)
     if method == "lopd":
         c0 = lopd.anchor_cache(comp, world["retriever"], tasks, 2)
         lopd.lopd_step(student, comp, world["tok"], tasks * 2, world["retriever"], {**c0}, 0.0, (opt, None),
                        lopd.LOPDConfig(n_ret=2, freeze_composer=True), SAMPLE)
     elif method == "grpo":
-        lopd.grpo_step(student, world["tok"], tasks, opt, bcfg, SAMPLE)
+        baselines.grpo_step(student, world["tok"], tasks, opt, bcfg, SAMPLE)
     elif method == "opsd":
-        pool, _ = lopd.opsd_pool([], tasks * 2)
-        lopd.opsd_step(student, comp.base_forward, world["tok"], tasks * 2, pool, opt, bcfg, SAMPLE)
+        pool, _ = baselines.opsd_pool([], tasks * 2)
+        baselines.opsd_step(student, comp.base_forward, world["tok"], tasks * 2, pool, opt, bcfg, SAMPLE)
     else:
         import copy
         ema = copy.deepcopy(student).requires_grad_(False)
-        lopd.sdpo_step(student, ema, world["tok"], tasks, opt, bcfg, SAMPLE)
+        baselines.sdpo_step(student, ema, world["tok"], tasks, opt, bcfg, SAMPLE)
     return student, calls
 
 
@@ -235,11 +237,48 @@ def test_text_context_span_puts_the_text_where_the_latents_go(world):
     tok, task = world["tok"], world["train"][0]
     msgs = envs.ToolWorld().reset(task)
     text = "1. find_customer(account=\"x\") -> c1"
-    ids = lopd.text_context_ids(tok, msgs, text, lopd.OPSD_CONTEXT, "span", envs.ToolWorld().framing)
+    ids = baselines.text_context_ids(tok, msgs, text, baselines.OPSD_CONTEXT, "span", envs.ToolWorld().framing)
     ref = tok(text, add_special_tokens=False)["input_ids"]
     lat, s = lopd.inject.latent_prompt_ids(tok, msgs, len(ref), envs.ToolWorld().framing)
     assert ids[:s] == lat[:s] and ids[s:s + len(ref)] == ref and ids[s + len(ref):] == lat[s + len(ref):]
-    sys_ids = lopd.text_context_ids(tok, msgs, text, lopd.OPSD_CONTEXT, "system", envs.ToolWorld().framing)
+    sys_ids = baselines.text_context_ids(tok, msgs, text, baselines.OPSD_CONTEXT, "system", envs.ToolWorld().framing)
     rendered = tok.decode(sys_ids)
     assert "reference plan for the upcoming task" in rendered and text in rendered
     assert rendered.index(text) < rendered.index(task.text)                 # in the system turn, before the task
+
+
+@pytest.mark.parametrize("method", ["rft", "grpo", "opsd", "sdpo"])
+def test_every_baseline_gives_the_same_step_with_the_chunked_loss(world, method):
+    """--loss-chunk on the baselines: hidden states out, the heads applied 3 rows at a time by the loss. From the
+    same seed, the same metrics and the same student gradients as from full logits."""
+    import copy
+    tasks = world["train"][8:10]
+    results = []
+    for chunk in (0, 3):
+        student, comp = make_models(world)
+        grads = {}
+        opt = torch.optim.SGD(student.parameters(), lr=0.0)
+        step = opt.step
+        opt.step = lambda: (grads.update({n: p.grad.clone() for n, p in student.named_parameters()
+                                          if p.grad is not None}), step())
+        bcfg = baselines.BaselineConfig(group=2, context="span", micro_batch=8, success=0.0, loss_chunk=chunk)
+        torch.manual_seed(0)
+        if method == "rft":
+            eps = lopd.rollout(student, world["tok"], tasks, SAMPLE)
+            m = baselines.rft_step(student, world["tok"], eps, opt, 8, 1.0, chunk)
+        elif method == "grpo":
+            m, _ = baselines.grpo_step(student, world["tok"], tasks, opt, bcfg, SAMPLE)
+        elif method == "opsd":
+            pool, _ = baselines.opsd_pool([], tasks * 2)
+            m, _ = baselines.opsd_step(student, comp.base_forward, world["tok"], tasks * 2, pool, opt, bcfg, SAMPLE)
+        else:
+            ema = copy.deepcopy(student).requires_grad_(False)
+            m, _ = baselines.sdpo_step(student, ema, world["tok"], tasks, opt, bcfg, SAMPLE)
+        results.append((m, grads))
+    (m0, g0), (m3, g3) = results
+    loss_key = {"rft": "loss/rft", "grpo": "loss/grpo"}.get(method, "loss/distill")
+    assert m3[loss_key] == pytest.approx(m0[loss_key], rel=1e-5, abs=1e-7) and m3["tokens"] == m0["tokens"]
+    assert g0 and g0.keys() == g3.keys()
+    assert method == "grpo" or any(g.abs().max() > 0 for g in g0.values())   # GRPO's groups may all tie
+    for k in g0:
+        torch.testing.assert_close(g3[k], g0[k], rtol=1e-4, atol=1e-6, msg=k)

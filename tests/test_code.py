@@ -1,4 +1,4 @@
-"""Tests for the code domain (envs.py): the sandboxed verifier, problem loading, CodeWorld.
+"""Tests for the code domain (code_env.py): the sandboxed verifier, problem loading, CodeWorld.
 
 Run: python -m pytest tests/test_code.py -q      (about 20 s; each case runs real programs in the sandbox)
 Every hostile program below is run for real. What the sandbox does not protect against is in README
@@ -13,13 +13,13 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import envs  # noqa: E402
+import code_env  # noqa: E402
 
-FAST = envs.SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_kb=64)
+FAST = code_env.SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_kb=64)
 
 
 def run(code, stdin="", limits=FAST, **kw):
-    return envs.run_sandboxed(code, stdin, limits, **kw)
+    return code_env.run_sandboxed(code, stdin, limits, **kw)
 
 
 def n_processes():
@@ -36,7 +36,7 @@ def test_busy_infinite_loop_dies_of_its_cpu_limit():
 
 def test_sleeping_program_dies_at_the_wall_limit():
     t0 = time.time()
-    r = run("import time\ntime.sleep(60)\n", limits=envs.SandboxLimits(wall_s=1.0))
+    r = run("import time\ntime.sleep(60)\n", limits=code_env.SandboxLimits(wall_s=1.0))
     assert r.status == "timeout" and time.time() - t0 < 2.5
 
 
@@ -129,35 +129,35 @@ def test_stragglers_of_the_process_group_are_killed():
 # ------------------------------------------------------------------------------------------------------------
 # Verification: pass/fail against the tests
 # ------------------------------------------------------------------------------------------------------------
-SUM = envs.CodeProblem("p-sum", "Read two integers, print their sum.",
+SUM = code_env.CodeProblem("p-sum", "Read two integers, print their sum.",
                        tests=[{"input": "1 2\n", "output": "3\n"}, {"input": "-5 5", "output": "0"}])
-REV = envs.CodeProblem("p-rev", "Write rev(s) returning s reversed.",
+REV = code_env.CodeProblem("p-rev", "Write rev(s) returning s reversed.",
                        asserts="assert rev('abc') == 'cba'\nassert rev('') == ''")
 
 
 def test_correct_program_passes_and_wrong_ones_fail():
-    assert envs.verify(SUM, "a, b = map(int, input().split())\nprint(a + b)\n", FAST) == (True, "all tests passed")
-    ok, why = envs.verify(SUM, "a, b = map(int, input().split())\nprint(a * b)\n", FAST)
+    assert code_env.verify(SUM, "a, b = map(int, input().split())\nprint(a + b)\n", FAST) == (True, "all tests passed")
+    ok, why = code_env.verify(SUM, "a, b = map(int, input().split())\nprint(a * b)\n", FAST)
     assert not ok and why == "test 0: wrong output"
-    ok, why = envs.verify(SUM, "print(3)\n", FAST)            # right on the first test only
+    ok, why = code_env.verify(SUM, "print(3)\n", FAST)            # right on the first test only
     assert not ok and why == "test 1: wrong output"
-    assert envs.verify(REV, "def rev(s):\n    return s[::-1]\n", FAST)[0]
-    ok, why = envs.verify(REV, "def rev(s):\n    return s\n", FAST)
+    assert code_env.verify(REV, "def rev(s):\n    return s[::-1]\n", FAST)[0]
+    ok, why = code_env.verify(REV, "def rev(s):\n    return s\n", FAST)
     assert not ok and "AssertionError" in why
-    ok, why = envs.verify(SUM, "def (:\n", FAST)
+    ok, why = code_env.verify(SUM, "def (:\n", FAST)
     assert not ok and "SyntaxError" in why
 
 
 def test_outputs_match_up_to_trailing_whitespace_only():
-    assert envs._same_output("3  \n\n", "3") and envs._same_output("a\nb\n", "a \nb")
-    assert not envs._same_output("3 0", "30") and not envs._same_output("a\n\nb", "a\nb")
+    assert code_env._same_output("3  \n\n", "3") and code_env._same_output("a\nb\n", "a \nb")
+    assert not code_env._same_output("3 0", "30") and not code_env._same_output("a\n\nb", "a\nb")
 
 
 def test_verify_many_runs_in_parallel_and_keeps_order():
     codes = ["a, b = map(int, input().split())\nprint(a + b)\n", "print(0)\n", "import time\ntime.sleep(0.5)\n"
              "a, b = map(int, input().split())\nprint(a + b)\n"] * 2
     t0 = time.time()
-    got = envs.verify_many([(SUM, c) for c in codes], FAST, workers=2)
+    got = code_env.verify_many([(SUM, c) for c in codes], FAST, workers=2)
     assert [g[0] for g in got] == [True, False, True] * 2
     assert time.time() - t0 < 2 * 0.5 * 2 + 3            # the two sleepers overlap with other runs
 
@@ -178,15 +178,15 @@ def test_problem_layouts_of_taco_livecodebench_and_evalplus(tmp_path):
     ]
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    ours, taco, call, lcb, plus = envs.load_problems(str(path))
+    ours, taco, call, lcb, plus = code_env.load_problems(str(path))
     assert ours.task_id == "ours" and ours.tests == [{"input": "", "output": "1"}]
     assert taco.tests == [{"input": "1 2\n", "output": "3\n"}] and taco.task_id == f"{path}:2"
-    assert envs.verify(call, "def add(a, b):\n    return a + b\n", FAST)[0]
-    assert not envs.verify(call, "def add(a, b):\n    return a - b\n", FAST)[0]
+    assert code_env.verify(call, "def add(a, b):\n    return a + b\n", FAST)[0]
+    assert not code_env.verify(call, "def add(a, b):\n    return a - b\n", FAST)[0]
     assert lcb.task_id == "lcb1" and [t["input"] for t in lcb.tests] == ["x\n", "y\n"]
-    assert envs.verify(lcb, "print(input())\n", FAST)[0]
-    assert envs.verify(plus, "def inc(x):\n    return x + 1\n", FAST)[0]
-    assert not envs.verify(plus, "def inc(x):\n    return x\n", FAST)[0]
+    assert code_env.verify(lcb, "print(input())\n", FAST)[0]
+    assert code_env.verify(plus, "def inc(x):\n    return x + 1\n", FAST)[0]
+    assert not code_env.verify(plus, "def inc(x):\n    return x\n", FAST)[0]
 
 
 @pytest.mark.parametrize("line, reason", [
@@ -201,13 +201,13 @@ def test_bad_problem_line_names_file_and_line(tmp_path, line, reason):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok", "tests": [{"input": "", "output": ""}]}\n' + line + "\n")
     with pytest.raises(ValueError, match=rf"bad\.jsonl:2: .*{reason}"):
-        envs.load_problems(str(path))
+        code_env.load_problems(str(path))
 
 
 def test_code_world_interface():
-    env = envs.CodeWorld(limits=FAST)
+    env = code_env.CodeWorld(limits=FAST)
     msgs = env.reset(SUM)
-    assert msgs[0] == {"role": "system", "content": envs.CODING_SYSTEM_PROMPT} and msgs[1]["content"] == SUM.text
+    assert msgs[0] == {"role": "system", "content": code_env.CODING_SYSTEM_PROMPT} and msgs[1]["content"] == SUM.text
     program = "a, b = map(int, input().split())\nprint(a + b)\n"
     result = env.step(f"<think>\nadd them\n</think>\nHere:\n```python\n{program}```")
     assert result.done and result.observations == [] and env.reward() == 1.0
@@ -221,9 +221,9 @@ def test_rollout_steps_a_batch_of_code_worlds_in_parallel():
     """lopd._step_all: CodeWorld's programs run in threads, one sandboxed process each (1 s of sleep each here)."""
     import lopd
     slow = "import time\ntime.sleep(1.0)\na, b = map(int, input().split())\nprint(a + b)\n"
-    worlds = [envs.CodeWorld(limits=FAST) for _ in range(4)]
+    worlds = [code_env.CodeWorld(limits=FAST) for _ in range(4)]
     for w in worlds:
-        w.reset(envs.CodeProblem("p", "sum", tests=[{"input": "1 2", "output": "3"}]))
+        w.reset(code_env.CodeProblem("p", "sum", tests=[{"input": "1 2", "output": "3"}]))
     t0 = time.time()
     results = lopd._step_all(worlds, [f"```python\n{slow}```"] * 4)
     took = time.time() - t0
@@ -237,16 +237,16 @@ def test_rollout_steps_a_batch_of_code_worlds_in_parallel():
 # ------------------------------------------------------------------------------------------------------------
 def test_toy_code_problems_need_their_judges_conventions():
     """The oracle passes; the same program with any other judge's conventions fails; the statement never says."""
-    train, test = envs.make_code_splits(seed=3, n_train=24, n_test=8)
-    assert {p.schema for p in train + test} <= set(envs.CODE_FAMILIES) and len({p.variant for p in train}) == 4
+    train, test = code_env.make_code_splits(seed=3, n_train=24, n_test=8)
+    assert {p.schema for p in train + test} <= set(code_env.CODE_FAMILIES) and len({p.variant for p in train}) == 4
     pairs = []
     for p in train[:12]:
-        pairs.append((p, envs.code_oracle(p)))
-        for judge in envs.JUDGES:
+        pairs.append((p, code_env.code_oracle(p)))
+        for judge in code_env.JUDGES:
             if judge != p.variant:
-                other = envs.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema, variant=judge)
-                pairs.append((p, envs.code_oracle(other)))
-    results = envs.verify_many(pairs, FAST)
+                other = code_env.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema, variant=judge)
+                pairs.append((p, code_env.code_oracle(other)))
+    results = code_env.verify_many(pairs, FAST)
     for k, (ok, why) in enumerate(results):
         assert ok == (k % 4 == 0), (pairs[k][0].text, pairs[k][1], why)
     for p in train + test:
@@ -254,8 +254,8 @@ def test_toy_code_problems_need_their_judges_conventions():
 
 
 def test_toy_code_splits_are_seeded_and_disjoint():
-    a_train, a_test = envs.make_code_splits(seed=1, n_train=30, n_test=10)
-    b_train, b_test = envs.make_code_splits(seed=1, n_train=30, n_test=10)
+    a_train, a_test = code_env.make_code_splits(seed=1, n_train=30, n_test=10)
+    b_train, b_test = code_env.make_code_splits(seed=1, n_train=30, n_test=10)
     assert [(p.text, p.tests) for p in a_train + a_test] == [(p.text, p.tests) for p in b_train + b_test]
     key = lambda p: p.text + json.dumps(p.tests)                          # noqa: E731
     assert not {key(p) for p in a_train} & {key(p) for p in a_test}
@@ -267,14 +267,15 @@ def test_code_conventions_agree_with_the_sandbox_and_the_table_counts_them(tok):
     rates are those counts."""
     import eval as ev
     from lopd import Episode
-    problems = envs.make_code_splits(seed=5, n_train=0, n_test=8)[1]
+    problems = code_env.make_code_splits(seed=5, n_train=0, n_test=8)[1]
     pairs, marks = [], []
     for p in problems:
-        for judge in envs.JUDGES:
-            program = envs.code_oracle(envs.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema, variant=judge))
+        for judge in code_env.JUDGES:
+            program = code_env.code_oracle(code_env.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema,
+                                                                variant=judge))
             pairs.append((p, program))
-            marks.append(envs.code_conventions(p, f"```python\n{program}```"))
-    results = envs.verify_many(pairs, FAST)
+            marks.append(code_env.code_conventions(p, f"```python\n{program}```"))
+    results = code_env.verify_many(pairs, FAST)
     for (ok, why), m in zip(results, marks):
         assert ok == (m["prefix_right"] and m["end_right"]), why
     # the table over one row of those replies, against counts taken here

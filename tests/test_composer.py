@@ -295,3 +295,27 @@ def test_existing_peft_model_with_another_adapter(tok):
     with torch.no_grad():
         b = comp.compress(["x y"])
     assert a.shape == (1, CFG.n_latents, 64) and torch.equal(a, b)
+
+
+def test_the_chunked_cold_start_loss_equals_the_full_logits_one(tok, episodes):
+    """--loss-chunk on the cold start (eq. 14): hidden states out, the NLL applies the head 3 rows at a time; the
+    same value and the same gradients for ψ and χ."""
+    import runtime
+    comp, _ = build(tok)
+    texts, exps, ids, att, omega, starts = cold_batch(tok, comp, episodes)
+    got = []
+    for chunk in (0, 3):
+        for p in comp.trainable_parameters():
+            p.grad = None
+        if chunk:
+            with runtime.lm_head_bypassed(comp.peft):
+                loss = C.cold_start_loss(comp, ids, att, omega, starts, comp(texts, exps), None,
+                                         runtime.lm_head(comp.peft), chunk)
+        else:
+            loss = C.cold_start_loss(comp, ids, att, omega, starts, comp(texts, exps))
+        loss.backward()
+        got.append((loss.item(), [p.grad.clone() for p in comp.trainable_parameters() if p.grad is not None]))
+    (l0, g0), (l3, g3) = got
+    assert l3 == pytest.approx(l0, rel=1e-5) and len(g0) == len(g3) > 0
+    for a, b in zip(g0, g3):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)

@@ -1,5 +1,5 @@
-"""Data-parallel LOPD under torchrun: FSDP2 student, gloo on CPU, two processes (train.dist_setup, train.shard_student,
-lopd.py's "Data parallel" helpers).
+"""Data-parallel LOPD under torchrun: FSDP2 student, gloo on CPU, two processes (runtime.dist_setup,
+runtime.shard_student, runtime.py's "Data parallel" helpers).
 
 Run: python -m pytest tests/test_distributed.py -q
 Every multi-process run is a real `torchrun --standalone --nproc-per-node 2` subprocess with a timeout, so a hang
@@ -23,9 +23,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import baselines  # noqa: E402
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import retrieval  # noqa: E402
+import runtime  # noqa: E402
 import toy  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -109,7 +111,6 @@ def equivalence(backbone, out):
     part's change} to `out` (rank 0)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import train
     from composer import Composer, ComposerConfig
     tok = AutoTokenizer.from_pretrained(backbone)
     base = AutoModelForCausalLM.from_pretrained(backbone).eval()
@@ -138,27 +139,33 @@ def equivalence(backbone, out):
     composer = lambda: ({n: p.detach().clone() for n, p in comp.peft.named_parameters() if p.requires_grad}  # noqa
                         | {"qformer." + n: p.detach().clone() for n, p in comp.qformer.named_parameters()})
     composer_before = composer()
-    if lopd.world() > 1:
-        student, grpo_student = train.shard_student(student), train.shard_student(grpo_student)
-    saved, lopd.rollout = lopd.rollout, lambda *a, **k: lopd.shard(fixed)     # every rank: its slice of `fixed`
+    if runtime.world() > 1:
+        student, grpo_student = runtime.shard_student(student), runtime.shard_student(grpo_student)
+    saved, lopd.rollout = lopd.rollout, lambda *a, **k: runtime.shard(fixed)     # every rank: its slice of `fixed`
     try:
         opts = (torch.optim.SGD(student.parameters(), lr=1.0), torch.optim.SGD(comp.trainable_parameters(), lr=1.0))
         cfg = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9)
-        beta, m, _ = lopd.lopd_step(student, comp, tok, lopd.shard(tasks), ret, c0, 0.3, opts, cfg, lopd.SampleConfig(),
-                                    envs.ToolWorld, None)
+        beta, m, _ = lopd.lopd_step(student, comp, tok, runtime.shard(tasks), ret, c0, 0.3, opts, cfg,
+                                    lopd.SampleConfig(), envs.ToolWorld, None)
+        # the chunked loss (hidden states out, LM heads applied by the loss) on the FSDP2 student, a second step
+        chunked = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9, loss_chunk=2)
+        opts = (torch.optim.SGD(student.parameters(), lr=1e-3), torch.optim.SGD(comp.trainable_parameters(), lr=1e-3))
+        beta, m_chunked, _ = lopd.lopd_step(student, comp, tok, runtime.shard(tasks), ret, c0, beta, opts, chunked,
+                                            lopd.SampleConfig(), envs.ToolWorld, None)
+        assert (runtime.full_optimizer_state(opts[0]) is None) == (runtime.rank() != 0)   # rank 0 keeps the copy
         opt = torch.optim.SGD(grpo_student.parameters(), lr=1.0)
-        bcfg = lopd.BaselineConfig(group=2, micro_batch=1, clip=1e9)
-        g_m, _ = lopd.grpo_step(grpo_student, tok, lopd.shard(tasks[:2]), opt, bcfg, lopd.SampleConfig(),
+        bcfg = baselines.BaselineConfig(group=2, micro_batch=1, clip=1e9)
+        g_m, _ = baselines.grpo_step(grpo_student, tok, runtime.shard(tasks[:2]), opt, bcfg, lopd.SampleConfig(),
                                 envs.ToolWorld, None)
     finally:
         lopd.rollout = saved
     def change(model):
-        after = train.full_state(model)                             # FSDP2: gathered on rank 0, {} elsewhere
+        after = runtime.full_state(model)                             # FSDP2: gathered on rank 0, {} elsewhere
         after = {k: p.detach() for k, p in model.named_parameters()} if after is None else after   # tied once
         return {k: after[k] - before[k] for k in after}
-    result = {"beta": beta, "lopd": m, "grpo": g_m, "student": change(student), "grpo_student": change(grpo_student),
-              "composer": {k: v - composer_before[k] for k, v in composer().items()}}
-    if lopd.rank() == 0:
+    result = {"beta": beta, "lopd": m, "lopd_chunked": m_chunked, "grpo": g_m, "student": change(student),
+              "grpo_student": change(grpo_student), "composer": {k: v - composer_before[k] for k, v in composer().items()}}
+    if runtime.rank() == 0:
         torch.save(result, out)
 
 
@@ -175,6 +182,9 @@ def test_one_lopd_iteration_and_one_grpo_step_on_two_ranks_equal_one_process(bac
     for key in ("loss/total", "loss/distill", "privilege/delta", "loss/anchor", "reward/student", "tokens"):
         assert two["lopd"][key] == pytest.approx(one["lopd"][key], rel=1e-5, abs=1e-7), key
     assert two["lopd"]["privilege/delta"] != 0 and two["lopd"]["loss/anchor"] > 0
+    for key in ("loss/total", "loss/distill", "privilege/delta", "loss/anchor", "tokens"):   # --loss-chunk, FSDP2
+        assert two["lopd_chunked"][key] == pytest.approx(one["lopd_chunked"][key], rel=1e-5, abs=1e-7), key
+    assert two["lopd_chunked"]["skipped"] == 0
     assert two["beta"] == pytest.approx(one["beta"], rel=1e-6) and two["beta"] != 0.3     # the dual step moved β
     for key in ("loss/grpo", "reward/student", "tokens", "grpo/zero_adv_groups"):
         assert two["grpo"][key] == pytest.approx(one["grpo"][key], rel=1e-5, abs=1e-7), key
@@ -275,8 +285,8 @@ def test_an_uneven_split_is_refused_naming_the_flag(backbone, tmp_path):
                        (["--method", "grpo", "--rollouts-per-step", "4", "--group", "4"], "--rollouts-per-step 4"),
                        (["--cold-batch", "5"], "--cold-batch 5")):
         with pytest.raises(SystemExit, match=flag + ".*2 processes"):
-            train.check_world(train.parse_args(small(backbone, tmp_path)[1:] + argv), 2)
-    train.check_world(train.parse_args(small(backbone, tmp_path)[1:]), 2)      # the smoke runs' settings pass
+            runtime.check_world(train.parse_args(small(backbone, tmp_path)[1:] + argv), 2)
+    runtime.check_world(train.parse_args(small(backbone, tmp_path)[1:]), 2)      # the smoke runs' settings pass
 
 
 if __name__ == "__main__":
@@ -288,10 +298,10 @@ if __name__ == "__main__":
         dist.destroy_process_group()
     else:                               # train.py with a failure injected
         import train
-        rollout, save = lopd.rollout, train.save_checkpoint
+        rollout, save = lopd.rollout, runtime.save_checkpoint
 
         def failing(*a, **k):
-            if lopd.rank() == 1:
+            if runtime.rank() == 1:
                 raise RuntimeError("injected failure in rank 1's rollout")
             return rollout(*a, **k)
 
@@ -302,6 +312,6 @@ if __name__ == "__main__":
         if sys.argv[1] == "--fail-on-rank1":
             lopd.rollout = failing
         else:
-            train.save_checkpoint = save_then_die
+            runtime.save_checkpoint = save_then_die
         os.chdir(ROOT)
         train.main(sys.argv[2:])

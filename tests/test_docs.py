@@ -1,12 +1,15 @@
 """The reader's guide stays true to the code: README's reading-order table names only functions that exist, the
-README stays a front page, and no two files of the project import each other (directly or around a circle).
+README stays a front page, no two files of the project import each other (directly or around a circle), and no text
+file points at something the repository lacks (a note kept beside it, a missing doc, a broken link or heading).
 
 Run: python -m pytest tests/test_docs.py -q      (about a second; docs/walkthrough.md runs as its own doctest file)
 """
 import ast
+import glob
 import importlib
 import os
 import re
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
@@ -89,3 +92,145 @@ def test_no_import_circle():
     assert "train" in graph["eval"] and "eval" not in graph["train"]     # eval.py loads runs through train.py
     assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph))}"
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]   # the search can find one
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The repository stands alone: every reference in a text file points at something a clone has
+# ------------------------------------------------------------------------------------------------------------
+TEXT_SUFFIXES = (".py", ".md", ".ini", ".txt")
+TEXT_NAMES = (".ci/run",)
+SELF = "tests/test_docs.py"          # holds the fabricated references of the check below, on purpose
+# Files that live beside the repository, not in it: a design note, the paper's text, a `shared` folder. An absolute
+# `/shared/...` (a cluster's shared disk in an example command) is allowed; a relative or `/work/` one is not.
+OUTSIDE = re.compile(r"DESIGN\.md|lopd-paper[\w-]*\.md|(?:^|[^\w/]|\.\./|/work/)shared/|[\"']shared[\"'],")
+# A path that starts at one of the repository's folders (or `paper`, which it does not have), read from the root;
+# `../` makes it relative to the file's folder. runs/ and OUT/ are outputs, not references: never checked.
+ROOTED = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs|tests|assets|\.ci|paper)/[\w.*<>{}/-]*)")
+LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")             # a markdown link or image: [text](target)
+CITED = re.compile(r',\s*"([^"\n]+)"')                        # `docs/design.md, "Correctness traps"`
+
+
+def text_files() -> list[str]:
+    """The repository's text files, relative to ROOT: tracked or new but not ignored (git), else a walk."""
+    try:
+        names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):                     # not a git checkout (an unpacked archive)
+        names = walked()
+    return sorted(n for n in names if (n.endswith(TEXT_SUFFIXES) or n in TEXT_NAMES) and n != SELF
+                  and os.path.isfile(os.path.join(ROOT, n)))          # a tracked file deleted in the work tree
+
+
+def walked() -> list[str]:
+    """Every file under ROOT outside hidden folders (but .ci) and runs/."""
+    out = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d == ".ci" or not (d.startswith(".") or d in ("runs", "__pycache__"))]
+        out += [os.path.relpath(os.path.join(folder, f), ROOT).replace(os.sep, "/") for f in files]
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    """The anchors of a markdown file's headings."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    return {slug(line.lstrip("#")) for line in lines if re.match(r"#{1,6} ", line)}
+
+
+def exists(base: str, path: str) -> bool:
+    """Does `path` (relative to `base`) name something? Placeholders match anything: upper-case words (FILE, K in
+    toy-backbone-kK), <name>, {name} and * become wildcards."""
+    pattern = re.sub(r"<[^>]*>|\{[^}]*\}?|[A-Z]+", "*", path)
+    return bool(glob.glob(os.path.join(base, pattern)))
+
+
+def check_target(base: str, target: str, anchor: str | None) -> str | None:
+    """Why `target` (a path, relative to `base`) with an optional `#anchor` / cited heading is broken, or None."""
+    if not exists(base, target):
+        return f"no such file: {target}"
+    path = os.path.join(base, target)
+    if anchor is not None and path.endswith(".md") and os.path.isfile(path) and slug(anchor) not in anchors(path):
+        return f"{target} has no heading {anchor!r}"
+    return None
+
+
+def line_of(text: str, pos: int) -> int:
+    """The 1-based line of `text` that holds position `pos`."""
+    return text.count("\n", 0, pos) + 1
+
+
+def dangling(text: str, folder: str = "", markdown: bool = True) -> list[tuple[int, str]]:
+    """(line, what) for each reference in `text` to something the repository lacks; `folder` is the file's folder
+    relative to ROOT, `markdown` whether its [text](target) links count."""
+    found = [(line_of(text, m.start()), f"outside the repository: {m.group().strip()}")
+             for m in OUTSIDE.finditer(text)]
+    if markdown:
+        found += dangling_links(text, folder)
+        text = LINK.sub(lambda m: " " * len(m.group()), text)           # a link's text is checked as its target
+    for m in ROOTED.finditer(text):
+        path = m.group(1).rstrip(".")                                   # a sentence may end right after a path
+        base = os.path.join(ROOT, folder) if path.startswith("../") else ROOT
+        cited = CITED.match(text, m.end()) if path.endswith(".md") else None
+        if why := check_target(base, path, cited and cited.group(1)):
+            found.append((line_of(text, m.start()), why))
+    return sorted(found)
+
+
+def dangling_links(text: str, folder: str) -> list[tuple[int, str]]:
+    """The broken [text](target) links: targets relative to the file's folder; web addresses, anchors within the
+    file and outputs (runs/, OUT/) are not checked."""
+    found = []
+    for m in LINK.finditer(text):
+        target, _, anchor = m.group(1).partition("#")
+        if not target or "://" in target or target.startswith(("mailto:", "runs/", "OUT/")):
+            continue
+        if why := check_target(os.path.join(ROOT, folder), target, anchor or None):
+            found.append((line_of(text, m.start()), why))
+    return found
+
+
+def test_every_reference_points_inside_the_repository():
+    files = text_files()
+    assert "docs/design.md" in files and "README.md" in files and ".ci/run" in files, files
+    problems = [f"{name}:{n}: {why}" for name in files
+                for n, why in dangling(open(os.path.join(ROOT, name), encoding="utf-8").read(),
+                                       os.path.dirname(name), markdown=name.endswith(".md"))]
+    assert not problems, "references to what a clone of the repository lacks:\n" + "\n".join(problems)
+
+
+def test_the_reference_check_can_fail():
+    fabricated = ("Why: DESIGN.md §3, and [the note](docs/nope.md).\n"
+                  "See `tests/test_nope.py`, [a heading](docs/design.md#no-such-heading) and\n"
+                  '(docs/design.md, "No such section"); the paper is at ../shared/paper/.\n')
+    assert dangling(fabricated) == [
+        (1, "no such file: docs/nope.md"), (1, "outside the repository: DESIGN.md"),
+        (2, "docs/design.md has no heading 'no-such-heading'"), (2, "no such file: tests/test_nope.py"),
+        (3, "docs/design.md has no heading 'No such section'"), (3, "outside the repository: ../shared/")]
+    # what is not a reference to check: web addresses, anchors, outputs, placeholders, a cluster's shared disk
+    fine = ("[web](https://x.org/y.md) [up](#roles-and-memory) [run](runs/toy/results.md) `runs/x/OUT.md`\n"
+            "`docs/FILE.md`, `assets/toy-backbone-kK`, tests/fixtures/*.jsonl, --out /shared/runs/q8,\n"
+            '[design](docs/design.md#correctness-traps), docs/design.md, "Correctness traps".\n')
+    assert dangling(fine) == []
+
+
+def test_the_adding_a_method_diff_applies_to_the_tree():
+    """docs/adding-a-method.md's diff is what a forker applies: it must apply to the files as they are now."""
+    import shutil
+    import subprocess
+    text = open(os.path.join(ROOT, "docs", "adding-a-method.md"), encoding="utf-8").read()
+    blocks = re.findall(r"```diff\n(.*?)```", text, re.S)
+    assert len(blocks) == 1 and "+def reinforce_step" in blocks[0]
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+        import pytest
+        pytest.skip("git apply --check needs git and the repository's .git")
+    check = subprocess.run(["git", "apply", "--check", "-"], input=blocks[0], text=True, cwd=ROOT,
+                           capture_output=True)
+    assert check.returncode == 0, check.stderr
+    broken = blocks[0].replace('\n     "grpo": Method(', '\n     "grpo": Methods(', 1)   # a context line the tree lacks
+    assert broken != blocks[0]
+    assert subprocess.run(["git", "apply", "--check", "-"], input=broken, text=True, cwd=ROOT,
+                          capture_output=True).returncode != 0                      # the check can fail

@@ -162,3 +162,34 @@ def test_lite_trace_format():
     env = play(hand_task("delta"), [("find_customer", {"account": "A10"}), ("nope", {})])
     assert envs.lite_trace(env.trace) == ('1. find_customer(account="A10") -> C100\n'
                                           "2. nope() -> Error: unknown tool 'nope'")
+
+
+def test_the_learner_reads_only_what_the_environment_interface_declares():
+    """lopd.py, baselines.py and train.py read an environment only through envs.Environment's names: every
+    `env.X` they use is declared there (so a new world knows what to provide), and none is probed with getattr."""
+    import os
+    import re
+
+    import envs
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    reads = r"(?:\benv|make_env\(\)|envs_\[0\]|env_factory\(args\)\(\))\.(\w+)"
+    declared = set(dir(envs.Environment)) | {"trace"}                     # trace: set by __init__
+    for name in ("lopd.py", "baselines.py", "train.py"):
+        text = open(os.path.join(root, name), encoding="utf-8").read()
+        used = set(re.findall(reads, text))
+        assert used and not used - declared, (name, used - declared)
+        assert not re.search(r"(?:getattr|hasattr)\((?:env|make_env\(\))\b", text), name
+    assert set(re.findall(reads, "env.reset(t); make_env().no_such_hook")) - declared == {"no_such_hook"}
+
+
+def test_env_values_name_a_shipped_world_or_a_users_class(tmp_path):
+    import envs
+    assert envs.environment_class("tools") is envs.ToolWorld
+    assert envs.environment_class("code").__name__ == "CodeWorld"
+    mine = tmp_path / "mine.py"
+    mine.write_text("import envs\n\nclass Mine(envs.Environment):\n    pass\n\nclass NotOne:\n    pass\n")
+    assert envs.environment_class(f"{mine}:Mine").__name__ == "Mine"
+    for bad, said in (("bogus", "expected tools or code"), (f"{mine}:NotOne", "no class 'NotOne'"),
+                      ("nofile.py:X", "no such file"), ("no_such_module:X", "cannot import")):
+        with pytest.raises(ValueError, match=said):
+            envs.environment_class(bad)

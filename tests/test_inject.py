@@ -18,7 +18,6 @@ import lopd  # noqa: E402
 import toy  # noqa: E402
 from envs import ToolWorld, make_task  # noqa: E402
 
-PAPER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "paper", "lopd-paper.md")
 SHORT = ("Reference:", "End of reference. Your task:")   # short framing: fewer tokens for the model tests
 
 
@@ -60,16 +59,37 @@ def both_paths(tok, model, texts, n):
 # ------------------------------------------------------------------------------------------------------------
 # Prompt side (eq. 17, A.5)
 # ------------------------------------------------------------------------------------------------------------
+# Appendix A.5, "Latent-context framing text", quoted from the paper as it prints it, paragraph by paragraph (its
+# en dash in "SEPARATE session – in", its em dashes around "end of reference"): the agentic framing, then the
+# coding framing. Typed apart from inject.py, so that a change of one character there shows here.
+PAPER_A5 = "\n\n".join((
+    "**Before latent context:**",
+    "The following is a REFERENCE EXAMPLE of how a DIFFERENT, already-solved task was handled, shown only to "
+    "illustrate the general approach. It was performed in a SEPARATE session – in YOUR task below, NOTHING "
+    "has been done yet and the environment is in its initial state. You must perform every step yourself by "
+    "calling the tools and reading their actual results; do NOT assume any step is already complete.",
+    "**After latent context:**",
+    "— end of reference example —",
+    "Now complete YOUR task below, starting from scratch (the environment is untouched):",
+    "**Before:**",
+    "The following is a reference from a similar programming problem. Study the approach and algorithm, then "
+    "solve YOUR problem below.",
+    "**After:**",
+    "— end of reference —",
+))
+
+
 def test_framing_is_word_for_word():
     before, after = inject.AGENTIC_FRAMING
     assert "SEPARATE session \u2013 in YOUR task" in before and before.endswith("already complete.")
     assert after.startswith("\u2014 end of reference example \u2014\n\n")
     assert inject.CODING_FRAMING[1] == "\u2014 end of reference \u2014"
-    if not os.path.exists(PAPER):
-        pytest.skip("paper text not available")
-    paper = open(PAPER, encoding="utf-8").read()
-    for part in (before, *after.split("\n\n"), *inject.CODING_FRAMING):
-        assert "\n" + part + "\n" in paper, part
+    paragraphs = PAPER_A5.split("\n\n")
+    for part in (before, *after.split("\n\n"), *inject.CODING_FRAMING):    # each a whole paragraph of A.5
+        assert part in paragraphs, part
+    # in the paper's order: before the latents, then after, for each domain
+    assert paragraphs.index(before) < paragraphs.index(after.split("\n\n")[0])
+    assert paragraphs.index(inject.CODING_FRAMING[0]) < paragraphs.index(inject.CODING_FRAMING[1])
 
 
 def test_latent_prompt_ids_span(tok):

@@ -200,6 +200,45 @@ def test_frozen_composer_stays_bit_identical(world):
 # ------------------------------------------------------------------------------------------------------------
 # 3. micro-batching: micro_batch=2 sums to the same metrics and gradients as one batch of 4
 # ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("against", ["student", "phi0"])
+def test_the_chunked_loss_gives_the_full_logits_step(world, against):
+    """--loss-chunk: the forwards return hidden states, the loss applies the LM heads 3 rows at a time. The same
+    rollouts give the same metrics, β and clipped gradients (student, its tied head included, and composer)."""
+    results = []
+    for chunk in (0, 3):
+        student, comp, tasks, c0, opts, grads = setup_step(world, seed=1, perturb_c0=0.05)
+        beta, m, eps = run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=7, loss_chunk=chunk,
+                                privilege_against=against)
+        g = [grads[id(p)] for p in list(student.parameters()) + comp.trainable_parameters()]
+        results.append((beta, m, [e.ids for e in eps], g, student))
+    (b0, m0, ids0, g0, s0), (b3, m3, ids3, g3, s3) = results
+    assert ids0 == ids3 and m3["skipped"] == 0
+    for k in ("loss/distill", "privilege/delta", "loss/anchor", "loss/total"):
+        assert m3[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-7), k
+    assert b3 == pytest.approx(b0, rel=1e-6)
+    assert s3.get_output_embeddings().forward.__func__ is type(s3.get_output_embeddings()).forward   # restored
+    for a, b in zip(g0, g3):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_a_token_budget_splits_the_step_without_changing_it(world):
+    """--token-budget: micro-batches of as many episodes as fit in 300 padded tokens give the step of one batch."""
+    results = []
+    for kw in ({"micro_batch": 4}, {"token_budget": 300}):
+        student, comp, tasks, c0, opts, grads = setup_step(world, seed=1, perturb_c0=0.05)
+        beta, m, eps = run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=7, **kw)
+        parts = lopd.micro_batches(eps, 4, kw.get("token_budget", 0))
+        g = [grads[id(p)] for p in list(student.parameters()) + comp.trainable_parameters()]
+        results.append((beta, m, [e.ids for e in eps], g, len(parts)))
+    (b1, m1, ids1, g1, n1), (b2, m2, ids2, g2, n2) = results
+    assert ids1 == ids2 and n1 == 1 and n2 > 1                            # the budget did split the batch
+    for k in ("loss/distill", "privilege/delta", "loss/anchor", "loss/total"):
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
+    assert b2 == pytest.approx(b1, rel=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
 def test_micro_batches_sum_to_the_whole_batch(world):
     """Same seed -> the same rollouts (checked); the metrics add up and the clipped gradients agree."""
     results = []
@@ -341,3 +380,28 @@ def test_retrieve_modes_pass_the_controls_to_the_retriever():
     assert rec.call == ([t.task_id for t in tasks], True, None)
     with pytest.raises(ValueError, match="retrieval mode 'bogus'"):
         lopd.retrieve(rec, tasks, 2, "bogus")
+
+
+def test_scoring_forwards_keep_no_kv_cache(world):
+    """Every re-scoring forward (student, teacher behind latents, the φ0 reference) and the composer's encoder pass
+    use_cache=False: nothing reads their KV cache, and at the paper's 40k tokens it is gigabytes. Generation
+    (logits_to_keep 1) keeps its cache."""
+    student, comp, tasks, c0, opts, _ = setup_step(world, seed=1)
+    seen = []
+
+    def spy(module, args, kwargs):
+        keep = kwargs.get("logits_to_keep", 0)
+        if not isinstance(keep, int) or keep != 1:           # a scoring forward (generation keeps 1 column)
+            seen.append((type(module).__name__, kwargs.get("use_cache")))
+    hooks = [m.register_forward_pre_hook(spy, with_kwargs=True)
+             for m in (student, comp.peft.get_base_model(), comp.peft.get_base_model().model)]
+    try:
+        run_step(world, student, comp, tasks, c0, opts, privilege_against="phi0")
+    finally:
+        for h in hooks:
+            h.remove()
+    names = {n for n, _ in seen}
+    assert {"Qwen3ForCausalLM", "Qwen3Model"} <= names, names
+    assert seen and all(use_cache is False for name, use_cache in seen if name == "Qwen3ForCausalLM"), seen
+    encoder_calls = [u for n, u in seen if n == "Qwen3Model"]
+    assert encoder_calls and False in encoder_calls

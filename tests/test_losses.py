@@ -316,3 +316,118 @@ def test_privilege_against_a_reference_policy():
     s2 = s.detach().clone().requires_grad_(True)
     losses.reverse_kl_topm(s2, te, mask, top_m=M).backward()
     assert torch.allclose(s.grad, s2.grad, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The chunked objective from hidden states equals the full-logits reference, in value and in every gradient
+# ----------------------------------------------------------------------------------------------------------------
+def hidden_case(seed, tied, dtype=torch.float32, b=3, t=7, d=6, v=40):
+    """Hidden states, heads and the rest of eq. (13)'s inputs; the ω mask has an empty row and ragged rows."""
+    g = torch.Generator().manual_seed(seed)
+    leaf = lambda *shape: (torch.randn(*shape, generator=g) * 1.5).to(dtype).requires_grad_(True)   # noqa: E731
+    h_s, h_t, h_r = leaf(b, t, d), leaf(b, t, d), leaf(b, t, d)
+    w_s, b_s = leaf(v, d), leaf(v)
+    w_t = w_s if tied else leaf(v, d)       # tied: one matrix on both sides (a LoRA student shares θ̄'s head)
+    mask = torch.rand(b, t, generator=g) > 0.35                                       # (B, T) ω
+    mask[1] = False                                                                   # a row without ω tokens
+    ids = torch.randint(0, v, (b, t), generator=g)                                    # (B, T)
+    rewards = torch.tensor([1.0, 0.0, 0.25])
+    c, c0 = leaf(b, 4, d), torch.randn(b, 4, d, generator=g).to(dtype)              # (B, J·K, d)
+    return dict(h_s=h_s, h_t=h_t, h_r=h_r, w_s=w_s, b_s=b_s, w_t=w_t, mask=mask, ids=ids, rewards=rewards, c=c, c0=c0)
+
+
+def run_both(x, chunk, ref, top_m=5, per="trajectory"):
+    """(loss, grads) of the reference on full logits and of the chunked objective on the same leaves."""
+    out = []
+    for fused in (False, True):
+        leaves = [x[k] for k in ("h_s", "h_t", "h_r", "w_s", "b_s", "w_t", "c")]
+        for p in leaves:
+            p.grad = None
+        rest = (x["ids"], x["mask"], x["rewards"], 0.7, 0.05, x["c"], x["c0"], 0.2, top_m, None, per, None)
+        if fused:
+            heads = ((x["w_s"], x["b_s"]), (x["w_t"], None), (x["w_t"], None))
+            loss, m = losses.lopd_objective_from_hidden(x["h_s"], x["h_t"], heads, *rest,
+                                                        h_ref=x["h_r"] if ref else None, chunk=chunk)
+        else:
+            logits = lambda h, w, b=None: torch.nn.functional.linear(h, w, b)    # noqa: E731
+            loss, m = losses.lopd_objective(logits(x["h_s"], x["w_s"], x["b_s"]), logits(x["h_t"], x["w_t"]), *rest,
+                                            logits(x["h_r"], x["w_t"]) if ref else None)
+        loss.backward()
+        out.append((loss.detach().double(), m, [None if p.grad is None else p.grad.double() for p in leaves]))
+    return out
+
+
+# Chunks of one row run in float64: fp32 applies a head to one row by another kernel (a matrix-vector product) whose
+# rounding differs by ~1e-6 in a logit, and one row of this case turns that into ~1e-5 of its KL; in float64 the
+# two agree to 1e-16. Every other chunking is compared in fp32.
+@pytest.mark.parametrize("chunk, dtype", [(1, torch.float64), (2, torch.float32), (4, torch.float32),
+                                          (1000, torch.float32)])   # one row, chunks that split rows, one chunk
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("ref", [False, True])
+def test_chunked_objective_equals_the_full_logits_reference(chunk, dtype, tied, ref):
+    (l0, m0, g0), (l1, m1, g1) = run_both(hidden_case(0, tied, dtype), chunk, ref)
+    assert torch.allclose(l1, l0, rtol=1e-6, atol=1e-7), (l1, l0)
+    for k in m0:
+        assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-7), k
+    names = ("h_s", "h_t", "h_r", "w_s", "b_s", "w_t", "c")
+    for name, a, b in zip(names, g0, g1):
+        if a is None:
+            assert b is None or b.abs().max() == 0, name
+            continue
+        assert a.abs().max() > 0 or name == "h_r", name          # every trained side receives a gradient
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_objective_in_bf16_matches_the_reference_and_the_tail_bucket_matters():
+    (l0, _, g0), (l1, _, g1) = run_both(hidden_case(1, False, torch.bfloat16), chunk=3, ref=False)
+    assert torch.allclose(l1, l0, rtol=2e-2, atol=1e-3)
+    for a, b in zip(g0, g1):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-3)
+    # the tail bucket is not optional: with M = V − 1 the top-M support and its tail give another KL than M = 2
+    x = hidden_case(2, False)
+    (small, _, _), _ = run_both(x, 2, False, top_m=2)
+    (wide, _, _), _ = run_both(x, 2, False, top_m=39)
+    assert abs(small - wide) > 1e-3
+
+
+def test_chunked_objective_reads_only_the_omega_rows():
+    """Rows with ω = 0 may hold anything (padding: NaN): the loss and its gradients stay finite and unchanged."""
+    x = hidden_case(3, False)
+    (l0, _, _), (l1, _, g1) = run_both(x, 2, True)
+    with torch.no_grad():
+        for k in ("h_s", "h_t", "h_r"):
+            x[k][~x["mask"]] = float("nan")
+    (_, _, _), (l2, _, g2) = run_both(x, 2, True)
+    assert torch.allclose(l2, l1) and all(g is None or torch.isfinite(g).all() for g in g2)
+
+
+def test_token_logprobs_and_rowwise_losses_from_hidden_states_equal_their_full_logits_forms():
+    """The bounded path of the cold start, RFT, GRPO (token log-probs) and OPSD, SDPO (row-wise divergences)."""
+    import baselines
+    x = hidden_case(4, False, torch.float64)
+    h_s, h_t, w_s, b_s, w_t, ids, mask = (x[k] for k in ("h_s", "h_t", "w_s", "b_s", "w_t", "ids", "mask"))
+    logits = torch.nn.functional.linear
+    leaves = (h_s, h_t, w_s, b_s, w_t)
+    for full, chunked in (
+            (lambda: losses.masked_nll(logits(h_s, w_s, b_s), ids, mask),
+             lambda: -losses.token_logprobs_from_hidden(h_s, (w_s, b_s), ids, mask, chunk=2).sum() / mask.sum()),
+            (lambda: baselines.forward_kl_full(logits(h_s, w_s, b_s), logits(h_t, w_t), mask),
+             lambda: losses.rowwise_from_hidden(baselines.forward_kl_full, h_s, h_t, (w_s, b_s), (w_t, None), mask,
+                                                chunk=3)),
+            (lambda: baselines.reverse_kl_student_topk(logits(h_s, w_s, b_s), logits(h_t, w_t), mask, 4),
+             lambda: losses.rowwise_from_hidden(lambda a, b, m, n: baselines.reverse_kl_student_topk(a, b, m, 4, n),
+                                                h_s, h_t, (w_s, b_s), (w_t, None), mask, chunk=4))):
+        got = []
+        for fn in (full, chunked):
+            for p in leaves:
+                p.grad = None
+            loss = fn()
+            loss.backward()
+            got.append((loss.detach(), [None if p.grad is None else p.grad.clone() for p in leaves]))
+        (l0, g0), (l1, g1) = got
+        assert torch.allclose(l0, l1, rtol=1e-10) and l0.abs() > 0
+        for a, b in zip(g0, g1):
+            assert (a is None) == (b is None) or (b is not None and b.abs().max() == 0)
+            if a is not None:
+                torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)

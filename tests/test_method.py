@@ -23,10 +23,12 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
 import envs  # noqa: E402
 import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
+import runtime  # noqa: E402
 import train  # noqa: E402
 from test_lopd import J, make_models, record_grads, run_step, world  # noqa: E402,F401  (world: fixture)
 
@@ -212,7 +214,7 @@ def joint_run(world, out, method, steps, resume=False):
     args = train.parse_args(argv)
     os.makedirs(out, exist_ok=True)
     student, comp = make_models(world)
-    run = dict(args=args, composer=comp, student=student, log=train.Log(str(out)), episodes=[],
+    run = dict(args=args, composer=comp, student=student, log=runtime.Log(str(out)), episodes=[],
                retriever=world["retriever"], train=world["train"], test=[], tok=world["tok"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train, "env_factory", lambda a: lambda: HashWorld(max_steps=a.max_env_steps))
@@ -264,7 +266,7 @@ def train_records(out, stage):
 
 def checkpoint_tensors(out):
     """Every tensor of the latest checkpoint: weights (safetensors files) and state.pt (optimizers, β, RNG)."""
-    ckpt, flat = train.latest_checkpoint(str(out)), {}
+    ckpt, flat = runtime.latest_checkpoint(str(out)), {}
     for root, _, files in os.walk(ckpt):
         for f in files:
             if f.endswith(".safetensors"):
@@ -336,9 +338,9 @@ def test_sdpo_step_moves_the_ema_teacher_towards_the_updated_student(world):
             p.add_(0.1 * torch.randn(p.shape, generator=g))
     before = [p.detach().clone() for p in ema.parameters()]
     s_before = [p.detach().clone() for p in student.parameters()]
-    cfg = lopd.BaselineConfig(group=4, ema_rate=0.3, success=0.5, context="span")
+    cfg = baselines.BaselineConfig(group=4, ema_rate=0.3, success=0.5, context="span")
     torch.manual_seed(0)
-    m, _ = lopd.sdpo_step(student, ema, world["tok"], world["train"][:1], torch.optim.AdamW(student.parameters(),
+    m, _ = baselines.sdpo_step(student, ema, world["tok"], world["train"][:1], torch.optim.AdamW(student.parameters(),
                           lr=1e-2), cfg, lopd.SampleConfig(temperature=1.0, max_new_tokens=12), HashWorld,
                           None)
     assert m["context/rows"] > 0 and m["skipped"] == 0

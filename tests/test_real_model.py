@@ -88,7 +88,7 @@ def test_code_tables_say_pass_at_1_and_tool_tables_keep_table_3(tmp_path):
     summary = {"reward": 0.25, "steps": 1.0, "calls_per_step": 0.0, "first_len": 40.0, "repeated_calls": 0.0,
                "reward_per_call": 0.25, "full_pass": 0.25}
     rows = {"vanilla": dict(summary), "LOPD student": {**summary, "reward": 0.5}}
-    train.write_results(str(tmp_path), rows, env="code")
+    train.write_results(str(tmp_path), rows, table="pass@1")
     saved = json.load(open(tmp_path / "results.json"))["rows"]
     assert saved == {"vanilla": {"pass@1": 0.25, "reply_tokens": 40.0},
                      "LOPD student": {"pass@1": 0.5, "reply_tokens": 40.0}}
@@ -96,7 +96,7 @@ def test_code_tables_say_pass_at_1_and_tool_tables_keep_table_3(tmp_path):
     assert "| vanilla | 0.250 | 40.000 | 45.61 / – |" in md
     assert "| LOPD student | 0.500 | 40.000 | 48.78 / 81.36 |" in md
     assert "calls/step" not in md and "(0.486)" not in md
-    train.write_results(str(tmp_path), rows, env="tools")
+    train.write_results(str(tmp_path), rows, table="table3")
     md = open(tmp_path / "results.md").read()
     assert "| vanilla | 0.250 (0.486) |" in md and "calls/step" in md and "pass@1" not in md
 

@@ -20,6 +20,7 @@ import envs  # noqa: E402
 import inject  # noqa: E402
 import losses  # noqa: E402
 import lopd  # noqa: E402
+import runtime  # noqa: E402
 import toy  # noqa: E402
 import train  # noqa: E402
 from composer import Composer, ComposerConfig  # noqa: E402
@@ -51,16 +52,16 @@ def perturb_lora(peft, adapter):
 
 def models(tok, ckpt: bool, student_kind: str):
     """θ̄ with the composer's LoRA, and a student: a full copy of θ̄ (made before the LoRA goes in, as train.py
-    does) or a second LoRA adapter on θ̄ (--student-lora). ckpt: train.checkpointing on each, as --grad-ckpt."""
+    does) or a second LoRA adapter on θ̄ (--student-lora). ckpt: runtime.checkpointing on each, as --grad-ckpt."""
     base = tiny_qwen3(tok)
     if ckpt:
-        train.checkpointing(base)
+        runtime.checkpointing(base)
     student = copy.deepcopy(base).requires_grad_(True) if student_kind == "full" else None
     torch.manual_seed(1)
     comp = Composer(base, tok, CFG)
     perturb_lora(comp.peft, "composer")
     if student is None:
-        student = train.LoraStudent(comp.peft, 2)
+        student = runtime.LoraStudent(comp.peft, 2)
         perturb_lora(comp.peft, "student")
     return base, student, comp
 
@@ -106,10 +107,11 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
     shutil.copytree(toy.SHIPPED, folder)
     os.remove(folder / "toy_backbone.json")                              # now a "real" model to train.py
     args = train.parse_args(["--model", str(folder), "--out", str(tmp_path / "run"), "--max-env-steps", "3"])
-    assert not train.is_toy(args) and (args.max_new_tokens, args.max_len) == (1024, 40960)   # PAPER_DEFAULTS
+    assert not train.is_toy(args) and (args.max_new_tokens, args.max_len) == (10000, 40960)   # PAPER_DEFAULTS
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     train.fit_context(args, model)                                       # 40,960 > the model's 2,048 positions
     assert args.max_len == model.config.max_position_embeddings == 2048 and "2048" in capsys.readouterr().out
+    assert args.max_new_tokens == 1024                                   # and 10,000-token replies would not fit
     make_env = train.env_factory(args)
     cfg = train.sample_config(args)
     torch.manual_seed(0)
@@ -180,9 +182,9 @@ def test_teacher_encoder_and_student_layers_are_recomputed_in_the_backward(world
 
 def test_checkpointing_is_idempotent_and_survives_a_deepcopy(world):
     base = tiny_qwen3(world["tok"])
-    train.checkpointing(base)
+    runtime.checkpointing(base)
     wrapped = [layer.forward for layer in base.model.layers]
-    train.checkpointing(base)
+    runtime.checkpointing(base)
     assert [layer.forward for layer in base.model.layers] == wrapped
     copied = copy.deepcopy(base)
     for layer, twin in zip(base.model.layers, copied.model.layers):

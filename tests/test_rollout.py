@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import code_env
 import envs
 import lopd
 import toy
@@ -129,9 +130,9 @@ def _conventions_shown(text: str, code: bool) -> tuple:
 @pytest.mark.parametrize("code", [False, True])
 def test_reading_references_show_the_tasks_own_conventions_or_another_variants(backbone, code):
     _, tok, _ = backbone
-    tasks = (envs.make_code_splits(3, n_train=0, n_test=40)[1] if code else
+    tasks = (code_env.make_code_splits(3, n_train=0, n_test=40)[1] if code else
              envs.make_splits(3, n_train=0, n_test=40)[1])
-    table = envs.JUDGES if code else envs.SHOPS                   # variant -> its pair of conventions
+    table = code_env.JUDGES if code else envs.SHOPS                   # variant -> its pair of conventions
     same, other = toy.reading_references(tok, tasks, True, 0), toy.reading_references(tok, tasks, False, 0)
     assert set(same) == set(other) == {t.text for t in tasks}
     for t in tasks:

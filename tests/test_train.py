@@ -20,6 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import experiments  # noqa: E402
+import runtime  # noqa: E402
 import toy  # noqa: E402
 import train  # noqa: E402
 
@@ -77,7 +78,7 @@ def kill_after_first_checkpoint(proc, out, timeout=180):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    return torch.load(os.path.join(train.latest_checkpoint(out), "state.pt"), weights_only=False)["step"]
+    return torch.load(os.path.join(runtime.latest_checkpoint(out), "state.pt"), weights_only=False)["step"]
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +159,7 @@ def test_sigkill_then_resume_ends_with_the_same_weights_optimizers_and_beta(runs
     from safetensors.torch import load_file
 
     def tensors(run):
-        ckpt, out = train.latest_checkpoint(run), {}
+        ckpt, out = runtime.latest_checkpoint(run), {}
         for root, _, files in os.walk(ckpt):
             for f in files:
                 if f.endswith(".safetensors"):
@@ -183,7 +184,7 @@ def test_checkpoint_is_whole_and_loadable(runs, backbone):
     from composer import Composer
     a = runs["a"]
     assert sorted(os.listdir(os.path.join(a, "ckpt"))) == ["LATEST", f"step-{STEPS:06d}"]   # no temp left
-    ckpt = train.latest_checkpoint(a)
+    ckpt = runtime.latest_checkpoint(a)
     assert sorted(os.listdir(ckpt)) == ["composer", "state.pt", "student"]
     state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
     assert state["step"] == STEPS
@@ -202,7 +203,7 @@ def test_checkpoint_is_whole_and_loadable(runs, backbone):
 def test_joint_training_changes_the_student(runs, backbone):
     from safetensors.torch import load_file
     base = load_file(os.path.join(backbone, "model.safetensors"))
-    trained = load_file(os.path.join(train.latest_checkpoint(runs["a"]), "student", "model.safetensors"))
+    trained = load_file(os.path.join(runtime.latest_checkpoint(runs["a"]), "student", "model.safetensors"))
     assert any(not torch.equal(base[k], trained[k]) for k in base)
 
 
@@ -236,7 +237,7 @@ def test_rft_control_run(runs, backbone, tmp_path):
     assert [r["step"] for r in rft] == [0, 1] and not records(str(out), "lopd")
     assert all(r["generations"] == 60 and r["loss/rft"] > 0 and r["skipped"] == 0 for r in rft)
     base = load_file(os.path.join(backbone, "model.safetensors"))
-    trained = load_file(os.path.join(train.latest_checkpoint(str(out)), "student", "model.safetensors"))
+    trained = load_file(os.path.join(runtime.latest_checkpoint(str(out)), "student", "model.safetensors"))
     assert any(not torch.equal(base[k], trained[k]) for k in base)
 
 
@@ -259,9 +260,9 @@ def test_each_baseline_runs_in_a_subprocess(runs, backbone, tmp_path):
         assert [r["generations"] for r in recs] == [bank + 4, bank + 8], method
         assert all(r["skipped"] == 0 and "reward/student" in r for r in recs), recs
         assert f"| {method.upper()} student |" in stdout
-        trained = load_file(os.path.join(train.latest_checkpoint(str(out)), "student", "model.safetensors"))
+        trained = load_file(os.path.join(runtime.latest_checkpoint(str(out)), "student", "model.safetensors"))
         assert any(not torch.equal(base[k], trained[k]) for k in base), method
-    assert os.path.isdir(os.path.join(train.latest_checkpoint(str(procs["sdpo"][0])), "ema_teacher"))
+    assert os.path.isdir(os.path.join(runtime.latest_checkpoint(str(procs["sdpo"][0])), "ema_teacher"))
 
 
 @pytest.mark.parametrize("flag, value, named", [("--model", "/nonexistent/folder", "/nonexistent/folder"),

@@ -1,0 +1,424 @@
+"""The baselines of B.1 and the RFT control, on LOPD's own loop: each step beside its loss.
+
+Each method shares with LOPD (lopd.py) the rollout, the re-scoring of the student's sampled ids, the optimizer step
+and the evaluation. What differs is only the teacher's context and the loss, each kept as its paper has it:
+
+    method  teacher                  its context                            loss
+    lopd    frozen θ̄ (LoRA off)      latents c_φ of J retrieved trajs       reverse KL, teacher top-M + tail, eq. 13
+    rft     none                     none: NLL of the bank's successes      masked NLL (the control; no rollouts)
+    grpo    none                     none                                   PPO-clip, group-normalised Â
+    opsd    frozen θ̄                 a successful traj. of the SAME task    forward KL, full vocabulary
+    sdpo    EMA of θ (rate 0.05)     a successful SIBLING of the group      reverse KL, student top-K + tail
+
+    python train.py --method grpo          # or rft | opsd | sdpo: the same pipeline, stages and evaluation
+    python -m pytest tests/test_baselines.py -q
+
+`METHODS` at the bottom is what train.py runs: per method, what it keeps across steps and one step. A new method is
+a step function, its loss and one entry there (docs/adding-a-method.md).
+
+Deviations from the papers
+--------------------------
+1. GRPO takes one update per batch, as LOPD does, so its PPO clip never binds (ρ = 1).
+2. OPSD's pool is the bank's successes, and the environment's oracle trace where a task has none (B.1 asks
+   stronger models to write them).
+3. On the toy backbone OPSD's and SDPO's teachers read their trajectory text in the framed span where LOPD's
+   latents go (`text_context_ids`, "span"): the toy learned to read a reference only there. Real models get the
+   B.1 system-message wording (OPSD) and a reprompt appended to the task (SDPO).
+4. RFT spends no rollouts of its own: it re-reads the bank (its generations are the bank's).
+
+Notation: B trajectories, T tokens, V vocabulary, G rollouts per task (a group), K the student's top-K.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+import inject
+import losses
+import lopd
+import runtime
+from envs import ToolWorld
+from losses import bucket_reverse_kl, supervised_logprobs, topm_tail
+
+
+def _fp32(x):
+    """Upcast to fp32; float64 stays float64 (gradcheck), as in losses.py."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Settings shared by the baselines (B.1)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class BaselineConfig:
+    group: int = 4             # G rollouts per task (GRPO, SDPO; B.1)
+    clip_eps: float = 0.2      # ε_lo = ε_hi (GRPO; B.1)
+    top_k: int = 20            # SDPO's top-K support (the same M = 20 as LOPD)
+    ema_rate: float = 0.05     # SDPO's teacher update rate (B.1)
+    success: float = 1.0       # reward threshold of a "successful" trajectory (the bank's)
+    context: str = "system"    # where the text goes: system | user | span (see `text_context_ids`)
+    micro_batch: int = 8
+    clip: float = 1.0
+    loss_chunk: int = 0        # rows per LM-head application (0: full logits); train.py --loss-chunk
+    token_budget: int = 0      # padded tokens per forward/backward (0: micro_batch rollouts); lopd.micro_batches
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RFT, the control: rejection fine-tuning on the bank's successes (losses.masked_nll), no teacher
+# ----------------------------------------------------------------------------------------------------------------
+def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: float = 1.0, loss_chunk: int = 0,
+             token_budget: int = 0):
+    """One step of rejection fine-tuning: the NLL of successful bank episodes' own ω tokens, normalised by the
+    batch's token count, on the student's optimizer. What differs from `lopd_step`: no rollout, no retrieval,
+    no teacher and no composer; the targets are tokens the base already produced. Returns metrics."""
+    device = next(student.parameters()).device
+    n_tokens, total = runtime.all_sum(sum(sum(e.mask) for e in episodes)), 0.0
+    student.train()
+    for mb in lopd.micro_batches(episodes, micro_batch, token_budget):
+        weight, mb = (0.0, slice(0, 1)) if mb.stop == mb.start else (1.0, mb)   # torchrun: an idle micro-batch
+        logp, _, _ = lopd.student_logprobs(student, tokenizer, episodes[mb], device, loss_chunk)
+        loss = -weight * logp.sum() / n_tokens  # losses.masked_nll; micro-batch parts add up to the batch mean
+        loss.backward()
+        total += loss.item()
+    student.eval()
+    total = runtime.all_sum(total)
+    ok = lopd.optimizer_step((opt, None), student, None, clip, math.isfinite(total))
+    return {"loss/rft": total, "skipped": int(not ok), "tokens": n_tokens}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GRPO: group-normalised advantages, PPO-clip; no teacher, no context
+# ----------------------------------------------------------------------------------------------------------------
+def group_advantages(rewards, group: int, eps: float = 1e-4):
+    """GRPO's group-normalised advantage: Â_i = (r_i − mean_g r) / (std_g r + eps) within each group of G.
+
+    rewards (B,) with B = n_groups·G, rows of one group adjacent -> (B,) fp32. std is the unbiased sample std
+    (as TRL's GRPOTrainer); a group whose rewards are all equal gets Â = 0 (no signal)."""
+    r = _fp32(rewards).reshape(-1, group)                               # (n_groups, G)
+    mean, std = r.mean(1, keepdim=True), r.std(1, keepdim=True)         # (n_groups, 1) each
+    return ((r - mean) / (std + eps)).reshape(-1)                       # (B,)
+
+
+def ppo_clip_loss(logp, logp_old, advantages, mask, eps_lo=0.2, eps_hi=0.2, n_tokens=None):
+    """GRPO's clipped surrogate, token level: −Σ ω·min(ρ Â, clip(ρ, 1−ε_lo, 1+ε_hi) Â) / n_tokens,
+    ρ = π/π_old.
+
+    logp (B, T) log π_θ(a_t) with gradient, logp_old (B, T) the same under the policy that sampled (no gradient),
+    advantages Â (B,) one per trajectory, mask ω (B, T) -> (scalar loss, clip fraction over ω tokens).
+    n_tokens: the whole batch's Σ ω when micro-batching. With one update per batch ρ = 1 and the clip never
+    binds: the gradient is then Σ ω Â ∇log π / n_tokens, plain REINFORCE with a group baseline."""
+    ratio = torch.exp(logp - logp_old.detach())                         # (B, T) ρ
+    adv = _fp32(advantages).unsqueeze(1)                                # (B, 1)
+    # the pessimistic bound: min of the unclipped and the clipped surrogate
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv)   # (B, T)
+    n = mask.sum() if n_tokens is None else n_tokens
+    clipped = ((ratio < 1 - eps_lo) | (ratio > 1 + eps_hi)).float()     # (B, T)
+    return -(surrogate * mask).sum() / n, ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: lopd.SampleConfig, make_env=ToolWorld,
+              tools=None):
+    """GRPO: G rollouts per task, Â group-normalised, PPO-clip. No teacher, no context.
+
+    One update per batch (as LOPD), so π_old is the policy that sampled: ρ = 1 at the update, the clip never
+    binds, and π_old's log-probs need no extra forward (they are the detached current ones)."""
+    group_tasks = [t for t in tasks for _ in range(cfg.group)]                               # rows of a group adjacent
+    with runtime.gathered(student):
+        eps = lopd.rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+    rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
+    adv = group_advantages(rewards, cfg.group)                                       # (B,) groups never split
+    device, n_tokens = next(student.parameters()).device, runtime.all_sum(sum(sum(e.mask) for e in eps))
+    student.train()
+    total, clipped = 0.0, 0.0
+    for mb in lopd.micro_batches(eps, cfg.micro_batch, cfg.token_budget):
+        weight, mb = (0.0, slice(0, 1)) if mb.stop == mb.start else (1.0, mb)   # torchrun: an idle micro-batch
+        logp, _, omega = lopd.student_logprobs(student, tokenizer, eps[mb], device, cfg.loss_chunk)   # (b, Tc)
+        loss, frac = ppo_clip_loss(logp, logp.detach(), adv[mb].to(device), omega, cfg.clip_eps, cfg.clip_eps,
+                                   n_tokens)
+        loss = weight * loss
+        loss.backward()
+        total, clipped = total + loss.item(), max(clipped, frac)
+    student.eval()
+    total, clipped = runtime.all_sum(total), runtime.all_max(clipped)
+    ok = lopd.optimizer_step((opt, None), student, None, cfg.clip, math.isfinite(total))
+    zero = runtime.all_sum(int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()))
+    return {"reward/student": lopd.summarize_all(eps)["reward"], "loss/grpo": total, "grpo/clip_frac": clipped,
+            "grpo/zero_adv_groups": zero, "skipped": int(not ok), "tokens": n_tokens}, eps
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Teachers that read a trajectory as TEXT (OPSD, SDPO): where LOPD's teacher has latents
+# ----------------------------------------------------------------------------------------------------------------
+# B.1, OPSD: appended to the system message (the paper's wording).
+OPSD_CONTEXT = (
+    "The following is a reference plan for the upcoming task. Use it only as guidance for your own reasoning; you "
+    "must still interact with the environment to complete the task.\n\n{text}\n\nAfter reading the reference "
+    "solution above, make sure you truly understand the reasoning behind each step. Now, using your own words and "
+    "independent reasoning, derive the same final answer.")
+
+
+# SDPO: a successful attempt from the same group, appended to the task (our wording of SDPO's reprompt).
+SDPO_CONTEXT = "\n\nA successful attempt at this task:\n{text}\n\nNow complete the task yourself."
+
+
+def text_context_ids(tokenizer, messages, text, template, where, framing, tools=None, enable_thinking=False):
+    """The teacher's prompt ids with a trajectory as TEXT (OPSD, SDPO), where LOPD's teacher has latents.
+
+    where="system": the template is appended to the system message; "user": to the first user message;
+    "span": the text's own ids fill the framed placeholder span of A.5, exactly where LOPD's latents go. The toy
+    backbone learned to read a reference only there (toy.py, "in-context reading"), so the toy uses "span"."""
+    if where == "span":
+        ref = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, s = inject.latent_prompt_ids(tokenizer, messages, len(ref), framing, tools, enable_thinking)
+        return ids[:s] + ref + ids[s + len(ref):]
+    role = {"system": "system", "user": "user"}[where]
+    msgs = [dict(m) for m in messages]
+    i = next(k for k, m in enumerate(msgs) if m["role"] == role)
+    msgs[i]["content"] += ("\n\n" if role == "system" else "") + template.format(text=text)
+    return lopd.prompt_ids(tokenizer, msgs, tools, enable_thinking)
+
+
+def _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg: BaselineConfig, make_env, tools,
+                         enable_thinking, device):
+    """The teacher re-scores the student's ids behind its text context (one text per episode). -> (B, Tc, V)"""
+    framing = make_env().framing
+    prefixes = [text_context_ids(tokenizer, make_env().reset(e.task), x, template, cfg.context, framing, tools,
+                                 enable_thinking) for e, x in zip(eps, texts)]
+    with torch.no_grad():
+        return lopd.continuation_logits(teacher, tokenizer, prefixes, eps, device)[0]          # (B, Tc, V)
+
+
+def _distill_loss(student, teacher, tokenizer, eps, texts, template, loss_fn, cfg, make_env, tools, enable_thinking,
+                  device, n_tokens):
+    """One micro-batch's loss_fn(p_S, p_T): the teacher behind its text, the student behind its own prompt, on the
+    same ids. cfg.loss_chunk > 0: both forwards return hidden states and the loss applies the heads in chunks."""
+    if not cfg.loss_chunk:
+        lt = _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg, make_env, tools, enable_thinking,
+                                  device)                                                    # (b, Tc, V)
+        ls, _, omega = lopd.student_logits(student, tokenizer, eps, device)                  # (b, Tc, V)
+        return loss_fn(ls, lt, omega, n_tokens)
+    t_model = teacher if isinstance(teacher, torch.nn.Module) else teacher.__self__.peft   # OPSD: base_forward
+    with runtime.lm_head_bypassed(student, t_model):
+        ht = _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg, make_env, tools, enable_thinking,
+                                  device)                                                    # (b, Tc, d)
+        hs, _, omega = lopd.student_logits(student, tokenizer, eps, device)                  # (b, Tc, d)
+    return losses.rowwise_from_hidden(loss_fn, hs, ht, runtime.lm_head(student), runtime.lm_head(t_model), omega,
+                                      n_tokens, cfg.loss_chunk)
+
+
+def _distill_step(student, teacher, tokenizer, eps, texts, template, loss_fn, opt, cfg, make_env, tools,
+                  enable_thinking):
+    """Shared by OPSD and SDPO: rows with a text context are distilled, normalised by their token count."""
+    device = next(student.parameters()).device
+    rows = [i for i, x in enumerate(texts) if x is not None]
+    n_tokens = runtime.all_sum(sum(sum(eps[i].mask) for i in rows))
+    student.train()
+    total = 0.0
+    # under torchrun every rank runs as many micro-batches as the busiest one (sharded models' forwards are
+    # collectives); a rank's extra ones re-score its first episode with weight 0
+    for part in lopd.micro_batches([eps[i] for i in rows], cfg.micro_batch, cfg.token_budget):
+        mb, weight = rows[part], 1.0
+        if not mb:
+            mb, weight = [0], 0.0
+        loss = weight * _distill_loss(student, teacher, tokenizer, [eps[i] for i in mb], [texts[i] or "" for i in mb],
+                                      template, loss_fn, cfg, make_env, tools, enable_thinking, device, n_tokens)
+        loss.backward()
+        total += loss.item()
+    student.eval()
+    total = runtime.all_sum(total)
+    ok = lopd.optimizer_step((opt, None), student, None, cfg.clip, math.isfinite(total))
+    return {"loss/distill": total, "context/rows": runtime.all_sum(len(rows)), "skipped": int(not ok),
+            "tokens": n_tokens}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# OPSD: the frozen base reads a successful trajectory of the same task; forward KL
+# ----------------------------------------------------------------------------------------------------------------
+def forward_kl_full(student_logits, teacher_logits, mask, n_tokens=None):
+    """OPSD's (and SDFT's) loss: Σ ω·KL(πT ‖ πS) / n_tokens over the FULL vocabulary, FORWARD KL (teacher first):
+    Σ_v πT(v) log(πT(v)/πS(v)). The teacher is a target: its side is detached, only θ learns.
+
+    student_logits, teacher_logits (B, T, V) aligned with mask ω (B, T) -> scalar fp32."""
+    logp_s = supervised_logprobs(student_logits, mask)                  # (N, V)
+    logp_t = supervised_logprobs(teacher_logits, mask).detach()         # (N, V)
+    kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)                     # (N,)
+    n = mask.sum() if n_tokens is None else n_tokens
+    return kl.sum() / n
+
+
+def opsd_pool(bank, tasks, make_env=ToolWorld, success: float = 1.0) -> dict:
+    """B.1's shared pool of verified-successful trajectories: the bank's own (base rollouts, already counted as
+    generations), and where a task has none, the environment's oracle trace if it offers one (the toy world does;
+    B.1 asks stronger models here). -> {task_id: trace text}, and the number filled by the oracle."""
+    pool = {e["task_id"]: e["trace"] for e in bank if e.get("reward", 1.0) >= success}
+    env = make_env()
+    filled = {t.task_id: env.oracle_trace(t) for t in tasks if t.task_id not in pool}   # None: the world has none
+    filled = {k: v for k, v in filled.items() if v is not None}
+    pool.update(filled)
+    return pool, len(filled)
+
+
+def opsd_step(student, base, tokenizer, tasks, pool, opt, cfg: BaselineConfig, sample_cfg: lopd.SampleConfig,
+              make_env=ToolWorld, tools=None):
+    """OPSD: the frozen base θ̄ sees a successful trajectory of the SAME task as text; forward KL, full vocabulary.
+    pool: task_id -> trace text (`opsd_pool`); a task missing from it gives no teacher signal."""
+    with runtime.gathered(student):
+        eps = lopd.rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
+    texts = [pool.get(t.task_id) for t in tasks]
+    m = _distill_step(student, base, tokenizer, eps, texts, OPSD_CONTEXT,
+                      forward_kl_full, opt, cfg, make_env, tools, sample_cfg.enable_thinking)
+    return {"reward/student": lopd.summarize_all(eps)["reward"], **m}, eps
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SDPO: an EMA teacher reads a successful sibling; reverse KL over the student's top-K
+# ----------------------------------------------------------------------------------------------------------------
+def reverse_kl_student_topk(student_logits, teacher_logits, mask, top_k=20, n_tokens=None):
+    """SDPO's loss: reverse KL(p̃S ‖ sg p̃T) over the STUDENT's top-K ids plus a tail bucket (SDPO picks the
+    support from the student; LOPD's eq. 9 from the teacher). The EMA teacher is a target: detached.
+
+    student_logits, teacher_logits (B, T, V) aligned with mask ω (B, T) -> scalar fp32."""
+    logp_s = supervised_logprobs(student_logits, mask)                  # (N, V)
+    logp_t = supervised_logprobs(teacher_logits, mask).detach()         # (N, V)
+    # topm_tail(a, b) takes b's top ids: passing the student second puts the support on the student
+    logq_t, logq_s = topm_tail(logp_t, logp_s, top_k)                   # (N, K+1) each
+    n = mask.sum() if n_tokens is None else n_tokens
+    return bucket_reverse_kl(logq_s, logq_t).sum() / n
+
+
+@torch.no_grad()
+def ema_update(teacher_params, student_params, rate: float):
+    """SDPO's teacher: θ̄ ← (1 − rate)·θ̄ + rate·θ, in place, parameter by parameter (rate 0.05 in B.1)."""
+    for t, s in zip(teacher_params, student_params):
+        t.mul_(1 - rate).add_(s.detach().to(t.dtype), alpha=rate)
+
+
+def sibling_contexts(eps, group: int, success: float = 1.0):
+    """For each rollout, the trace of the first successful OTHER rollout of its group, or None."""
+    out = []
+    for i, e in enumerate(eps):
+        g = i // group * group
+        sib = [eps[j] for j in range(g, g + group) if j != i and eps[j].reward >= success]
+        out.append(sib[0].trace if sib else None)
+    return out
+
+
+def sdpo_step(student, ema_teacher, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: lopd.SampleConfig,
+              make_env=ToolWorld, tools=None):
+    """SDPO: G rollouts per task; each rollout's teacher is the EMA θ̄_ema behind a successful SIBLING's trace (never
+    its own); reverse KL over the student's top-K + tail; then θ̄_ema ← (1 − rate)θ̄_ema + rate·θ.
+    A rollout with no successful sibling gets no teacher signal."""
+    group_tasks = [t for t in tasks for _ in range(cfg.group)]
+    with runtime.gathered(student):
+        eps = lopd.rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+    texts = sibling_contexts(eps, cfg.group, cfg.success)
+    m = _distill_step(student, ema_teacher, tokenizer, eps, texts, SDPO_CONTEXT,
+                      lambda ls, lt, om, n: reverse_kl_student_topk(ls, lt, om, cfg.top_k, n), opt, cfg,
+                      make_env, tools, sample_cfg.enable_thinking)
+    ema_update(ema_teacher.parameters(), student.parameters(), cfg.ema_rate)   # shard by shard under FSDP2
+    return {"reward/student": lopd.summarize_all(eps)["reward"], **m}, eps
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The methods train.py runs (--method): what each keeps across steps, and one step on the shared loop
+# ----------------------------------------------------------------------------------------------------------------
+# Every step takes (args, run, state, student, opts, β, task_rng) and returns (β, metrics, generations spent).
+# `run` is train.py's: the tokenizer, the composer, the retriever, the tasks, the bank's episodes, `make_env` and
+# the sampling settings `sample`. Every method draws rollouts_per_step generations: LOPD and OPSD as one rollout of
+# that many tasks, GRPO and SDPO as G of each. Under torchrun every rank draws the same tasks and keeps its slice.
+@dataclass
+class Method:
+    setup: object              # (args, run) -> state: what the method keeps across steps
+    step: object               # (args, run, state, student, opts, β, task_rng) -> (β, metrics, generations)
+    uses_bank: bool = False    # its data includes the bank: the bank's rollouts count towards its generations
+    trains_composer: bool = False   # φ has an optimizer (LOPD, unless --freeze-composer)
+    per_task: str = ""         # the Args field that gives rollouts per task ("group"), or "" for one
+
+
+def lopd_config(args) -> lopd.LOPDConfig:
+    return lopd.LOPDConfig(n_ret=args.n_ret, top_m=args.top_m, margin=args.margin, anchor=args.anchor,
+                           dual_lr=args.dual_lr, delta_per=args.delta_per, micro_batch=args.micro_batch,
+                           privilege_against=args.privilege_against, loss_chunk=args.loss_chunk or 0,
+                           token_budget=args.token_budget or 0,
+                           clip=args.clip, freeze_composer=args.freeze_composer, retrieval=args.retrieval)
+
+
+def baseline_config(args) -> BaselineConfig:
+    return BaselineConfig(group=args.group, clip_eps=args.clip_eps, top_k=args.top_m, ema_rate=args.ema_rate,
+                          success=args.bank_threshold, context=args.text_context, micro_batch=args.micro_batch,
+                          clip=args.clip, loss_chunk=args.loss_chunk or 0, token_budget=args.token_budget or 0)
+
+
+def draw_tasks(args, run, task_rng, per_task: int = 1) -> list:
+    """This step's tasks: rollouts_per_step / per_task of the training tasks (this rank's slice)."""
+    return runtime.shard(task_rng.sample(run["train"], args.rollouts_per_step // per_task))
+
+
+def lopd_setup(args, run) -> dict:
+    """Algorithm 1: "cache c_φ0 per task" (each rank a slice of the tasks, gathered)."""
+    part = lopd.anchor_cache(run["composer"], run["retriever"], runtime.shard(run["train"]), args.n_ret,
+                             args.retrieval)
+    return {"c0": part if runtime.world() == 1 else {k: v for d in runtime.gather([part]) for k, v in d.items()}}
+
+
+def lopd_train_step(args, run, state, student, opts, beta, task_rng):
+    tasks = draw_tasks(args, run, task_rng)
+    beta, m, _ = lopd.lopd_step(student, run["composer"], run["tok"], tasks, run["retriever"], state["c0"], beta,
+                                opts, lopd_config(args), run["sample"], run["make_env"], run["tools"])
+    return beta, m, args.rollouts_per_step
+
+
+def rft_setup(args, run) -> dict:
+    return {"successes": [e for e in run["episodes"] if e.reward >= args.bank_threshold]}
+
+
+def rft_train_step(args, run, state, student, opts, beta, task_rng):
+    """The control: the same optimizer and step count, no teacher, no new rollouts."""
+    batch = runtime.shard(task_rng.choices(state["successes"], k=args.rollouts_per_step))
+    return beta, rft_step(student, run["tok"], batch, opts[0], args.micro_batch, args.clip, args.loss_chunk or 0,
+                          args.token_budget or 0), 0
+
+
+def grpo_train_step(args, run, state, student, opts, beta, task_rng):
+    tasks = draw_tasks(args, run, task_rng, args.group)
+    m, _ = grpo_step(student, run["tok"], tasks, opts[0], baseline_config(args), run["sample"], run["make_env"],
+                     run["tools"])
+    return beta, m, args.rollouts_per_step // args.group * args.group
+
+
+def opsd_setup(args, run) -> dict:
+    pool, n_oracle = opsd_pool(run["retriever"].bank, run["train"], run["make_env"], args.bank_threshold)
+    run["log"]("opsd_pool", tasks=len(pool), from_oracle=n_oracle)
+    return {"pool": pool}
+
+
+def opsd_train_step(args, run, state, student, opts, beta, task_rng):
+    tasks = draw_tasks(args, run, task_rng)
+    m, _ = opsd_step(student, run["composer"].base_forward, run["tok"], tasks, state["pool"], opts[0],
+                     baseline_config(args), run["sample"], run["make_env"], run["tools"])
+    return beta, m, args.rollouts_per_step
+
+
+def sdpo_setup(args, run) -> dict:
+    ema = copy.deepcopy(run["student"]).eval()
+    ema.requires_grad_(False)
+    return {"ema": ema}
+
+
+def sdpo_train_step(args, run, state, student, opts, beta, task_rng):
+    tasks = draw_tasks(args, run, task_rng, args.group)
+    m, _ = sdpo_step(student, state["ema"], run["tok"], tasks, opts[0], baseline_config(args), run["sample"],
+                     run["make_env"], run["tools"])
+    return beta, m, args.rollouts_per_step // args.group * args.group
+
+
+METHODS = {
+    "lopd": Method(lopd_setup, lopd_train_step, uses_bank=True, trains_composer=True),
+    "rft": Method(rft_setup, rft_train_step, uses_bank=True),
+    "grpo": Method(lambda args, run: {}, grpo_train_step, per_task="group"),
+    "opsd": Method(opsd_setup, opsd_train_step, uses_bank=True),
+    "sdpo": Method(sdpo_setup, sdpo_train_step, per_task="group"),
+}

@@ -1,0 +1,593 @@
+"""Engineering, not the paper: skip it on a first read.
+
+Everything a run needs that the method does not: errors a user can fix, devices and precision, one seed, the log,
+data parallel under torchrun (FSDP2 for the student, summed gradients), the student as a full copy or a LoRA
+adapter, gradient checkpointing, and checkpoints that survive a kill. lopd.py, baselines.py and train.py call these
+helpers by name (`runtime.all_sum`, `runtime.gathered`, ...); with one process and no process group every
+data-parallel helper is the identity, so the single-process path is exactly the readable code.
+
+    python train.py                                      # one process: every helper below is a pass-through
+    torchrun --nproc-per-node 2 train.py --steps 2       # two processes (gloo on CPU, nccl on CUDA)
+    python -m pytest tests/test_distributed.py tests/test_real_path.py -q
+
+Sections, in order: user errors; device, seed, precision, log; data parallel; the student (full, LoRA,
+checkpointed); FSDP2 and full state dicts; checkpoints and resume.
+
+No deviation from the paper lives here: the official code's engineering (SGLang rollouts, Ray workers, DeepSpeed)
+is replaced, not followed, and the mathematics these helpers serve is the same on any number of processes.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import functools
+import json
+import os
+import random
+import shutil
+import sys
+import types
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from tqdm import tqdm
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# User errors: one line, exit status 2
+# ----------------------------------------------------------------------------------------------------------------
+class UserError(Exception):
+    """Bad input that the user can fix (a model, a folder, a bank the base cannot fill): `main` prints it as one line
+    and exits with status 2. Anything else is a bug and raises with its traceback."""
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Turn a UserError into one line on stderr and exit status 2 (train.py and eval.py)."""
+    try:
+        yield
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device, seed, precision, the log (rank 0 speaks)
+# ----------------------------------------------------------------------------------------------------------------
+def pick_device(device: str, dtype: str):
+    """Device cuda -> mps -> cpu, dtype bf16 on CUDA else fp32, chosen here only; printed with the reason."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        why = "auto: first of cuda, mps, cpu that is available"
+    else:
+        why = "--device"
+    if dtype == "auto":
+        dtype, dwhy = ("bfloat16", "auto: bf16 on CUDA") if device == "cuda" else ("float32", "auto: fp32 off CUDA")
+    else:
+        dwhy = "--dtype"
+    say(f"device {device} ({why}); dtype {dtype} ({dwhy})")
+    return torch.device(device), getattr(torch, dtype)
+
+
+def seed_everything(seed: int):
+    """Seed random, numpy and torch; under torchrun rank r draws its own stream (seed + 10007 r): its rollouts are
+    not a copy of rank 0's noise. Weights that must agree across ranks are broadcast (`broadcast_params`)."""
+    seed += 10007 * rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def precision(model):
+    """bf16 autocast around everything that runs the fp32 student next to the bf16 backbone (CUDA); a no-op in
+    fp32. Losses upcast to fp32 themselves (losses.py); the composer switches autocast off for itself (composer.py,
+    deviation 4)."""
+    p = next(model.parameters())
+    # cache_enabled=False: autocast would otherwise keep a bf16 copy of every fp32 weight it cast (the whole student,
+    # ~8 GB for 4B parameters) until the region ends; each forward casts its weights again instead
+    return torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype != torch.float32, cache_enabled=False)
+
+
+def say(*a):
+    """print on rank 0 only."""
+    if rank() == 0:
+        print(*a)
+
+
+class Log:
+    """One line per event on stdout (behaviour counts left out), the full record appended to OUT/metrics.jsonl.
+    Under torchrun only rank 0 logs (the metrics it gets are already summed or gathered over ranks)."""
+
+    def __init__(self, out: str):
+        self.path = os.path.join(out, "metrics.jsonl")
+
+    def __call__(self, stage: str, **metrics):
+        if rank() != 0:
+            return
+        rec = {"stage": stage, **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        shown = {k: v for k, v in rec.items() if k != "stage" and not k.startswith("behaviour/")}
+        tqdm.write(stage + "  " + "  ".join(f"{k} {v}" for k, v in shown.items()))
+
+
+def cached(path: str) -> bool:
+    """Is this stage's output in OUT? Under torchrun only if every rank sees it (nodes without a shared --out
+    then all redo the stage together instead of parting ways)."""
+    return all_true(os.path.exists(path))
+
+
+def write_json(path: str, obj):
+    """Write one JSON object atomically: a temp file in the same folder, then os.replace."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: str, rows):
+    """Write rows atomically: a temp file in the same folder, then os.replace."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data parallel under torchrun
+# ----------------------------------------------------------------------------------------------------------------
+# `dist_setup` joins the process group. Every other helper is the identity with one process and no process group,
+# so that path is exactly the single-process code.
+#
+# The rule that keeps N ranks on the mathematics of one process: each rank holds a contiguous slice of the batch
+# (`shard`); the normalisers (supervised tokens, trajectories) are summed over ranks BEFORE the backward, so each
+# rank's loss is its share of the whole-batch loss; gradients are then SUMMED over ranks (FSDP2 for the sharded
+# student, with its averaging switched off in `shard_student`; `sync_grads` for replicated trainable parameters: the
+# composer's LoRA and QFormer, a LoRA student). Logged values are summed or gathered the same way.
+
+
+def dist_setup(device: str = "auto", timeout_minutes: float = 360) -> tuple[int, int, str]:
+    """Under torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous): join the process group, nccl on
+    CUDA and gloo on CPU, one GPU per process. Plain python: no process group. -> (rank, world size, backend).
+    Everything else asks rank() and world(), which are 0 and 1 without a process group.
+    timeout_minutes (--dist-timeout): how long a collective may wait for the slowest rank. Ranks roll out and
+    evaluate unequal episodes for hours at the paper's budgets; NCCL's default watchdog (10 minutes) would end the
+    job while one rank still generates."""
+    if "RANK" not in os.environ:
+        return 0, 1, "none"
+    cuda = torch.cuda.is_available() and device in ("auto", "cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    say(f"world size {world()}, backend {backend}")
+    return rank(), world(), backend
+
+
+def check_world(args, world: int):
+    """Every rank gets an equal slice of each batch (its micro-batch count, and so FSDP's collectives, match)."""
+    per_task = args.group if args.method in ("grpo", "sdpo") else 1
+    tasks = args.rollouts_per_step // per_task
+    if tasks % world:
+        raise SystemExit(f"--rollouts-per-step {args.rollouts_per_step}: {tasks} tasks a step"
+                         + (f" (groups of --group {per_task})" if per_task > 1 else "")
+                         + f" do not split evenly over {world} processes; use a multiple of {world * per_task}")
+    if args.cold_batch % world:
+        raise SystemExit(f"--cold-batch {args.cold_batch} does not split evenly over {world} processes; "
+                         f"use a multiple of {world}")
+
+
+def world() -> int:
+    """Processes in the job (1 without a process group)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if world() > 1 else 0
+
+
+def shard(items: list) -> list:
+    """This rank's contiguous slice of items (all of them in one process); `gather` restores the order."""
+    n, r, w = len(items), rank(), world()
+    return items[r * n // w:(r + 1) * n // w]
+
+
+def gather(items: list) -> list:
+    """Concatenate every rank's list of picklable items, in rank order (all_gather_object)."""
+    if world() == 1:
+        return items
+    parts = [None] * world()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def _collective_device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_sum(*values):
+    """Sum numbers over ranks (one all-reduce); ints stay ints. -> a tuple, or the number itself for one value."""
+    if world() > 1:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(t)
+        values = [type(v)(x) if isinstance(v, int) else x for v, x in zip(values, t.tolist())]
+    return tuple(values) if len(values) > 1 else values[0]
+
+
+def all_max(value: float) -> float:
+    if world() == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return type(value)(t.item())
+
+
+def all_true(flag: bool) -> bool:
+    """True on every rank only if it is True on every rank (a skipped step is skipped everywhere)."""
+    return flag if world() == 1 else all_max(float(not flag)) == 0.0
+
+
+def assert_same(value: float, name: str):
+    """Cheap check that a float (β after the dual step) is identical on every rank: one all-reduce of (v, −v)."""
+    if world() > 1:
+        t = torch.tensor([value, -value], dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        assert t[0] == -t[1] == value, f"{name} differs across ranks: max {t[0].item()}, min {-t[1].item()}"
+
+
+def sync_grads(params):
+    """Sum the gradients of REPLICATED parameters over ranks (FSDP2 sums the sharded student's itself: DTensor
+    parameters are skipped). Every rank then takes the same optimizer step and keeps identical weights."""
+    if world() == 1:
+        return
+    from torch.distributed.tensor import DTensor
+    for p in params:
+        if not isinstance(p, DTensor):
+            if p.grad is None:                  # a parameter this rank did not reach still joins the sum
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+
+
+def broadcast_params(params):
+    """Rank 0's values into every rank's replicated parameters (fresh random inits: QFormer, LoRA)."""
+    if world() > 1:
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, 0)
+
+
+@contextmanager
+def gathered(model):
+    """A FSDP2-sharded model with all its weights gathered (no collective inside): ranks generate rollouts of
+    different lengths and turn counts without matching all-gathers. Any other model passes through."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)] if isinstance(model, torch.nn.Module) else []
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(m is not model, recurse=False)   # layers reshard, the root stays
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The student θ: a full fp32 copy (the paper) or a LoRA adapter; gradient checkpointing
+# ----------------------------------------------------------------------------------------------------------------
+def full_student(args, model):
+    """θ as a full copy of θ̄ (the paper's default), made before the composer's LoRA goes into `model`. Its weights
+    are fp32 (bf16 forwards under autocast, `precision`): AdamW steps of lr 1e-5 vanish in bf16 weights."""
+    student = copy.deepcopy(model).float().requires_grad_(True)
+    if args.grad_ckpt:
+        checkpointing(student)
+    return student
+
+
+class LoraStudent(torch.nn.Module):
+    """θ as a second LoRA adapter ("student") on the frozen backbone that the teacher and the composer's encoder
+    already share (--student-lora): one copy of the weights serves all three roles. To lopd.py it is a causal LM:
+    forward and generate (with its adapter active), parameters() (its LoRA only), train/eval, save_pretrained."""
+
+    def __init__(self, peft, r: int):
+        from peft import LoraConfig
+        from composer import ComposerConfig
+        super().__init__()
+        self.__dict__["peft"] = peft          # not a submodule: parameters() must be the student's LoRA only
+        peft.add_adapter("student", LoraConfig(r=r, lora_alpha=2 * r, target_modules=ComposerConfig().lora_targets,
+                                               lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+        self.params = [p for n, p in peft.named_parameters() if ".student." in n]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.initial = [p.detach().clone() for p in self.params]
+
+    def parameters(self, recurse: bool = True):
+        return iter(self.params)
+
+    def _run(self, fn, *a, **kw):
+        from composer import active_adapter
+        with active_adapter(self.peft, "student"):
+            return fn(*a, **kw)
+
+    def forward(self, *a, **kw):
+        return self._run(self.peft.__call__, *a, **kw)
+
+    def generate(self, *a, **kw):
+        return self._run(self.peft.generate, *a, **kw)
+
+    def train(self, mode: bool = True):
+        self.training = mode
+        return self
+
+    def get_output_embeddings(self):
+        return self.peft.get_output_embeddings()
+
+    @property
+    def dtype(self):
+        return self.params[0].dtype
+
+    def reset(self):
+        """Back to the adapter's initial weights (B = 0: θ = θ̄), for the ablations' next variant."""
+        with torch.no_grad():
+            for p, p0 in zip(self.params, self.initial):
+                p.copy_(p0)
+        return self
+
+    def save_pretrained(self, path: str):
+        self.peft.save_pretrained(path, selected_adapters=["student"], save_embedding_layers=False)
+
+    def load(self, path: str):
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+        set_peft_model_state_dict(self.peft, load_peft_weights(os.path.join(path, "student")), "student")
+
+
+def load_student_weights(student, path: str):
+    """Put the student saved at `path` (an HF folder, or a LoRA adapter folder) into the live `student`."""
+    if isinstance(student, LoraStudent):
+        return student.load(path)
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM
+    saved = AutoModelForCausalLM.from_pretrained(path, dtype=student.dtype)
+    if isinstance(student, FSDPModule):       # torchrun: each rank keeps its shard of the full weights
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        return set_model_state_dict(student, saved.state_dict(), options=StateDictOptions(full_state_dict=True))
+    student.load_state_dict(saved.state_dict())
+
+
+def checkpointing(model):
+    """--grad-ckpt: every decoder layer of `model` keeps only its inputs in the forward and is recomputed in the
+    backward (non-reentrant torch.utils.checkpoint; the teacher's inputs are latents that need gradients).
+
+    Our own wrapper, not HF's gradient_checkpointing_enable, for two reasons:
+    - HF checkpoints a layer only in training mode, and the frozen backbone (teacher and encoder) is in eval mode
+      (a frozen teacher must not run dropout). Here a layer is checkpointed whenever autograd records.
+    - The backward runs after adapter_disabled() (the teacher) and active_adapter() (encoder, LoRA student) have
+      closed, so a plain recompute would run the teacher's layers with the LoRA on (a CheckpointError, or wrong
+      gradients). The recompute restores the adapter state of its forward (composer.restored_adapter_state).
+    Idempotent, and kept by copy.deepcopy (the full student is a copy of the backbone)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and "forward" not in vars(layer):
+            layer.forward = types.MethodType(_checkpointed_forward, layer)
+
+
+def _checkpointed_forward(layer, *args, **kwargs):
+    """A decoder layer's forward, checkpointed when autograd records (see `checkpointing`)."""
+    from composer import adapter_state, restored_adapter_state
+    forward = functools.partial(type(layer).forward, layer)
+    if not torch.is_grad_enabled():          # generation and no-grad scoring: as is, KV cache included
+        return forward(*args, **kwargs)
+    for name in ("cache", "past_key_values", "past_key_value", "layer_past"):   # its name across transformers 5.x:
+        if kwargs.get(name) is not None:     # the recompute would append its keys to the KV cache a second time
+            kwargs[name] = None
+    state = adapter_state(layer)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs,
+                                             context_fn=lambda: (contextlib.nullcontext(),
+                                                                 restored_adapter_state(state)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory bounded by tokens: hidden states out of the forward, the LM head applied by the loss in chunks
+# ----------------------------------------------------------------------------------------------------------------
+@contextmanager
+def lm_head_bypassed(*models):
+    """Inside, each model's forward returns its final hidden states (B, T, d) where its logits (B, T, V) would be:
+    its LM head is the identity for a while. The loss then applies the head itself, a chunk of rows at a time
+    (losses.lopd_objective_from_hidden). Reentrant: a LoRA student and the teacher share one head."""
+    for m in models:
+        lm_head(m)                                # refuses a head whose logits are more than a linear map
+    heads, saved = [m.get_output_embeddings() for m in models], []
+    for h in heads:                               # one after the other: the same head may come twice
+        saved.append(h.__dict__.get("forward"))
+        h.forward = _identity
+    try:
+        yield
+    finally:
+        for h, f in reversed(list(zip(heads, saved))):
+            if f is None:
+                del h.forward
+            else:
+                h.forward = f
+
+
+def _identity(x):
+    return x
+
+
+def kv_bytes_per_token(config) -> int:
+    """Generation's KV cache: keys and values of every layer, bf16. Qwen3-4B: 2·36·8·128·2 = 147 KB a token."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * 2
+
+
+def kv_budget_batch(config, budget_gb: float, max_len: int) -> int:
+    """How many conversations of max_len tokens generate together within budget_gb of KV cache (at least one)."""
+    return max(1, int(budget_gb * 1e9 // (kv_bytes_per_token(config) * max_len)))
+
+
+def lm_head(model_or_head) -> tuple:
+    """(weight (V, d), bias or None) of an LM head, or of a model's (get_output_embeddings()). A tied head is the
+    embedding matrix itself, so its gradient reaches the embeddings. A ValueError for a head that is not one
+    nn.Linear (the loss would apply the wrong map): use --loss-chunk 0 there."""
+    head = model_or_head if isinstance(model_or_head, torch.nn.Linear) else model_or_head.get_output_embeddings()
+    config = getattr(model_or_head, "config", None)
+    if not isinstance(head, torch.nn.Linear) or getattr(config, "final_logit_softcapping", None):
+        raise ValueError(f"{type(model_or_head).__name__}: its logits are not one linear map of its hidden states; "
+                         "the chunked loss needs that (use --loss-chunk 0)")
+    return head.weight, head.bias
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FSDP2: the student sharded over ranks; full state dicts for checkpoints
+# ----------------------------------------------------------------------------------------------------------------
+def shard_student(model, frozen: bool = False):
+    """FSDP2 (fully_shard) on each decoder layer, then on the root, over all ranks. The root stays gathered from
+    forward to backward; a `frozen` model (SDPO's EMA teacher: forwards without backward) reshards it too.
+    bf16 all-gathers with fp32 gradient reduction on CUDA, where the backbone is bf16 ("as today": the fp32 student
+    runs under bf16 autocast).
+    Gradients are SUMMED over ranks, not averaged: each rank's loss is already its share of the whole batch
+    ("Data parallel" above). gloo has no PREMUL_SUM, hence the forced plain-sum reduction."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    cuda = next(model.parameters()).device.type == "cuda"
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda
+          else MixedPrecisionPolicy())
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]  # decoder layers
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=frozen)   # `gathered` restores these values
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full_state(model):
+    """The full state dict of an FSDP2-sharded model on rank 0's CPU (every rank must call); None otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+    if not isinstance(model, FSDPModule):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # a tied weight (lm_head = embed_tokens) is written once, as save_pretrained writes it in one process
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    return {k: v for k, v in sd.items() if k not in tied}
+
+
+def full_optimizer_state(opt) -> dict | None:
+    """opt.state_dict() with each sharded (DTensor) state gathered whole: the single-process format, whatever the
+    number of ranks that wrote it. Every rank must call (the gathers are collectives), one tensor at a time; only
+    rank 0, which writes the checkpoint, keeps the host copy (others return None: 8 ranks of Qwen3-8B would
+    otherwise each hold the whole AdamW state, ~100 GB, in host memory)."""
+    from torch.distributed.tensor import DTensor
+    sd, keep = opt.state_dict(), rank() == 0
+
+    def whole(v):
+        if not isinstance(v, DTensor):
+            return v
+        full = v.full_tensor()
+        return full.cpu() if keep else None
+    sd["state"] = {i: {k: whole(v) for k, v in st.items()} for i, st in sorted(sd["state"].items())}
+    return sd if keep else None
+
+
+def load_optimizer_state(opt, sd: dict):
+    """Load a full (single-process format) optimizer state, each rank keeping the shard of its parameters."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    def local(v, p):
+        if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape:
+            return distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+        return v
+    opt.load_state_dict({**sd, "state": {i: {k: local(v, params[i]) for k, v in st.items()}
+                                         for i, st in sd["state"].items()}})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints and resume: atomic, any number of ranks
+# ----------------------------------------------------------------------------------------------------------------
+def rng_state(task_rng: random.Random) -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "tasks": task_rng.getstate()}
+
+
+def set_rng_state(state: dict, task_rng: random.Random):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    task_rng.setstate(state["tasks"])
+
+
+def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng, ema=None):
+    """OUT/ckpt/step-NNNNNN: the student as an HF folder, the composer, optimizer states, β, step, RNG states.
+    Written under a temporary name and renamed, then OUT/ckpt/LATEST (a one-line file, replaced atomically) points
+    to it; older steps are deleted last. A kill at any moment leaves LATEST naming a complete checkpoint.
+    Under torchrun every rank calls it (sharded weights and optimizer states are gathered whole) and rank 0 writes
+    the same files as one process would, plus each rank's RNG state: any number of ranks can resume it."""
+    sharded = {"student": full_state(student), "ema": full_state(ema) if ema is not None else None}
+    opt_s, rngs = full_optimizer_state(opts[0]), gather([rng_state(task_rng)])
+    if rank() != 0:
+        return
+    root = os.path.join(args.out, "ckpt")
+    name, tmp = f"step-{step:06d}", os.path.join(root, f".tmp-{step:06d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    kw = lambda sd: {} if sd is None else {"state_dict": sd}   # noqa: E731  (FSDP2: the gathered weights)
+    student.save_pretrained(os.path.join(tmp, "student"), **kw(sharded["student"]))
+    composer.save(os.path.join(tmp, "composer"))
+    if ema is not None:                       # SDPO's EMA teacher
+        ema.save_pretrained(os.path.join(tmp, "ema_teacher"), **kw(sharded["ema"]))
+    torch.save({"opt_s": opt_s, "opt_c": opts[1].state_dict() if opts[1] else None, "beta": beta,
+                "step": step, "generations": gens, "rng": rngs[0], "rng_ranks": rngs}, os.path.join(tmp, "state.pt"))
+    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    os.replace(tmp, os.path.join(root, name))
+    with open(os.path.join(root, "LATEST.tmp"), "w") as f:
+        f.write(name + "\n")
+    os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))
+    for old in os.listdir(root):
+        if old.startswith("step-") and old != name:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def latest_checkpoint(out: str):
+    """The folder OUT/ckpt/LATEST names, or None."""
+    pointer = os.path.join(out, "ckpt", "LATEST")
+    if not os.path.isfile(pointer):
+        return None
+    return os.path.join(out, "ckpt", open(pointer).read().strip())
+
+
+def load_checkpoint(path, student, composer, opts, task_rng, ema=None):
+    """Restore what save_checkpoint wrote into the live objects; returns (β, step, generations)."""
+    load_student_weights(student, os.path.join(path, "student"))
+    if ema is not None:
+        load_student_weights(ema, os.path.join(path, "ema_teacher"))
+    reset_composer(composer, os.path.join(path, "composer"))
+    # mmap: the optimizer state is read from the page cache as each rank loads its shard, not copied whole per rank
+    state = torch.load(os.path.join(path, "state.pt"), weights_only=False, mmap=True)
+    load_optimizer_state(opts[0], state["opt_s"])
+    if opts[1] is not None:
+        opts[1].load_state_dict(state["opt_c"])
+    rngs = state.get("rng_ranks") or []       # the same number of ranks resumes each rank's own streams
+    set_rng_state(rngs[rank()] if len(rngs) == world() else state["rng"], task_rng)
+    return state["beta"], state["step"], state["generations"]
+
+
+def reset_composer(composer, path: str):
+    """Put the composer back to the weights saved in `path` (φ0 before each variant)."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    from safetensors.torch import load_file
+    set_peft_model_state_dict(composer.peft, load_peft_weights(os.path.join(path, "composer")), "composer")
+    composer.qformer.load_state_dict(load_file(os.path.join(path, "qformer.safetensors")))

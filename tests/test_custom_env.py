@@ -1,0 +1,171 @@
+"""A world of the user's own (docs/adding-an-environment.md): the doc's example file, exactly as printed there, is
+loaded with --env FILE.py:CLASS, unit-checked, and trained end to end by train.py; wrong --env values are one line.
+
+Run: python -m pytest tests/test_custom_env.py -q      (about a minute on 2 CPU cores: one tiny train.py run)
+"""
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import envs  # noqa: E402
+import train  # noqa: E402
+
+DOC = os.path.join(ROOT, "docs", "adding-an-environment.md")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def example() -> tuple[str, str, str]:
+    """The doc's one ```python block -> (its source, its file name, the Environment subclass it defines)."""
+    blocks = re.findall(r"^```python\n(.*?)^```", open(DOC, encoding="utf-8").read(), flags=re.S | re.M)
+    assert len(blocks) == 1, f"expected one python block in {DOC}, found {len(blocks)}"
+    source = blocks[0]
+    name = re.match(r'"""(\w+\.py):', source).group(1)                 # the docstring names the file
+    cls = re.search(r"^class (\w+)\(envs\.Environment\):", source, flags=re.M).group(1)
+    return source, name, cls
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory) -> str:
+    """The example written to a file of its own: --env's value for it, FILE.py:CLASS."""
+    source, name, cls = example()
+    path = tmp_path_factory.mktemp("world") / name
+    path.write_text(source)
+    return f"{path}:{cls}"
+
+
+@pytest.fixture(scope="module")
+def world(spec):
+    """(the example's class, its module's names: OFFICES, SCHEMAS, ...)"""
+    cls = envs.environment_class(spec)
+    return cls, cls.reward.__globals__
+
+
+def splits(cls, seed=0, n_train=40, n_test=10):
+    return cls.make_splits(train.parse_args(["--seed", str(seed), "--n-train", str(n_train),
+                                             "--n-test", str(n_test)]))
+
+
+def right_reply(names, task) -> str:
+    """The reply that follows the task's office's hidden form."""
+    return names["OFFICES"][task.variant].format(names["SCHEMAS"][task.schema][1].format(task.guest))
+
+
+def test_the_example_is_one_short_file():
+    source, name, cls = example()
+    lines = source.splitlines()
+    assert 30 <= len(lines) <= 60, len(lines)                            # "a 40-line example" (envs.py)
+    assert max(map(len, lines)) <= 118
+    compile(source, name, "exec")
+    assert f"--env {name}:{cls}" in open(DOC, encoding="utf-8").read()   # the doc's command runs this file
+
+
+def test_env_loads_it_by_path(spec, world):
+    cls, _ = world
+    assert issubclass(cls, envs.Environment) and cls is not envs.Environment
+    args = train.parse_args(["--env", spec])
+    assert train.environment(args) is cls
+    env = train.env_factory(args)()
+    assert isinstance(env, cls) and env.toy_world is None
+
+
+def test_splits_are_seeded_and_disjoint(world):
+    cls, _ = world
+    tr, te = splits(cls)
+    assert (len(tr), len(te)) == (40, 10)
+    for t in tr + te:
+        assert all(isinstance(getattr(t, k), str) for k in ("task_id", "text", "variant", "schema"))
+    assert len({t.task_id for t in tr + te}) == 50
+    assert not {t.text for t in tr} & {t.text for t in te}               # disjoint by what the model sees
+    assert len({t.variant for t in tr}) > 1 and len({t.schema for t in tr}) > 1
+    again, other = splits(cls), splits(cls, seed=1)
+    assert [t.text for t in again[0] + again[1]] == [t.text for t in tr + te]
+    assert [t.text for t in other[0] + other[1]] != [t.text for t in tr + te]
+
+
+def test_rewards_and_malformed_replies(world):
+    cls, names = world
+    tr, te = splits(cls)
+    for task in tr[:12]:
+        env = cls()
+        msgs = env.reset(task)
+        assert msgs[-1] == {"role": "user", "content": task.text}
+        result = env.step(right_reply(names, task))
+        assert isinstance(result, envs.StepResult) and result.done and result.errors == 0
+        assert env.reward() == 1.0
+        others = [v for v in names["OFFICES"] if v != task.variant]
+        env.reset(task)
+        env.step(right_reply(names, dataclasses.replace(task, variant=others[0])))   # another office's form
+        assert 0.0 < env.reward() < 1.0
+    for bad in ("", "   ", "<tool_call>{not json", "\x00\ufffd", "Task Completed", "x" * 5000):
+        env = cls()
+        env.reset(te[0])
+        result = env.step(bad)                                            # never raises
+        assert result.done and 0.0 <= env.reward() < 1.0
+        json.dumps([list(t) for t in env.trace])                          # the rollout json-dumps each call
+
+
+def test_same_variant_experience_carries_what_the_task_lacks(world):
+    """The point of LOPD: a solved task of the same office, as the bank keeps it, solves another task of that
+    office; one of another office does not."""
+    cls, names = world
+    tr, _ = splits(cls, n_train=80)
+    env = cls()
+    a = tr[0]
+    env.reset(a)
+    env.step(right_reply(names, a))
+    experience = env.trace_text()
+    assert experience
+
+    def words(t):
+        return names["SCHEMAS"][t.schema][1].format(t.guest)
+
+    same = next(t for t in tr[1:] if t.variant == a.variant and t.schema == a.schema)
+    other = next(t for t in tr[1:] if t.variant != a.variant and t.schema == a.schema)
+    for task, want in ((same, 1.0), (other, 0.5)):
+        env.reset(task)
+        env.step(experience.replace(words(a), words(task)))
+        assert env.reward() == want, (task, experience)
+
+
+def test_tasks_round_trip_through_jsonl(world, tmp_path):
+    """What the doc says `load_tasks` and `save_tasks` take: envs.save_tasks and envs.read_jsonl."""
+    cls, names = world
+    tr, _ = splits(cls, n_train=5, n_test=1)
+    envs.save_tasks(tr, str(tmp_path / "train.jsonl"))
+    back = envs.read_jsonl(str(tmp_path / "train.jsonl"), lambda row, where: names["Greeting"](**row))
+    assert back == tr
+
+
+def test_train_py_runs_it_end_to_end(spec, toy_backbone_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--env", spec, "--model", toy_backbone_dir, "--out", str(out),
+           "--n-train", "12", "--n-test", "3", "--bank-threshold", "0", "--cold-steps", "1", "--steps", "2",
+           "--rollouts-per-step", "2", "--micro-batch", "1", "--latents", "2", "--max-new-tokens", "12",
+           "--max-env-steps", "2", "--save-every", "1", "--embedder", "backbone"]
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    for row in ("vanilla", "base + composer", "LOPD student"):
+        assert f"| {row} |" in table, table
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["stage"] == "lopd"] == [0, 1]
+    bank = next(r for r in rows if r["stage"] == "bank")
+    assert "recall3_variant" in bank
+
+
+@pytest.mark.parametrize("value", ["nofile.py:X", "envs:Task", "bogus", "{path}:NoSuchClass", "{path}:Greeting"])
+def test_a_wrong_env_is_one_line_and_status_2(value, spec, capsys):
+    value = value.format(path=spec.rpartition(":")[0])
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--env", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([line for line in err if "error:" in line]) == 1, err        # argparse: usage, then one error line
+    assert "error: --env" in err[-1] and "expected" in err[-1], err[-1]

@@ -1,0 +1,142 @@
+"""What keeps memory bounded by tokens at the paper's budgets and keeps long jobs alive, each in a check that fails
+without it: the process group's timeout, autocast without a resident bf16 copy of the student, every eos id of the
+generation config, rank 0 alone holding a checkpoint's optimizer state (tests/test_distributed.py), scoring without
+a KV cache and the chunked loss (tests/test_lopd.py, tests/test_losses.py).
+
+Run: python -m pytest tests/test_scale.py -q      (a few seconds)
+"""
+import datetime
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lopd  # noqa: E402
+import runtime  # noqa: E402
+import train  # noqa: E402
+
+
+def test_the_timeout_reaches_init_process_group(monkeypatch):
+    seen = {}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(runtime.dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    runtime.dist_setup("cpu", 7)
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=7)}
+    assert train.parse_args([]).dist_timeout == 360                    # hours of unbalanced rollouts survive
+    # train.py passes the flag through
+    monkeypatch.setattr(runtime, "dist_setup", lambda device, minutes: seen.update(minutes=minutes) or (0, 1, ""))
+    monkeypatch.setattr(train, "prepare", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        train.main(["--dist-timeout", "90", "--steps", "0"])
+    assert seen["minutes"] == 90
+
+
+def test_autocast_keeps_no_cast_copy_of_the_weights():
+    """runtime.precision wraps a whole step; with autocast's cache on it would keep a bf16 copy of every fp32
+    weight it cast (the whole student) until the step ends."""
+    bf16 = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    with runtime.precision(bf16):
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
+    with runtime.precision(torch.nn.Linear(2, 2)):                      # fp32: no autocast at all
+        assert not torch.is_autocast_enabled("cpu")
+
+
+class Gen:
+    def __init__(self, eos):
+        self.generation_config = type("C", (), {"eos_token_id": eos})()
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_reply():
+    tok = type("T", (), {"eos_token_id": 5})()
+    assert lopd.eos_ids(Gen([7, 5]), tok) == [5, 7]                     # Qwen3: <|im_end|> and <|endoftext|>
+    assert lopd.eos_ids(Gen(5), tok) == [5] and lopd.eos_ids(Gen(None), tok) == [5]
+    new = torch.tensor([[1, 7, 2, 5], [1, 2, 3, 4], [5, 1, 1, 1]])      # (B, N)
+    logp = -torch.rand(3, 4)
+    rows = lopd.cut_at_eos(new, logp, [5, 7])
+    assert [(r[0], r[2]) for r in rows] == [([1, 7], True), ([1, 2, 3, 4], False), ([5], True)]
+    assert lopd.cut_at_eos(new, logp, 5)[0][0] == [1, 7, 2, 5]          # one id: as before
+
+
+def test_real_models_think_by_default_with_the_papers_budgets(tmp_path):
+    """B.2: Qwen3 with thinking on and 10,000-token calls (code: B.3's 16,384); the toy keeps its short replies."""
+    import shutil
+    import toy
+    folder = tmp_path / "model"
+    shutil.copytree(toy.SHIPPED, folder)
+    os.remove(folder / "toy_backbone.json")                              # a "real" model to train.py
+    qwen3 = type("T", (), {"chat_template": "{% if enable_thinking is defined %}...{% endif %}"})()
+    plain = type("T", (), {"chat_template": "{{ messages }}"})()
+    real = train.parse_args(["--model", str(folder), "--out", str(tmp_path / "r")])
+    assert real.max_new_tokens == 10000 and train.thinks_by_default(real, qwen3)
+    assert not train.thinks_by_default(real, plain)                     # SmolLM2's template has no switch
+    off = train.parse_args(["--model", str(folder), "--out", str(tmp_path / "r"), "--no-thinking"])
+    assert not train.thinks_by_default(off, qwen3)
+    toy_args = train.parse_args(["--out", str(tmp_path / "t")])
+    assert toy_args.max_new_tokens == 64 and not train.thinks_by_default(toy_args, qwen3)
+    code = train.parse_args(["--model", str(folder), "--env", "code", "--out", str(tmp_path / "c")])
+    assert code.max_new_tokens == 16384
+
+
+class Headed(torch.nn.Module):
+    """The least a model needs for runtime.lm_head_bypassed: an LM head and a forward through it."""
+
+    def __init__(self, softcap=None):
+        super().__init__()
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.config = type("C", (), {"final_logit_softcapping": softcap})()
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def test_the_lm_head_bypass_nests_and_restores():
+    """A LoRA student and the teacher share one head: the bypass is entered twice for it and must undo both."""
+    m, x = Headed(), torch.randn(2, 3)
+    with runtime.lm_head_bypassed(m, m):
+        assert torch.equal(m(x), x)                                       # hidden states out
+    assert m(x).shape == (2, 5) and "forward" not in m.head.__dict__      # the head is back
+    assert runtime.lm_head(m)[0] is m.head.weight
+    with pytest.raises(ValueError, match="--loss-chunk 0"):               # Gemma-style soft-capped logits
+        runtime.lm_head_bypassed(Headed(softcap=30.0)).__enter__()
+
+
+def test_micro_batches_by_a_token_budget(monkeypatch):
+    eps = [type("E", (), {"ids": [0] * n})() for n in (5, 3, 8, 2, 2, 9)]
+    assert lopd.micro_batches(eps, 4) == [slice(0, 4), slice(4, 8)]            # by rollouts: the readable default
+    got = lopd.micro_batches(eps, 4, token_budget=12)                           # rows × the longest of each
+    assert got == [slice(0, 2), slice(2, 3), slice(3, 5), slice(5, 6)]
+    for part in got:
+        assert max(len(e.ids) for e in eps[part]) * len(eps[part]) <= 12 or part.stop - part.start == 1
+    assert lopd.micro_batches(eps, 4, token_budget=1) == [slice(i, i + 1) for i in range(6)]   # at least one each
+    monkeypatch.setattr(runtime, "all_max", lambda v: 6.0)                     # torchrun: a busier rank has 6
+    assert lopd.micro_batches(eps, 4)[2:] == [slice(0, 0)] * 4                 # idle passes keep the collectives
+
+
+def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
+    """--kv-budget: as many conversations as their KV cache fits; sort_by_length: batches of similar tasks, the
+    episodes back in task order and embed_fn told which task each row is."""
+    import envs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    qwen3_4b = type("C", (), {"head_dim": 128, "num_hidden_layers": 36, "num_key_value_heads": 8,
+                              "num_attention_heads": 32, "hidden_size": 2560})()
+    assert runtime.kv_bytes_per_token(qwen3_4b) == 147456
+    assert runtime.kv_budget_batch(qwen3_4b, 48, 40960) == 7 and runtime.kv_budget_batch(qwen3_4b, 1, 40960) == 1
+    model = AutoModelForCausalLM.from_pretrained(toy_backbone_dir).eval()
+    tok = AutoTokenizer.from_pretrained(toy_backbone_dir)
+    tasks = envs.make_splits(0, 6, 1)[0]
+    seen = []
+
+    def embed_fn(ids, att, rows):
+        seen.append(sorted(rows))
+        return model.get_input_embeddings()(ids)
+    cfg = lopd.SampleConfig(max_new_tokens=6, batch_size=2, temperature=0.0, sort_by_length=True)
+    eps = lopd.rollout(model, tok, tasks, cfg, lambda: envs.ToolWorld(max_steps=1), None, embed_fn=embed_fn)
+    assert [e.task for e in eps] == tasks                                   # task order, whatever the batches
+    by_length = sorted(range(6), key=lambda i: len(tasks[i].text))
+    assert seen[0] == sorted(by_length[:2]) and by_length != list(range(6))
