@@ -4,6 +4,7 @@
     python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
     python eval.py --run runs/toy --inspect-latents  # what the composer carries (§4.4; `latent_similarity`)
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
+    python eval.py --run runs/toy --show 5           # OUT/show.html: 5 episodes token by token (show.py)
     python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks (B.3)
 
 The rows themselves are train.py's stage 6 (`train.evaluate`: vanilla, base + composer, the LOPD student alone,
@@ -143,6 +144,45 @@ def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
         print("\n".join(teacher_shift(composer, tok, ep, latents["same"][0], latents["other"][0], make_env, tools)))
 
 
+def show_episodes(args: train.Args, n: int, path: str) -> str:
+    """eval.py --show N: the run's student on its first N held-out tasks, each token coloured by its term of eq. (10)
+    against the teacher behind same-shop references, then by how much those references move the teacher against
+    other shops' (show.py). Writes a self-contained HTML page to `path`; -> path."""
+    import show
+    run = train.load_run(args)
+    if run["student"] is None:
+        raise runtime.UserError(f"--run {args.out!r} has no checkpoint yet: train it first (python train.py --out "
+                                f"{args.out})")
+    composer, tok, ret, student, tasks = run["composer"], run["tok"], run["retriever"], run["student"], run["test"][:n]
+    make_env = train.env_factory(args)
+    tools = make_env().tools
+    runtime.seed_everything(args.seed + 1)                                  # the evaluation rows' sampling seed
+    with torch.no_grad(), runtime.precision(composer.peft), runtime.gathered(student):
+        eps = lopd.rollout(student, tok, tasks, train.sample_config(args), make_env, tools)
+        exps = {m: lopd.retrieve(ret, tasks, args.n_ret, m) for m in ("same", "other")}
+        lat = {m: lopd.compose(composer, tasks, e) for m, e in exps.items()}         # (N, J·K, d) each
+        terms = show.episode_terms(student, composer, tok, eps, lat["same"], make_env, tools, args.top_m,
+                                   args.enable_thinking)
+        shift = show.teacher_shift_terms(composer, tok, eps, lat["same"], lat["other"], make_env, tools)
+    same, other = show.reference_lines(exps["same"]), show.reference_lines(exps["other"])
+    sections = [
+        ("The student's episodes and its teacher",
+         "Each reply token of the student (its own sample, temperature as in training), coloured by its term of "
+         f"eq. (10): white 0, red {show.largest_kl(terms):.4f} nats, the page's largest. Hover a token for δ "
+         "(eq. 11), p_S and p_T of the sampled token, and the teacher's likeliest alternatives. Grey: observations (ω = 0). The list: the J references "
+         "the teacher's latents were composed from.",
+         [show.episode_html(tok, ep, t, r, None, len(eps), show.largest_kl(terms)) for ep, t, r in
+          zip(eps, terms, same)]),
+        ("The world check, token by token",
+         "The same tokens, coloured by log p_T(a) behind same-shop references minus behind other shops' "
+         "references (red: the same shop's experience makes the teacher surer of the student's token; blue: "
+         "less sure; full colour at 3 nats). The list: the other shops' references.",
+         [show.episode_html(tok, ep, t, r, s, len(eps)) for ep, t, r, s in zip(eps, terms, other, shift)])]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(show.page(f"LOPD, token by token: {args.out}", sections))
+    return path
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Real code benchmarks (B.3): eval.py --run DIR --tasks FILE [FILE ...]
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,6 +293,9 @@ def main(argv=None):
     p.add_argument("--tasks", nargs="+", default=None, metavar="FILE",
                    help="evaluate the run's student on these benchmark files instead (TACO, LiveCodeBench, "
                         "HumanEval+, MBPP+ JSONL; pass@1 per benchmark beside the paper's Table 2)")
+    p.add_argument("--show", type=int, nargs="?", const=5, default=0, metavar="N",
+                   help="write OUT/show.html: N held-out episodes of the student (default 5), each token coloured by "
+                        "what the teacher knows (show.py)")
     a = p.parse_args(argv)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
@@ -266,6 +309,11 @@ def main(argv=None):
         return eval_benchmarks(dataclasses.replace(args, out=a.run), a.tasks, a.n_test, a.temperature)
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
+    if a.show:
+        with runtime.one_line_errors():
+            path = show_episodes(dataclasses.replace(args, out=a.run), a.show, os.path.join(a.run, "show.html"))
+        print(f"wrote {path}")
+        return
     keep = {} if a.conventions else None
     with runtime.one_line_errors():
         rows, run, tasks = final_eval(args, a.n_test, a.temperature, a.world_check, keep)

@@ -56,6 +56,11 @@ PAPER_ROWS = {"vanilla": 0.486, "base + composer": 0.631, "LOPD (m = 0.05)": 0.6
               "frozen composer": 0.573}
 
 
+def log_of(args) -> "runtime.Log":
+    """A variant's log: OUT/metrics.jsonl, and with --tensorboard DIR its scalars beside every other run's."""
+    return runtime.Log(args.out, args.tensorboard)
+
+
 def ablation_seed(args: train.Args) -> dict:
     """One seed of the table: shared stages 1-4, then each variant's joint stage from the same θ̄ and φ0.
     Returns {row: {"student", "teacher", "generations"}} (the student alone and base + composer at the end)."""
@@ -76,9 +81,9 @@ def ablation_seed(args: train.Args) -> dict:
         if vargs.retrieval != "same":            # its own φ0, cold-started on what it will read
             runtime.reset_composer(run["composer"], os.path.join(args.out, "composer_init"))
             train.cold_start(vargs, None, run["tok"], run["retriever"], run["episodes"], run["train"],
-                             runtime.Log(vargs.out), composer=run["composer"])
+                             log_of(vargs), composer=run["composer"])
         fresh = base_student.reset() if isinstance(base_student, runtime.LoraStudent) else copy.deepcopy(base_student)
-        student = train.joint_training({**run, "args": vargs, "student": fresh, "log": runtime.Log(vargs.out)})
+        student = train.joint_training({**run, "args": vargs, "student": fresh, "log": log_of(vargs)})
         end = train.evaluate(vargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
                              which=("base + composer", "LOPD student"))
         gens = len(run["episodes"]) + (0 if vargs.method == "rft" else vargs.steps * vargs.rollouts_per_step)
@@ -193,7 +198,7 @@ def figure4_seed(args: train.Args) -> list[dict]:
         os.makedirs(margs.out, exist_ok=True)
         runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
         fresh = base_student.reset() if isinstance(base_student, runtime.LoraStudent) else copy.deepcopy(base_student)
-        train.joint_training({**run, "args": margs, "student": fresh, "log": runtime.Log(margs.out)})
+        train.joint_training({**run, "args": margs, "student": fresh, "log": log_of(margs)})
         bank = len(run["episodes"]) if baselines.METHODS[method].uses_bank else 0
         rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
                          reward=vanilla))
@@ -330,7 +335,7 @@ def dial_method(margs: train.Args, run: dict, method: str, curve0: float) -> lis
     runtime.reset_composer(run["composer"], os.path.join(os.path.dirname(margs.out), "composer0"))
     base = run["student"]
     fresh = base.reset() if isinstance(base, runtime.LoraStudent) else copy.deepcopy(base)
-    student = train.joint_training({**run, "args": margs, "student": fresh, "log": runtime.Log(margs.out)})
+    student = train.joint_training({**run, "args": margs, "student": fresh, "log": log_of(margs)})
     last = _logged(os.path.join(margs.out, "metrics.jsonl"), margs.method)
     rows = [_row(margs, method, "student", 0, 0, curve0)]
     rows += [_row(margs, method, "student", k + 1, r["generations"], r["reward/eval"])

@@ -215,15 +215,24 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     sel = mask.bool()                                                   # (B, T)
     logp_s = supervised_logprobs(student_logits, sel)                   # (N, V) fp32, kept for KL and δ
     logp_t = supervised_logprobs(teacher_logits, sel)                   # (N, V) fp32
-    # eqs. (9)-(10): reverse KL over the teacher's top-M + tail, normalised by the whole batch's token count
-    logq_s, logq_t = topm_tail(logp_s, logp_t, top_m)                   # (N, M+1) each
-    n = sel.sum() if n_tokens is None else n_tokens
-    distill = bucket_reverse_kl(logq_s, logq_t).sum() / n               # scalar
-    # eq. (11): δ at the sampled ids, a gather from the same log-probs (no extra forward)
     a = ids[sel].unsqueeze(-1)                                          # (N, 1)
-    logp_ref = logp_s if ref_logits is None else supervised_logprobs(ref_logits, sel)     # (N, V)
-    delta = privilege_delta(logp_t.gather(-1, a).squeeze(-1), logp_ref.gather(-1, a).squeeze(-1))  # (N,)
+    # eqs. (9)-(10): reverse KL over the teacher's top-M + tail, normalised by the whole batch's token count;
+    # eq. (11)'s log-probs at the sampled ids, gathered from the same log-probs (no extra forward)
+    kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, top_m)     # (N,) each
+    n = sel.sum() if n_tokens is None else n_tokens
+    distill = kl.sum() / n                                              # scalar
+    logp_ref_a = logp_s_a if ref_logits is None else supervised_logprobs(ref_logits, sel).gather(-1, a).squeeze(-1)
+    delta = privilege_delta(logp_t_a, logp_ref_a)                       # (N,) eq. (11)
     return _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj)
+
+
+def token_terms(logp_s, logp_t, a, top_m=20):
+    """Eqs. (9)-(11) per supervised token, from full-vocabulary log-probs (N, V) of each side and the sampled ids a
+    (N, 1): -> (each token's reverse KL(p̃S ‖ p̃T) over the teacher's top-M + tail, log πT(a), log πS(a)), (N,)
+    each. `lopd_objective` and its chunked form average the first and take δ from the others; show.py draws them."""
+    logq_s, logq_t = topm_tail(logp_s, logp_t, top_m)                   # (N, M+1) each, eq. (9)
+    kl = bucket_reverse_kl(logq_s, logq_t)                              # (N,) eq. (10)'s terms
+    return kl, logp_t.gather(-1, a).squeeze(-1), logp_s.gather(-1, a).squeeze(-1)
 
 
 def _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj):
@@ -252,11 +261,10 @@ def _chunk_terms(h_s, h_t, a, w_s, b_s, w_t, b_t, top_m, h_ref, w_ref, b_ref):
     (Σ over the chunk of KL(p̃S ‖ p̃T), log πT(a) (C,), log π_ref(a) (C,): the student's unless h_ref is given)."""
     logp_s = F.log_softmax(_fp32(F.linear(h_s, w_s, b_s)), dim=-1)      # (C, V) fp32
     logp_t = F.log_softmax(_fp32(F.linear(h_t, w_t, b_t)), dim=-1)      # (C, V) fp32
-    logq_s, logq_t = topm_tail(logp_s, logp_t, top_m)                   # (C, M+1) each, eq. (9)
-    kl = bucket_reverse_kl(logq_s, logq_t).sum()                        # scalar, eq. (10)'s numerator
+    kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, top_m)     # (C,) each, eqs. (9)-(11)
     if h_ref is not None:                                               # --privilege-against phi0
-        logp_s = F.log_softmax(_fp32(F.linear(h_ref, w_ref, b_ref)), dim=-1)   # (C, V)
-    return kl, logp_t.gather(-1, a).squeeze(-1), logp_s.gather(-1, a).squeeze(-1)   # scalar, (C,), (C,)
+        logp_s_a = F.log_softmax(_fp32(F.linear(h_ref, w_ref, b_ref)), dim=-1).gather(-1, a).squeeze(-1)   # (C,)
+    return kl.sum(), logp_t_a, logp_s_a                                 # scalar, (C,), (C,)
 
 
 def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, beta, margin, c, c0, anchor_weight,

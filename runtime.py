@@ -98,11 +98,20 @@ def say(*a):
 
 
 class Log:
-    """One line per event on stdout (behaviour counts left out), the full record appended to OUT/metrics.jsonl.
-    Under torchrun only rank 0 logs (the metrics it gets are already summed or gathered over ranks)."""
+    """One line per event on stdout (behaviour counts left out), the full record appended to OUT/metrics.jsonl, the
+    source of truth. With `tensorboard` (a folder; train.py --tensorboard) every number of a record is also a scalar
+    `stage/name` at the record's step, in a sub-folder named after OUT, so that the runs of experiments.py sit in
+    one TensorBoard. Under torchrun only rank 0 logs (the metrics it gets are already summed or gathered)."""
 
-    def __init__(self, out: str):
-        self.path = os.path.join(out, "metrics.jsonl")
+    def __init__(self, out: str, tensorboard: str = ""):
+        self.path, self.writer, self.events = os.path.join(out, "metrics.jsonl"), None, {}
+        if tensorboard and rank() == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+            name = os.path.normpath(os.path.abspath(out)).strip(os.sep)
+            self.writer = SummaryWriter(os.path.join(tensorboard, name))
 
     def __call__(self, stage: str, **metrics):
         if rank() != 0:
@@ -112,6 +121,17 @@ class Log:
             f.write(json.dumps(rec) + "\n")
         shown = {k: v for k, v in rec.items() if k != "stage" and not k.startswith("behaviour/")}
         tqdm.write(stage + "  " + "  ".join(f"{k} {v}" for k, v in shown.items()))
+        if self.writer is not None:
+            self._scalars(stage, rec)
+
+    def _scalars(self, stage: str, rec: dict):
+        """The record's numbers as TensorBoard scalars at its step (records without one count per stage)."""
+        step = rec.get("step", self.events.get(stage, 0))
+        self.events[stage] = self.events.get(stage, 0) + 1
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                self.writer.add_scalar(f"{stage}/{k}", v, step)
+        self.writer.flush()
 
 
 def cached(path: str) -> bool:

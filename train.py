@@ -215,6 +215,9 @@ for hours at the paper's budgets, and NCCL's default watchdog (10 minutes) would
     """write a checkpoint every N iterations"""
     resume: bool = False
     """continue from OUT/ckpt if present"""
+    tensorboard: str = ""
+    """also write every metric of metrics.jsonl as TensorBoard scalars under this folder (a sub-folder per run:
+experiments.py's runs land in one TensorBoard); needs pip install tensorboard. metrics.jsonl stays the source"""
 
 
 # Where the toy world needs its own value, and why. Real models take PAPER_DEFAULTS.
@@ -279,7 +282,7 @@ def prepare(args: Args):
         runtime.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
     runtime.seed_everything(args.seed)
     device, dtype = runtime.pick_device(args.device, args.dtype)
-    log = runtime.Log(args.out)
+    log = runtime.Log(args.out, args.tensorboard)
     model, tok = load_backbone(args, device, dtype)
     fit_context(args, model)
     student = None if args.student_lora else runtime.full_student(args, model)   # before the composer's LoRA goes in

@@ -46,7 +46,7 @@ def toy_backbone_dir(tmp_path_factory):
 
 
 def pytest_report_header(config):
-    """The versions this run resolved, on pytest's first lines (CI installs the newest the requirements allow)."""
+    """The versions this run resolved, on pytest's first lines without -q (CI prints them last, .ci/run)."""
     from importlib.metadata import PackageNotFoundError, version
     got = []
     for name in ("torch", "transformers", "peft", "faiss-cpu", "numpy", "tqdm", "pytest", "gguf"):
