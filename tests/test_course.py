@@ -55,3 +55,33 @@ def test_every_documented_command_names_flags_its_script_has():
     fake = commands('```bash\nG="--steps 2"\npython train.py --out x $G --no-such-flag 3\n```\n')
     assert fake == [("train.py", "python train.py --out x --steps 2 --no-such-flag 3")]
     assert unknown_flags(*fake[0]) == ["--no-such-flag"]
+
+
+def test_the_adding_a_method_diff_gives_a_method_that_trains(tmp_path, toy_backbone_dir):
+    """Exercise 7 as a student does it: apply docs/adding-a-method.md's diff to a copy of the code, then run its test
+    and two steps of `--method reinforce` (tests/test_docs.py checks the diff applies to this tree)."""
+    import json
+    import shutil
+    if shutil.which("git") is None:
+        import pytest
+        pytest.skip("applying the diff needs git")
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "assets", ".pytest_cache"))
+    text = open(os.path.join(ROOT, "docs", "adding-a-method.md"), encoding="utf-8").read()
+    diff = re.findall(r"```diff\n(.*?)```", text, re.S)[0]
+    applied = subprocess.run(["git", "apply", "-"], input=diff, text=True, cwd=copy, capture_output=True)
+    assert applied.returncode == 0, applied.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_baselines.py",
+                           "-k", "reinforce"], cwd=copy, capture_output=True, text=True, env=env, timeout=300)
+    assert test.returncode == 0 and "passed" in test.stdout, test.stdout[-2000:]
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "train.py", "--method", "reinforce", "--model", toy_backbone_dir, "--out",
+                          str(out), "--n-train", "16", "--n-test", "4", "--bank-threshold", "0", "--cold-steps", "1",
+                          "--steps", "2", "--rollouts-per-step", "4", "--latents", "2", "--max-new-tokens", "24",
+                          "--eval-every", "0"], cwd=copy, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if r["stage"] == "reinforce"]
+    assert [r["step"] for r in steps] == [0, 1] and all("loss/reinforce" in r and r["skipped"] == 0 for r in steps)
+    assert "| REINFORCE student |" in open(out / "results.md").read()
