@@ -41,12 +41,7 @@ import losses
 import lopd
 import runtime
 from envs import ToolWorld
-from losses import bucket_reverse_kl, supervised_logprobs, topm_tail
-
-
-def _fp32(x):
-    """Upcast to fp32; float64 stays float64 (gradcheck), as in losses.py."""
-    return x if x.dtype == torch.float64 else x.float()
+from losses import _fp32, bucket_reverse_kl, supervised_logprobs, topm_tail
 
 
 # ----------------------------------------------------------------------------------------------------------------

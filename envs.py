@@ -75,6 +75,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import inject
+import retrieval
 
 # ----------------------------------------------------------------------------------------------------------------
 # Prompts (A.5, word for word) and the toy's short system prompt
@@ -534,8 +535,7 @@ class Environment:
     system_prompt: str = ""            # the first message (reset's to write; an empty one may be left out)
     framing: tuple = inject.AGENTIC_FRAMING   # the words before and after the teacher's latent block (A.5)
     tools: list | None = None          # JSON schemas for the chat template (`tools=`); None: no tools are listed
-    retrieval_instruction: str = "Given a task, retrieve a solved trajectory of a similar task"
-                                       # the retriever's query prompt (eq. 15; retrieval.DEFAULT_INSTRUCTION)
+    retrieval_instruction: str = retrieval.DEFAULT_INSTRUCTION   # the retriever's query prompt (eq. 15)
     parallel_steps: bool = False       # True: a batch's step() calls run in threads (CodeWorld: one sandbox each)
     response_template: dict | None = None   # the tokenizer's reply parser; lopd.rollout sets it where there is one
     # -- what train.py reads: the run ------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from tqdm import tqdm
 import code_env
 import lopd
 import runtime
+import show
 import train
 
 
@@ -95,14 +96,10 @@ def teacher_shift(composer, tok, ep, lat_same, lat_other, make_env, tools=None, 
     """The reply tokens of episode `ep` whose teacher log-probability moves most between latents composed from
     same-variant references (lat_same, (n, d)) and from other variants' references (lat_other). Positive: the
     same-variant experience makes the teacher surer of the token the episode took. -> one line per token."""
-    device = lat_same.device
-    lp = [lopd.teacher_logits(composer, tok, [ep], lat[None], make_env, tools).float().log_softmax(-1)[0]
-          for lat in (lat_same, lat_other)]                                   # 2 × (Tc, V)
-    conts, omega = lopd.continuation([ep], device)
-    ids = torch.tensor(conts[0], device=device)                               # (Tc,)
-    at = torch.arange(len(ids), device=device)
-    same, other = lp[0][at, ids], lp[1][at, ids]                              # (Tc,) log π_T(a_t)
-    move = (same - other) * omega[0]                                          # (Tc,) only sampled tokens count
+    same, other = (show.teacher_logprobs(composer, tok, [ep], lat[None], make_env, tools)[0]
+                   for lat in (lat_same, lat_other))                          # (Tc,) log π_T(a_t), 0 off ω each
+    conts, omega = lopd.continuation([ep], lat_same.device)
+    move = same - other                                                       # (Tc,) only sampled tokens count
     lines = []
     for t in move.abs().topk(min(top, int(omega[0].sum()))).indices.tolist():
         before = tok.decode(conts[0][max(0, t - 8):t], skip_special_tokens=True).replace("\n", " ")
@@ -148,7 +145,6 @@ def show_episodes(args: train.Args, n: int, path: str) -> str:
     """eval.py --show N: the run's student on its first N held-out tasks, each token coloured by its term of eq. (10)
     against the teacher behind same-shop references, then by how much those references move the teacher against
     other shops' (show.py). Writes a self-contained HTML page to `path`; -> path."""
-    import show
     run = train.load_run(args)
     if run["student"] is None:
         raise runtime.UserError(f"--run {args.out!r} has no checkpoint yet: train it first (python train.py --out "

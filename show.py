@@ -42,35 +42,39 @@ def episode_terms(student, composer, tok, eps, latents, make_env, tools=None, to
     kl, lt_a, ls_a = losses.token_terms(logp_s, logp_t, ids[sel].unsqueeze(-1), top_m)          # (N,) each
     delta = losses.privilege_delta(lt_a, ls_a)                                  # (N,) eq. (11)
     top_p, top_i = logp_t.exp().topk(5, dim=-1)                                 # (N, 5)
+    kl, delta, p_s, p_t = (x.tolist() for x in (kl, delta, ls_a.exp(), lt_a.exp()))
+    top_p, top_i, sel = top_p.tolist(), top_i.tolist(), sel.tolist()
     rows, k = [], 0
     for b, ep in enumerate(eps):
         toks = []
         for t in range(len(ep.ids) - ep.prompt_len):
-            tid = int(ids[b, t])
-            if not sel[b, t]:
+            tid = ep.ids[ep.prompt_len + t]                                    # the sampled id, as scored
+            if not sel[b][t]:
                 toks.append({"id": tid, "omega": 0})
                 continue
-            toks.append({"id": tid, "omega": 1, "kl": kl[k].item(), "delta": delta[k].item(),
-                         "p_s": ls_a[k].exp().item(), "p_t": lt_a[k].exp().item(),
-                         "alts": list(zip(top_i[k].tolist(), top_p[k].tolist()))})
+            toks.append({"id": tid, "omega": 1, "kl": kl[k], "delta": delta[k], "p_s": p_s[k], "p_t": p_t[k],
+                         "alts": list(zip(top_i[k], top_p[k]))})
             k += 1
         rows.append({"tokens": toks})
     return rows
 
 
 @torch.no_grad()
+def teacher_logprobs(composer, tok, eps, latents, make_env, tools=None):
+    """log p_T(a_t) of each episode's own sampled tokens behind `latents` (B, J·K, d): (B, Tc), 0 on observations."""
+    lp = lopd.teacher_logits(composer, tok, eps, latents, make_env, tools).float().log_softmax(-1)   # (B, Tc, V)
+    conts, omega = lopd.continuation(eps, latents.device)                                           # ω (B, Tc)
+    ids = torch.zeros(omega.shape, dtype=torch.long, device=latents.device)                        # (B, Tc)
+    for b, c in enumerate(conts):
+        ids[b, :len(c)] = torch.tensor(c, device=latents.device)
+    return lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * omega                                     # (B, Tc)
+
+
 def teacher_shift_terms(composer, tok, eps, lat_same, lat_other, make_env, tools=None) -> list[list[float]]:
     """Per episode, per continuation token: log p_T(a) behind same-shop latents minus behind other-shop latents
     (0 on observations). lat_* (B, J·K, d)."""
-    out = []
-    for lat in (lat_same, lat_other):
-        lp = lopd.teacher_logits(composer, tok, eps, lat, make_env, tools).float().log_softmax(-1)   # (B, Tc, V)
-        conts, omega = lopd.continuation(eps, lat.device)
-        ids = torch.zeros(omega.shape, dtype=torch.long, device=lat.device)
-        for b, c in enumerate(conts):
-            ids[b, :len(c)] = torch.tensor(c, device=lat.device)
-        out.append(lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * omega)      # (B, Tc)
-    move = out[0] - out[1]                                                      # (B, Tc)
+    move = (teacher_logprobs(composer, tok, eps, lat_same, make_env, tools) -
+            teacher_logprobs(composer, tok, eps, lat_other, make_env, tools))                      # (B, Tc)
     return [move[b, :len(ep.ids) - ep.prompt_len].tolist() for b, ep in enumerate(eps)]
 
 
