@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -335,7 +336,8 @@ class Method:
 
 def lopd_config(args) -> lopd.LOPDConfig:
     return lopd.LOPDConfig(n_ret=args.n_ret, top_m=args.top_m, margin=args.margin, anchor=args.anchor,
-                           dual_lr=args.dual_lr, delta_per=args.delta_per, micro_batch=args.micro_batch,
+                           dual_lr=args.dual_lr, delta_per=args.delta_per, kl_per=args.kl_per,
+                           micro_batch=args.micro_batch,
                            privilege_against=args.privilege_against, loss_chunk=args.loss_chunk or 0,
                            token_budget=args.token_budget or 0,
                            clip=args.clip, freeze_composer=args.freeze_composer, retrieval=args.retrieval)
@@ -348,8 +350,21 @@ def baseline_config(args) -> BaselineConfig:
 
 
 def draw_tasks(args, run, task_rng, per_task: int = 1) -> list:
-    """This step's tasks: rollouts_per_step / per_task of the training tasks (this rank's slice)."""
-    return runtime.shard(task_rng.sample(run["train"], args.rollouts_per_step // per_task))
+    """This step's tasks: rollouts_per_step / per_task of the training tasks (this rank's slice). --task-order fresh
+    draws them anew each step; epoch walks through shuffled epochs (the official code), so every task comes once
+    before any comes twice. Epoch e's order is a function of the seed and e alone, so a resumed run continues it."""
+    n = args.rollouts_per_step // per_task
+    if args.task_order == "fresh":
+        return runtime.shard(task_rng.sample(run["train"], n))
+    tasks, first = run["train"], run["step"] * n                       # positions first .. first + n − 1
+    epochs = range(first // len(tasks), (first + n - 1) // len(tasks) + 1)      # the one or two it reaches into
+    orders = {e: epoch_order(tasks, args.seed, e) for e in epochs}
+    return runtime.shard([orders[i // len(tasks)][i % len(tasks)] for i in range(first, first + n)])
+
+
+def epoch_order(tasks, seed: int, epoch: int) -> list:
+    """--task-order epoch: epoch `epoch`'s shuffle of the training tasks, a function of the seed and the epoch."""
+    return random.Random(f"{seed}/epoch/{epoch}").sample(tasks, len(tasks))
 
 
 def lopd_setup(args, run) -> dict:

@@ -59,6 +59,9 @@ Deviations from the paper and the official code
    from that name during the cold start. Its latents then changed by 2-4% between a same-shop and an other-shop
    reference, and the world check (README) could not tell it from a composer given no reference at all. Without
    the task, whatever the latents carry comes from the experience. Real models keep A.2's format.
+6. The QFormer's weights are fp32; the official code holds them in bf16, where an AdamW step of lr 1e-5 leaves
+   most entries unchanged (below half a bf16 ulp; tests/test_official_settings.py). `train.py --qformer-dtype
+   bfloat16` holds them in bf16 in the joint stage (experiments.py absorb measures what that changes).
 """
 from __future__ import annotations
 
@@ -346,7 +349,8 @@ class Composer(nn.Module):
             for i in range(0, len(texts), step):
                 hidden, att = self.encode([texts[j] for j in order[i:i + step]])   # (n, T, d), (n, T)
                 # eq. (6): E_j = Comp_χ(H_j; Q_χ), pads masked out of the keys
-                chunks.append(self.qformer(hidden.float(), att == 0))  # (n, K, d)
+                q_dtype = self.qformer.queries.dtype                # fp32 (a bf16 QFormer: --qformer-dtype)
+                chunks.append(self.qformer(hidden.to(q_dtype), att == 0).float())  # (n, K, d)
         E = torch.cat(chunks, 0)                                    # (N, K, d) in length order
         return E[torch.argsort(torch.tensor(order, device=E.device))]   # (N, K, d) in the order of `texts`
 

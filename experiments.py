@@ -4,6 +4,7 @@
     python experiments.py figure4                      # reward against generations: LOPD, GRPO, OPSD, SDPO, 3 seeds
     python experiments.py figure4 --env code --seeds 1 --seed 2    # any train.py flag after the experiment's name
     python experiments.py dial                         # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
+    python experiments.py absorb                       # the official code's settings one at a time, 3 seeds
 
 Each experiment runs train.py's stages 1-4 once per seed (`train.prepare`, cached in OUT/seedI; the dial's in
 OUT/kK/seedI), then several joint stages from the same θ̄, bank and φ0 (`train.joint_training`), and writes its
@@ -19,6 +20,14 @@ table (and figure) into --out:
               bank and φ0 per seed, the gaps LOPD − GRPO and LOPD − RFT at the end, how often GRPO's groups held
               equal rewards, the teacher at φ0 and at the end, and LOPD with δ against φ0 (the drift remedy).
 
+  absorb      OUT/absorb.csv, absorb.md, absorb.png: does the student absorb its teacher? From one θ̄ and bank per
+              seed, LOPD with the toy's defaults, with each setting of the official code in turn (K = 32,
+              self-retrieval, student lr 1e-5, L_distill per trajectory, epoch task order, the cold start's two
+              optimizers, a bf16 QFormer), with all of them, with an oracle same-shop retriever, and GRPO and RFT;
+              per row the student, its teacher at the end, the distillation efficiency (student − vanilla) /
+              (teacher − vanilla) and the gaps to GRPO and RFT; the best row and GRPO then run twice as long. Two
+              processes on one --out share the rows (`OMP_NUM_THREADS=1 python experiments.py absorb &` twice).
+
 The first two evaluate every 10 steps on 100 held-out tasks (`CURVE`); the table's LOPD run is Figure 4's LOPD curve, so
 the two share it when given the same --out. docs/results.md holds what they measured.
 
@@ -32,6 +41,8 @@ import copy
 import dataclasses
 import json
 import os
+import shutil
+import time
 
 import numpy as np
 
@@ -569,7 +580,246 @@ def plot_dial(rows, path: str):
     print(f"plot: {path}")
 
 
-EXPERIMENTS = {"ablations": ablations, "figure4": figure4, "dial": dial}
+# ----------------------------------------------------------------------------------------------------------------
+# Does the student absorb its teacher? The official code's settings at toy scale, one at a time (issue 28)
+# ----------------------------------------------------------------------------------------------------------------
+# Every row starts from the same θ̄ and bank per seed. A row whose change reaches the cold start (K, what retrieval
+# returns, the cold start's optimizers) trains its own φ0 in its folder from the seed's cached stages 1-3; the
+# others start from the seed's φ0. Every row runs ABSORB_STEPS iterations of 32 rollouts (the generations GRPO and
+# RFT get); the best LOPD row and GRPO then continue to twice as many from their checkpoints. Each row is one job,
+# cached in OUT/seedI/ROW/absorb.json, so two processes started on the same --out share the work (a job is claimed
+# by an O_EXCL file holding the worker's pid; a dead worker's claim is taken over).
+OFFICIAL = {"latents": 32, "retrieval": "self", "lr": 1e-5, "task_order": "epoch", "cold_optim": "split",
+            "qformer_dtype": "bfloat16"}
+VANILLA = "vanilla and φ0's teacher"
+ABSORB_ROWS = {          # row: train.py's changes; the rows are run in this order, every seed before the next row
+    VANILLA: None,
+    "LOPD, toy defaults": {},
+    "GRPO": {"method": "grpo"},
+    "RFT": {"method": "rft"},
+    "official at toy scale (all six)": OFFICIAL,
+    "K = 32 latents": {"latents": 32},
+    "self-retrieval allowed": {"retrieval": "self"},
+    "oracle same-shop retrieval": {"retrieval": "shop"},
+    "student lr 1e-5": {"lr": 1e-5},
+    "KL per trajectory (eq. 10)": {"kl_per": "trajectory"},
+    "epoch task order": {"task_order": "epoch"},
+    "cold start: two AdamW, clips 30/3": {"cold_optim": "split"},
+    "bf16 QFormer": {"qformer_dtype": "bfloat16"},
+}
+OWN_COLD_START = ("latents", "retrieval", "cold_optim")     # changes that need the row's own φ0
+ABSORB_STEPS = 60
+LONG = ", twice the iterations"
+
+
+def absorb(args: train.Args, seeds: int = 3, given=()):
+    """`python experiments.py absorb [--seeds 3]`: every row × seed, then the long runs, then OUT/absorb.csv,
+    absorb.md and absorb.png. Start it twice on the same --out to use two cores (OMP_NUM_THREADS=1 each). A
+    --steps on the command line replaces ABSORB_STEPS (the long runs: twice as many)."""
+    if not args.model:
+        args = dataclasses.replace(args, model=train.toy_backbone(args))
+    given_steps = any(g.split("=")[0] == "--steps" for g in given)
+    args = dataclasses.replace(args, steps=args.steps if given_steps else ABSORB_STEPS, eval_every=0)
+    seed_args = [dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}"))
+                 for i in range(seeds)]
+    while True:
+        jobs = [(row, a) for row in ABSORB_ROWS for a in seed_args]
+        if all(_absorbed(a, row) for row, a in jobs):       # the long runs wait for every short one
+            jobs += [(row + LONG, a) for row in (_best_lopd_row(seed_args), "GRPO") for a in seed_args]
+        todo = [(row, a) for row, a in jobs if not _absorbed(a, row)]
+        ready = [(row, a) for row, a in todo if row == VANILLA or _absorbed(a, VANILLA)]   # the seed's stages first
+        if not todo:
+            break
+        job = next(((row, a) for row, a in ready if _claim(a, row)), None)
+        if job is None:                                     # everything left is another worker's: wait for it
+            time.sleep(15)
+            continue
+        absorb_row(*job)
+    rows = [r for a in seed_args for r in json.load(open(os.path.join(a.out, "absorb.json")))]
+    _write_absorb(args.out, rows)
+
+
+def _row_dir(a: train.Args, row: str) -> str:
+    return os.path.join(a.out, _slug(row.replace("φ0", "phi0")))
+
+
+def _absorbed(a: train.Args, row: str) -> bool:
+    return os.path.isfile(os.path.join(_row_dir(a, row), "absorb.json"))
+
+
+def _claim(a: train.Args, row: str) -> bool:
+    """Take the job (row, seed) for this process: an O_EXCL claim file, or a dead process's claim taken over."""
+    path = _row_dir(a, row) + ".claim"
+    os.makedirs(a.out, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(open(path).read() or 0), 0)        # its worker is alive: not ours
+            return False
+        except (OSError, ValueError):
+            os.remove(path)
+            return _claim(a, row)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def _best_lopd_row(seed_args) -> str:
+    """The LOPD row whose student ends highest (mean over seeds)."""
+    def mean_student(row):
+        return np.mean([json.load(open(os.path.join(_row_dir(a, row), "absorb.json")))["student"] for a in seed_args])
+    return max((r for r, c in ABSORB_ROWS.items() if c is not None and c.get("method", "lopd") == "lopd"),
+               key=mean_student)
+
+
+def absorb_row(row: str, a: train.Args):
+    """One job: the row's joint stage (or the seed's vanilla and φ0 rows) and its end evaluation on every held-out
+    task, written to ROW/absorb.json and appended to the seed's absorb.json."""
+    long = row.endswith(LONG)
+    change = ABSORB_ROWS[row[:-len(LONG)] if long else row]
+    out = _row_dir(a, row)
+    if change is None:
+        run = train.prepare(a)
+        end = train.evaluate(a, run["composer"], None, run["retriever"], run["tok"], run["test"],
+                             which=("vanilla", "base + composer"))
+        result = {"vanilla": end["vanilla"]["reward"], "teacher": end["base + composer"]["reward"]}
+        return _absorb_result(a, row, out, result)
+    rargs = dataclasses.replace(a, out=out, resume=True, steps=2 * a.steps if long else a.steps, **change)
+    if long and not os.path.isdir(out):                     # continue the 60-iteration run in a copy of its folder
+        shutil.copytree(_row_dir(a, row[:-len(LONG)]), out, ignore=shutil.ignore_patterns("absorb.json"))
+    os.makedirs(out, exist_ok=True)
+    run = _row_run(a, rargs, change)
+    t0 = time.time()
+    student = train.joint_training({**run, "args": rargs, "log": log_of(rargs)})
+    steps = _logged(os.path.join(out, "metrics.jsonl"), rargs.method)
+    lopd_like = rargs.method == "lopd"
+    end = train.evaluate(rargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
+                         which=("LOPD student", "base + composer") if lopd_like else ("LOPD student",))
+    result = {"student": end["LOPD student"]["reward"], "generations": steps[max(steps)]["generations"],
+              "seconds_per_step": float(np.mean([r["seconds"] for r in steps.values()])),
+              "minutes": round((time.time() - t0) / 60, 1)}
+    if lopd_like:
+        result["teacher"] = end["base + composer"]["reward"]
+    _absorb_result(a, row, out, result)
+
+
+def _row_run(a: train.Args, rargs: train.Args, change: dict) -> dict:
+    """Stages 1-4 for a row: the seed's, or with its own φ0 (cold-started in the row's folder from hard links to
+    the seed's cached tasks, base rollouts and bank) when the change reaches the cold start."""
+    seed_run = train.prepare(a)                             # the seed's stages 1-4, cached after the first row
+    if not any(k in change for k in OWN_COLD_START):
+        return seed_run
+    for name in ("tasks", "bank", "base_rollouts.jsonl"):
+        src, dst = os.path.join(a.out, name), os.path.join(rargs.out, name)
+        if os.path.exists(src) and not os.path.exists(dst):
+            (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, dst, **(
+                {"copy_function": os.link} if os.path.isdir(src) else {}))
+    return train.prepare(dataclasses.replace(rargs, steps=a.steps))
+
+
+def _absorb_result(a: train.Args, row: str, out: str, result: dict):
+    os.makedirs(out, exist_ok=True)
+    result = {"row": row, "seed": a.seed, **result}
+    _write_json(os.path.join(out, "absorb.json"), result)
+    whole = os.path.join(a.out, "absorb.json")              # the seed's rows, rebuilt from every row's own file
+    rows = [json.load(open(os.path.join(_row_dir(a, r), "absorb.json")))
+            for r in [*ABSORB_ROWS, *(k + LONG for k in ABSORB_ROWS)] if _absorbed(a, r)]
+    _write_json(whole, rows)
+    if os.path.exists(out + ".claim"):
+        os.remove(out + ".claim")
+
+
+def absorb_summary(rows) -> dict:
+    """{row: {measure: [one value per seed]}}: student, teacher, efficiency (student − vanilla) / (teacher −
+    vanilla), LOPD − GRPO and LOPD − RFT (at the same iterations), generations, seconds per step."""
+    by = {(r["row"], r["seed"]): r for r in rows}
+    seeds = sorted({r["seed"] for r in rows})
+    base = {s: by[(VANILLA, s)] for s in seeds if (VANILLA, s) in by}
+    out = {}
+    for name in dict.fromkeys(r["row"] for r in rows):
+        long = name.endswith(LONG)
+        m = {}
+        for s in seeds:
+            r = by.get((name, s))
+            if r is None:
+                continue
+            if name == VANILLA:
+                m.setdefault("vanilla", []).append(r["vanilla"])
+                m.setdefault("teacher", []).append(r["teacher"])
+                continue
+            for k in ("student", "teacher", "generations", "seconds_per_step"):
+                if k in r:
+                    m.setdefault(k, []).append(r[k])
+            if "teacher" in r and s in base and r["teacher"] != base[s]["vanilla"]:
+                m.setdefault("efficiency", []).append((r["student"] - base[s]["vanilla"]) /
+                                                      (r["teacher"] - base[s]["vanilla"]))
+            for other in ("GRPO", "RFT"):
+                ref = by.get((other + (LONG if long and other == "GRPO" else ""), s))
+                if ref is not None and name not in ("GRPO", "RFT", "GRPO" + LONG):
+                    m.setdefault(f"LOPD − {other}", []).append(r["student"] - ref["student"])
+        out[name] = m
+    return out
+
+
+def absorb_table(rows) -> str:
+    """Markdown: one line per row, mean ± std over seeds of each measure."""
+    cols = ("student", "teacher", "efficiency", "LOPD − GRPO", "LOPD − RFT", "generations", "seconds_per_step")
+    lines = ["| row | " + " | ".join(c.replace("_", " ") for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, m in absorb_summary(rows).items():
+        if "vanilla" in m:
+            name, m = "vanilla (student) / φ0's teacher", {"student": m["vanilla"], "teacher": m["teacher"]}
+        cells = [(f"{np.mean(m[c]):.0f}" if c == "generations" else f"{np.mean(m[c]):.2f}" if c == "seconds_per_step"
+                  else _ms(m[c])) if c in m else "" for c in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    n = len({r["seed"] for r in rows})
+    return "\n".join(lines) + (f"\n\n{n} seeds; mean ± std over seeds. Efficiency: (student − vanilla) / "
+                               "(teacher at the end − vanilla), per seed. LOPD − GRPO: the same seed's GRPO student "
+                               "after as many iterations; LOPD − RFT: its RFT student (the short run's).\n")
+
+
+def _write_absorb(out: str, rows):
+    keys = ("row", "seed", "vanilla", "student", "teacher", "generations", "seconds_per_step", "minutes")
+    with open(os.path.join(out, "absorb.csv"), "w") as f:
+        f.write(",".join(keys) + "\n")
+        f.writelines(",".join(f'"{r[k]}"' if k == "row" else str(r.get(k, "")) for k in keys) + "\n" for r in rows)
+    table = absorb_table(rows)
+    with open(os.path.join(out, "absorb.md"), "w") as f:
+        f.write(table)
+    print("\n" + table)
+    plot_absorb(absorb_summary(rows), os.path.join(out, "absorb.png"))
+
+
+def plot_absorb(summary: dict, path: str):
+    """Per row: the student (bar) and its teacher at the end (marker), mean ± std; vanilla and φ0's teacher as
+    dashed lines. Skipped with a message without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    base = summary.get(VANILLA, {})
+    names = [n for n in summary if "student" in summary[n]]
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(names) + 1.4))
+    y = range(len(names))
+    ax.barh(y, [np.mean(summary[n]["student"]) for n in names], xerr=[np.std(summary[n]["student"]) for n in names],
+            capsize=3, color="tab:blue", label="student alone")
+    ty = [i for i, n in enumerate(names) if "teacher" in summary[n]]
+    ax.errorbar([np.mean(summary[names[i]]["teacher"]) for i in ty], ty, fmt="D", color="tab:orange",
+                xerr=[np.std(summary[names[i]]["teacher"]) for i in ty], capsize=3, label="its teacher at the end")
+    for key in ("vanilla", "teacher"):
+        if key in base:
+            ax.axvline(np.mean(base[key]), ls="--", lw=1, color="k" if key == "vanilla" else "tab:orange",
+                       label="vanilla" if key == "vanilla" else "φ0's teacher")
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("held-out reward (mean ± std over seeds)")
+    ax.set_title("Does the student absorb its teacher? (tool world, toy scale)")
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+EXPERIMENTS = {"ablations": ablations, "figure4": figure4, "dial": dial, "absorb": absorb}
 
 
 def main(argv=None):
@@ -592,6 +842,8 @@ def main(argv=None):
     with runtime.one_line_errors():
         if mine.experiment == "dial":
             return dial(train.parse_args(rest), mine.seeds, ks, given=rest)
+        if mine.experiment == "absorb":
+            return absorb(train.parse_args(rest), mine.seeds, given=rest)
         return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds)
 
 

@@ -350,21 +350,25 @@ def experience_text(entry: dict) -> str:
 NO_REFERENCE = {"task_id": "", "task": "", "trace": "(no reference)", "reward": 0.0, "meta": {}}
 
 
-RETRIEVAL_MODES = ("same", "other", "none")
+RETRIEVAL_MODES = ("same", "other", "none", "self", "shop")
 
 
 def retrieve(retriever, tasks, n_ret: int, mode: str = "same"):
-    """Ret(x) for each task (eq. 16), never the task's own entries: B lists of J bank entries.
+    """Ret(x) for each task (eq. 16): B lists of J bank entries.
 
-    mode "same" is the method; "other" and "none" are controls (does the teacher use the experience?):
-    "other" never returns an entry of the task's own variant (shop), "none" gives the composer no reference."""
+    "same" is the method, never the task's own entries (retrieval.py, deviation 1); "self" is the same search with
+    the task's own successes allowed (the official configs' allow_self_retrieval: true). Controls (does the teacher
+    use the experience?): "other" never returns an entry of the task's own variant (shop), "none" gives the
+    composer no reference, "shop" returns only entries of the task's own shop (an oracle retriever: it separates
+    what retrieval finds from what the composer makes of it)."""
     if mode == "none":
         return [[NO_REFERENCE] * n_ret for _ in tasks]
     if mode not in RETRIEVAL_MODES:
         raise ValueError(f"retrieval mode {mode!r}: expected one of {RETRIEVAL_MODES}")
-    skip = [t.variant for t in tasks] if mode == "other" else None
-    return retriever.retrieve([t.task_id for t in tasks], [t.text for t in tasks], n_ret=n_ret, exclude_self=True,
-                              exclude_variants=skip)
+    variants = [t.variant for t in tasks] if mode in ("other", "shop") else None
+    return retriever.retrieve([t.task_id for t in tasks], [t.text for t in tasks], n_ret=n_ret,
+                              exclude_self=mode != "self", exclude_variants=variants if mode == "other" else None,
+                              only_variants=variants if mode == "shop" else None)
 
 
 def compose(composer, tasks, experiences, chunk: int = 32):
@@ -479,6 +483,7 @@ class LOPDConfig:
     anchor: float = 0.2        # λ (eq. 13)
     dual_lr: float = 0.5       # η_β (eq. 13)
     delta_per: str = "trajectory"   # Δ normalisation (eq. 12)
+    kl_per: str = "token"      # L_distill normalisation: the whole batch's ω tokens | per trajectory (eq. 10)
     micro_batch: int = 8       # rollouts per forward/backward
     clip: float = 1.0          # gradient clipping, student and composer each
     freeze_composer: bool = False
@@ -585,9 +590,9 @@ def micro_batch_objective(student, composer, tokenizer, eps, latents, c0, reward
     rest = (ids, omega, rewards.to(ls.device), beta, share, None if cfg.freeze_composer else latents, c0, cfg.anchor,
             cfg.top_m, n_tokens, cfg.delta_per, n_traj)
     if not cfg.loss_chunk:
-        return losses.lopd_objective(ls, lt, *rest, ref)
+        return losses.lopd_objective(ls, lt, *rest, ref, kl_per=cfg.kl_per)
     heads = (runtime.lm_head(student), runtime.lm_head(composer.peft), runtime.lm_head(composer.peft))
-    return losses.lopd_objective_from_hidden(ls, lt, heads, *rest, h_ref=ref, chunk=cfg.loss_chunk)
+    return losses.lopd_objective_from_hidden(ls, lt, heads, *rest, h_ref=ref, chunk=cfg.loss_chunk, kl_per=cfg.kl_per)
 
 
 def optimizer_step(opts, student, composer, clip: float, ok: bool = True) -> bool:

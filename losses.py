@@ -198,7 +198,7 @@ def latent_anchor(c, c0, weight, n_traj=None):
 
 
 def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, margin, c, c0, anchor_weight,
-                   top_m=20, n_tokens=None, per="trajectory", n_traj=None, ref_logits=None):
+                   top_m=20, n_tokens=None, per="trajectory", n_traj=None, ref_logits=None, kl_per="token"):
     """Eq. (13): L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖², for one batch of student trajectories.
 
     student_logits, teacher_logits (B, T, V) and ids, mask ω (B, T) ALIGNED (logits[:, t] scores ids[:, t]);
@@ -208,6 +208,7 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     ref_logits (B, T, V): what δ measures the teacher against. None is the paper's eq. (11), the student; the
     option `--privilege-against phi0` passes the teacher behind φ0's cached latents, so that Δ is the teacher's
     outcome-weighted gain over its cold start (a remedy for a teacher that drifts towards its student; deviation 6).
+    kl_per: L_distill over the whole batch's ω tokens ("token", deviation 3) or per trajectory ("trajectory").
     The constant β·m carries no gradient. A caller that splits a batch into micro-batches passes each one its
     share of m (lopd.lopd_step: m·b/B), so that the returned losses sum to the whole batch's eq. (13).
     Returns (loss scalar, metrics: "loss/distill", "privilege/delta" (Δ), "loss/anchor" (λ-weighted), "loss/total").
@@ -220,7 +221,7 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     # eq. (11)'s log-probs at the sampled ids, gathered from the same log-probs (no extra forward)
     kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, top_m)     # (N,) each
     n = sel.sum() if n_tokens is None else n_tokens
-    distill = kl.sum() / n                                              # scalar
+    distill = kl.sum() / n if kl_per == "token" else (kl * trajectory_weights(sel, n_traj)).sum()    # scalar
     logp_ref_a = logp_s_a if ref_logits is None else supervised_logprobs(ref_logits, sel).gather(-1, a).squeeze(-1)
     delta = privilege_delta(logp_t_a, logp_ref_a)                       # (N,) eq. (11)
     return _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj)
@@ -233,6 +234,16 @@ def token_terms(logp_s, logp_t, a, top_m=20):
     logq_s, logq_t = topm_tail(logp_s, logp_t, top_m)                   # (N, M+1) each, eq. (9)
     kl = bucket_reverse_kl(logq_s, logq_t)                              # (N,) eq. (10)'s terms
     return kl, logp_t.gather(-1, a).squeeze(-1), logp_s.gather(-1, a).squeeze(-1)
+
+
+def trajectory_weights(sel, n_traj=None):
+    """Eq. (10) as written, per trajectory: each of the N supervised tokens weighs 1 / (its trajectory's ω count ·
+    the number of trajectories), so Σ weights · KL is the mean over trajectories of each one's mean KL.
+    sel ω (B, T) bool -> (N,) fp32. n_traj: the whole batch's trajectories when micro-batching (default: the rows
+    of this batch with ≥ 1 ω token)."""
+    count = sel.sum(-1, keepdim=True).expand_as(sel)[sel].float()       # (N,) ω tokens of each token's trajectory
+    n = (sel.sum(-1) > 0).sum() if n_traj is None else n_traj
+    return 1.0 / (count * n)                                            # (N,)
 
 
 def _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj):
@@ -256,19 +267,22 @@ def _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight
 # heads are applied to C supervised rows at a time, the chunk's KL and sampled-token log-probs are taken, and the
 # chunk is recomputed in the backward (torch.utils.checkpoint): the peak holds a few (C, V) tensors whatever N is.
 # Same values and gradients for θ, φ and the heads (tests/test_losses.py checks them against `lopd_objective`).
-def _chunk_terms(h_s, h_t, a, w_s, b_s, w_t, b_t, top_m, h_ref, w_ref, b_ref):
+def _chunk_terms(h_s, h_t, a, w_s, b_s, w_t, b_t, top_m, h_ref, w_ref, b_ref, weight=None):
     """One chunk of C supervised rows: h_* (C, d) hidden states, a (C, 1) sampled ids, w_* (V, d) heads ->
-    (Σ over the chunk of KL(p̃S ‖ p̃T), log πT(a) (C,), log π_ref(a) (C,): the student's unless h_ref is given)."""
+    (Σ over the chunk of KL(p̃S ‖ p̃T), each times its `weight` (C,) if given, log πT(a) (C,), log π_ref(a) (C,):
+    the student's unless h_ref is given)."""
     logp_s = F.log_softmax(_fp32(F.linear(h_s, w_s, b_s)), dim=-1)      # (C, V) fp32
     logp_t = F.log_softmax(_fp32(F.linear(h_t, w_t, b_t)), dim=-1)      # (C, V) fp32
     kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, top_m)     # (C,) each, eqs. (9)-(11)
     if h_ref is not None:                                               # --privilege-against phi0
         logp_s_a = F.log_softmax(_fp32(F.linear(h_ref, w_ref, b_ref)), dim=-1).gather(-1, a).squeeze(-1)   # (C,)
+    kl = kl if weight is None else kl * weight                          # (C,)
     return kl.sum(), logp_t_a, logp_s_a                                 # scalar, (C,), (C,)
 
 
 def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, beta, margin, c, c0, anchor_weight,
-                               top_m=20, n_tokens=None, per="trajectory", n_traj=None, h_ref=None, chunk=1024):
+                               top_m=20, n_tokens=None, per="trajectory", n_traj=None, h_ref=None, chunk=1024,
+                               kl_per="token"):
     """Eq. (13) exactly as `lopd_objective`, from the final hidden states instead of logits.
 
     h_s, h_t (B, T, d) ALIGNED with ids and mask ω (B, T) (h[:, t] is what the LM head turns into the distribution
@@ -282,14 +296,16 @@ def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, beta, margin
     hs, ht = h_s[sel], h_t[sel]                                         # (N, d) each
     hr = None if h_ref is None else h_ref[sel]                          # (N, d)
     a = ids[sel].unsqueeze(-1)                                          # (N, 1)
+    wk = None if kl_per == "token" else trajectory_weights(sel, n_traj)    # (N,) eq. (10) per trajectory
     kl, lt, lr = _fp32(hs.new_zeros(())), [], []
     for i in range(0, hs.shape[0], chunk):
         part = slice(i, i + chunk)
         k, t, r = checkpoint(_chunk_terms, hs[part], ht[part], a[part], w_s, b_s, w_t, b_t, top_m,
-                             None if hr is None else hr[part], w_ref, b_ref, use_reentrant=False)
+                             None if hr is None else hr[part], w_ref, b_ref, None if wk is None else wk[part],
+                             use_reentrant=False)
         kl, lt, lr = kl + k, lt + [t], lr + [r]
     n = sel.sum() if n_tokens is None else n_tokens
-    distill = kl / n                                                    # eq. (10), scalar
+    distill = kl / n if wk is None else kl                              # eq. (10), scalar
     logp_t_a = torch.cat(lt) if lt else kl.new_zeros(0)                 # (N,)
     logp_r_a = torch.cat(lr) if lr else kl.new_zeros(0)                 # (N,)
     delta = privilege_delta(logp_t_a, logp_r_a)                         # (N,) eq. (11)

@@ -21,7 +21,8 @@ Notation: N bank entries, Q queries, T tokens, d hidden size of f_ret, d_ret = d
 Deviations from the paper and from the official code:
   1. Self-exclusion. `retrieve(..., exclude_self=True)` (the default) never returns an entry whose task_id is the
      query's own; the official code allows self-retrieval in every config, but the teacher's framing text calls
-     the example "a DIFFERENT, already-solved task". `exclude_self=False` restores the official behaviour.
+     the example "a DIFFERENT, already-solved task". `exclude_self=False` restores the official behaviour
+     (train.py --retrieval self).
   2. Tie-breaking. Among the n_ret returned entries, equal scores are ordered by bank position (FAISS alone orders
      ties arbitrarily). Which of several tied entries makes it into the top n_ret at the boundary is left to FAISS.
   3. Padding. The Embedder pads on the right by default. With right padding every real token keeps its position
@@ -353,33 +354,41 @@ class Retriever:
 
     def retrieve(self, task_ids: Sequence[str], tasks: Optional[Sequence[str]] = None, n_ret: int = 3,
                  exclude_self: bool = True, return_scores: bool = False,
-                 exclude_variants: Optional[Sequence[str]] = None):
+                 exclude_variants: Optional[Sequence[str]] = None, only_variants: Optional[Sequence[str]] = None):
         """Ret(x) for each query (eq. 16): a list per query of n_ret bank entries, best first.
 
         With exclude_self, entries sharing the query's task_id are skipped (deviation 1). exclude_variants (one
         per query, or None) skips entries whose meta["variant"] equals it: the "other-variant" control of
-        train.py (a reference from another shop). With return_scores, also returns a list per query of the n_ret
+        train.py (a reference from another shop); only_variants keeps only entries whose meta["variant"] equals it
+        (the oracle same-shop control). With return_scores, also returns a list per query of the n_ret
         cosine scores z_q·z_i^doc.
         """
         skip = exclude_variants or [None] * len(task_ids)
+        keep = only_variants or [None] * len(task_ids)
         own = [self.count_by_task.get(tid, 0) if exclude_self else 0 for tid in task_ids]
-        for tid, n_own, var in zip(task_ids, own, skip):
+        for tid, n_own, var, only in zip(task_ids, own, skip, keep):
             n_var = 0 if var is None else sum(e.get("meta", {}).get("variant") == var for e in self.bank)
+            if only is not None:     # what the search may return: the shop's entries, less the task's own
+                n_var = len(self) - sum(e.get("meta", {}).get("variant") == only for e in self.bank)
+                n_own = sum(e["task_id"] == tid and e.get("meta", {}).get("variant") == only for e in self.bank) \
+                    if exclude_self else 0
             if len(self) - n_own - n_var < n_ret:
                 raise ValueError(f"experience bank too small: n_ret={n_ret} but the bank holds {len(self)} entries"
                                  f" ({n_own} of them from task {tid!r}, excluded as self"
-                                 + (f", {n_var} of variant {var!r}, excluded" if var is not None else "") + ")")
+                                 + (f", {n_var} of variant {var!r}, excluded" if var is not None else "")
+                                 + (f", {n_var} not of variant {only!r}, excluded" if only is not None else "") + ")")
         z_q = self.query_vectors(task_ids, tasks)  # (Q, d_ret)
         # search deep enough that n_ret survive the exclusions (the whole bank when variants are excluded)
-        k = len(self) if exclude_variants else min(n_ret + max(own), len(self))
+        k = len(self) if exclude_variants or only_variants else min(n_ret + max(own), len(self))
         # eq. (16): top-k of z_q^T z_i^doc over the bank (exact inner product = cosine on unit vectors)
         scores, ids = self.index.search(z_q, k)  # (Q, k), (Q, k)
         entries, kept_scores = [], []
-        for tid, var, row_s, row_i in zip(task_ids, skip, scores, ids):
+        for tid, var, only, row_s, row_i in zip(task_ids, skip, keep, scores, ids):
             order = np.lexsort((row_i, -row_s))  # (k,) best first, ties by bank position (deviation 2)
             hits = [(s, i) for s, i in zip(row_s[order], row_i[order])
                     if i >= 0 and not (exclude_self and self.bank[i]["task_id"] == tid)
-                    and (var is None or self.bank[i].get("meta", {}).get("variant") != var)][:n_ret]
+                    and (var is None or self.bank[i].get("meta", {}).get("variant") != var)
+                    and (only is None or self.bank[i].get("meta", {}).get("variant") == only)][:n_ret]
             entries.append([self.bank[i] for _, i in hits])
             kept_scores.append([float(s) for s, _ in hits])
         return (entries, kept_scores) if return_scores else entries

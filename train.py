@@ -24,8 +24,16 @@ given on the command line always wins. The one that changes the method: on the t
 reference without the task (`--composer-input reference`; composer.py, deviation 5), because with the task it
 learned the shops' conventions from their names and ignored the reference.
 
+Where the official code (bingreeky/LOPD) differs and the paper is silent, the default is ours and a flag gives the
+official setting (experiments.py absorb runs each): the cold start trains ψ and χ with one AdamW and one clip
+(--cold-optim split: an AdamW each, clips 3 and 30); a step draws its tasks afresh (--task-order epoch: shuffled
+epochs); no task reads its own success (--retrieval self allows it); the QFormer is fp32 (--qformer-dtype
+bfloat16). L_distill is normalised over the whole batch's tokens, as the official student phase does (--kl-per
+trajectory: eq. 10 as written).
+
 Controls (is the student's gain due to latent privileged context?): --method rft (the bank's successes by NLL, no
-teacher), --retrieval other (the composer reads OTHER shops' experience), --retrieval none (no reference). The
+teacher), --retrieval other (the composer reads OTHER shops' experience), --retrieval none (no reference),
+--retrieval shop (an oracle retriever: only the task's own shop's experience). The
 difficulty dial: --conventions K (1-4), the tool world with K hidden conventions per shop (experiments.py dial).
 
 Real backbones: bf16 weights with the trained ones (student, composer) in fp32 under bf16 autocast
@@ -110,6 +118,9 @@ grpo | opsd | sdpo (baselines, B.1: the same loop, rollouts and evaluation; base
     """η_β, step size of the dual variable β (B.2: 0.5)"""
     delta_per: str = "trajectory"
     """Δ normalisation: trajectory (eq. 12) | token"""
+    kl_per: str = "token"
+    """L_distill's normalisation: token (Σ KL over the whole batch's ω tokens / their count: the official student
+phase) | trajectory (eq. 10 as written: each trajectory's mean, then the mean over trajectories)"""
     privilege_against: str = "student"
     """what δ (eq. 11) measures the teacher against: student (the paper) | phi0 (the teacher behind its cold-start
 latents: a remedy for a teacher that drifts towards its student; losses.py, deviation 6)"""
@@ -123,6 +134,12 @@ latents: a remedy for a teacher that drifts towards its student; losses.py, devi
     """composer learning rate during joint training (paper 1e-5)"""
     clip: float = 1.0
     """gradient clipping during joint training (B.1: 1.0)"""
+    task_order: str = "fresh"
+    """which training tasks a step rolls out: fresh (rollouts-per-step tasks drawn anew each step) | epoch (the
+official code: shuffled epochs, every task once before any twice)"""
+    qformer_dtype: str = "float32"
+    """the QFormer χ's weights in the joint stage: float32 | bfloat16 (the official code's; an AdamW step of 1e-5
+leaves most bf16 entries unchanged). The cold start keeps float32"""
     temperature: float = 0.7
     """sampling temperature for rollouts (B.2: 0.7)"""
     top_p: float = 0.95
@@ -146,8 +163,10 @@ where that is shorter); a code episode is one reply, so it never binds there"""
     """retrieval encoder f_ret: minilm (offline, shipped in a PyPI package) | backbone | any HF encoder id or folder
 (paper: Qwen3-Embedding-8B)"""
     retrieval: str = "same"
-    """what the composer reads: same (Ret(x), the method) | other (controls: entries of other variants only) |
-none (no reference; the task too only where --composer-input has it)"""
+    """what the composer reads: same (Ret(x), the method, never the task's own entries) | self (the same search,
+the task's own successes allowed: the official allow_self_retrieval) | controls: other (other variants' entries
+only), shop (the task's own variant's only: an oracle retriever), none (no reference; the task too only where
+--composer-input has it)"""
     cold_steps: int = None
     """cold-start steps of the composer (eq. 14)"""
     cold_lr: float = None
@@ -155,7 +174,12 @@ none (no reference; the task too only where --composer-input has it)"""
     cold_batch: int = 8
     """cold-start batch size (A.2: 8)"""
     cold_clip: float = 3.0
-    """cold-start gradient clipping (A.2: 3.0)"""
+    """cold-start gradient clipping (A.2: 3.0): of ψ and χ together, or of the LoRA ψ alone with --cold-optim split"""
+    cold_optim: str = "joint"
+    """joint (one AdamW for ψ and χ, one clip) | split (the official code: an AdamW each, the LoRA ψ clipped at
+--cold-clip, the QFormer χ at --cold-qformer-clip)"""
+    cold_qformer_clip: float = 30.0
+    """the QFormer's cold-start clip with --cold-optim split (the official qformer_grad_clip: 30)"""
     freeze_composer: bool = False
     """keep the composer at its cold start φ0 during joint training (Figure 3 ablation)"""
     eval_every: int = None
@@ -600,25 +624,39 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
         runtime.broadcast_params(composer.trainable_parameters())  # torchrun: every rank starts from rank 0's φ
         if runtime.rank() == 0:
             composer.save(os.path.join(args.out, "composer_init"))   # φ before training, for the ablations' variants
-    opt = torch.optim.AdamW(composer.trainable_parameters(), lr=args.cold_lr)
+    groups = cold_start_groups(args, composer)              # [(parameters, clip)]: one group, or ψ and χ
+    opts = [torch.optim.AdamW(params, lr=args.cold_lr) for params, _ in groups]
     draw = schema_balanced_sampler(retriever.bank, random.Random(args.seed))
     tasks_by_id = {t.task_id: t for t in train}
     t0 = time.time()
     for step in tqdm(range(args.cold_steps), desc="cold start", leave=False, disable=runtime.rank() != 0):
         # every rank draws the same batch (the sampler is seeded alike) and computes its slice's share of the loss
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss = cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id,
                                runtime.shard(draw(args.cold_batch)), env_factory(args))   # back-propagated
         runtime.sync_grads(composer.trainable_parameters())     # summed over ranks (no-op in one process)
-        torch.nn.utils.clip_grad_norm_(composer.trainable_parameters(), args.cold_clip)
-        opt.step()
+        for (params, clip), opt in zip(groups, opts):
+            torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
         if step % 50 == 0 or step == args.cold_steps - 1:
             log("cold_start", step=step, **{"loss/init": runtime.all_sum(loss)})
-    opt.zero_grad(set_to_none=True)   # the last step's gradients must not leak into the joint stage's first one
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)   # the last step's gradients must not leak into the joint stage's first one
     if runtime.rank() == 0:
         composer.save(path)
     log("cold_start_done", seconds=round(time.time() - t0, 1))
     return composer
+
+
+def cold_start_groups(args, composer) -> list:
+    """What the cold start's optimizers step and clip: [(ψ and χ, --cold-clip)], or with --cold-optim split the
+    official code's [(the LoRA ψ, --cold-clip), (the QFormer χ, --cold-qformer-clip)], an AdamW each."""
+    if args.cold_optim == "joint":
+        return [(list(composer.trainable_parameters()), args.cold_clip)]
+    chi = list(composer.qformer.parameters())
+    psi = [p for p in composer.trainable_parameters() if not any(p is q for q in chi)]
+    return [(psi, args.cold_clip), (chi, args.cold_qformer_clip)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -644,6 +682,7 @@ def joint_training(run):
         student = runtime.shard_student(student)
         if "ema" in state:
             state["ema"] = runtime.shard_student(state["ema"], frozen=True)
+    composer.qformer.to(getattr(torch, args.qformer_dtype))     # --qformer-dtype (float32 unless asked)
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
     gens = len(run["episodes"]) if method.uses_bank else 0   # honest budgets: the bank's rollouts count
@@ -654,7 +693,7 @@ def joint_training(run):
         say(f"resumed from {ckpt} at step {start}")
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
                      leave=False, disable=runtime.rank() != 0):
-        t0 = time.time()
+        t0, run["step"] = time.time(), step                  # the step, for --task-order epoch
         with runtime.precision(composer.peft):
             beta, m, spent = method.step(args, run, state, student, opts, beta, task_rng)
         runtime.assert_same(beta, "β")          # Δ was summed over ranks, so the dual step agrees everywhere
@@ -883,8 +922,13 @@ def _check(p, a: Args):
         p.error(f"--composer-input must be task+reference or reference, not {a.composer_input!r}")
     if a.retrieval not in lopd.RETRIEVAL_MODES:
         p.error(f"--retrieval must be one of {', '.join(lopd.RETRIEVAL_MODES)}, not {a.retrieval!r}")
-    if a.delta_per not in ("trajectory", "token"):
-        p.error(f"--delta-per must be trajectory or token, not {a.delta_per!r}")
+    for flag, value, allowed in (("delta-per", a.delta_per, ("trajectory", "token")),
+                                 ("kl-per", a.kl_per, ("token", "trajectory")),
+                                 ("task-order", a.task_order, ("fresh", "epoch")),
+                                 ("cold-optim", a.cold_optim, ("joint", "split")),
+                                 ("qformer-dtype", a.qformer_dtype, ("float32", "bfloat16"))):
+        if value not in allowed:
+            p.error(f"--{flag} must be {' or '.join(allowed)}, not {value!r}")
     if a.privilege_against not in ("student", "phi0"):
         p.error(f"--privilege-against must be student or phi0, not {a.privilege_against!r}")
     if a.model and not os.path.isdir(a.model) and (a.model.startswith((".", "/")) or a.model.count("/") != 1):

@@ -286,6 +286,25 @@ def test_other_variant_mode_never_returns_the_query_variant(embedder, bank):
         r.retrieve(ids[:1], tasks[:1], n_ret=n_other + 1, exclude_variants=variants[:1])
 
 
+def test_same_shop_oracle_returns_only_the_query_variant(embedder, bank):
+    """The oracle control (train.py --retrieval shop): brute force over the entries of the query's own variant."""
+    r = Retriever(bank, embedder)
+    queries = make_candidates()[::2]
+    ids, tasks = [q["task_id"] for q in queries], [q["task"] for q in queries]
+    variants = [q["meta"]["variant"] for q in queries]
+    got = r.retrieve(ids, tasks, n_ret=2, only_variants=variants)
+    zq, zd = embedder.embed_queries(tasks), embedder.embed_docs(bank)
+    index_of = {id(e): i for i, e in enumerate(r.bank)}
+    for row, q, v, tid in zip(got, zq, variants, ids):
+        allowed = [i for i in np.argsort(-(zd @ q), kind="stable") if bank[i]["meta"]["variant"] == v
+                   and bank[i]["task_id"] != tid]
+        assert [index_of[id(e)] for e in row] == allowed[:2]
+    n_own = sum(e["meta"]["variant"] == variants[0] and e["task_id"] != ids[0] for e in bank)
+    with pytest.raises(ValueError, match="not of variant"):
+        r.retrieve(ids[:1], tasks[:1], n_ret=n_own + 1, only_variants=variants[:1])
+    assert len(r.retrieve(ids[:1], tasks[:1], n_ret=n_own, only_variants=variants[:1])[0]) == n_own
+
+
 def test_empty_and_too_small_bank(embedder, bank):
     with pytest.raises(ValueError, match="experience bank is empty"):
         Retriever([], embedder)

@@ -6,6 +6,7 @@ The runs that must be separate processes (two seeded runs, one SIGKILLed and res
 `python train.py ...` commands at tiny size: 30 training tasks, 2 cold-start steps, 3 LOPD steps; independent
 ones are started together to use both cores. Bad-input cases call `train.main(argv)` in-process.
 """
+import argparse
 import json
 import os
 import re
@@ -405,3 +406,48 @@ def test_latent_similarity_groups_tasks_by_what_their_latents_add():
     # grouped the other way, each pair holds one task of each kind: same-group pairs are opposite (−1), and of the
     # four cross-group pairs two are alike and two opposite (mean 0)
     assert ev.latent_similarity(lat, ["a", "b", "a", "b"]) == pytest.approx((-1.0, 0.0), abs=1e-5)
+
+
+def test_absorb_command_at_tiny_size(runs, backbone, tmp_path, monkeypatch):
+    """experiments.py absorb on a subset of its rows (one seed, 2 steps, stages 1-3 copied from run a): the
+    official row cold-starts its own φ0 (K = 32, split optimizers) in its folder, the best LOPD row and GRPO go on
+    to 4 steps from their checkpoints, and the table's efficiency and gaps are the rows' own numbers."""
+    rows = {k: experiments.ABSORB_ROWS[k] for k in (experiments.VANILLA, "LOPD, toy defaults", "GRPO", "RFT",
+                                                    "official at toy scale (all six)")}
+    monkeypatch.setattr(experiments, "ABSORB_ROWS", rows)
+    out = tmp_path / "absorb"
+    (out / "seed0").mkdir(parents=True)
+    for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
+        subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / "seed0" / name)], check=True)
+    experiments.main(["absorb", "--seeds", "1", *train_cmd(backbone, out, "--steps", "2")[2:]])
+    got = {r["row"]: r for r in json.load(open(out / "seed0" / "absorb.json"))}
+    best = max(("LOPD, toy defaults", "official at toy scale (all six)"), key=lambda r: got[r]["student"])
+    assert set(got) == {*rows, best + experiments.LONG, "GRPO" + experiments.LONG}
+    official = out / "seed0" / "official-at-toy-scale-all-six"
+    assert json.load(open(official / "composer0" / "composer.json"))["n_latents"] == 32
+    assert got["GRPO"]["generations"] == 8 and got["GRPO" + experiments.LONG]["generations"] == 16
+    assert got["LOPD, toy defaults"]["generations"] == 60 + 8 and got[best + experiments.LONG]["generations"] == 76
+    steps = [json.loads(line)["step"] for line in open(out / "seed0" / "grpo-twice-the-iterations" / "metrics.jsonl")
+             if '"stage": "grpo"' in line]
+    assert steps == [0, 1, 2, 3]                                       # the 2-step run's records, then 2 more
+    v = got[experiments.VANILLA]["vanilla"]
+    lopd_row = got["LOPD, toy defaults"]
+    summary = experiments.absorb_summary(list(got.values()))["LOPD, toy defaults"]
+    if lopd_row["teacher"] != v:
+        assert summary["efficiency"] == [pytest.approx((lopd_row["student"] - v) / (lopd_row["teacher"] - v))]
+    assert summary["LOPD − GRPO"] == [pytest.approx(lopd_row["student"] - got["GRPO"]["student"])]
+    assert summary["LOPD − RFT"] == [pytest.approx(lopd_row["student"] - got["RFT"]["student"])]
+    table = (out / "absorb.md").read_text()
+    assert "| official at toy scale (all six) |" in table and "| GRPO, twice the iterations |" in table
+    assert len((out / "absorb.csv").read_text().splitlines()) == 1 + 7
+    assert not list(out.glob("seed0/*.claim"))                          # every claim released
+
+
+def test_absorb_claims_a_job_once_and_takes_over_a_dead_workers(tmp_path):
+    a = argparse.Namespace(out=str(tmp_path))
+    assert experiments._claim(a, "GRPO") and not experiments._claim(a, "GRPO")      # ours: not twice
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with open(experiments._row_dir(a, "RFT") + ".claim", "w") as f:
+        f.write(dead.stdout.strip())                                    # a worker that has exited
+    assert experiments._claim(a, "RFT")
+    assert open(experiments._row_dir(a, "RFT") + ".claim").read() == str(os.getpid())
