@@ -413,9 +413,11 @@ def opsd_train_step(args, run, state, student, opts, beta, task_rng):
 
 
 def sdpo_setup(args, run) -> dict:
-    ema = copy.deepcopy(run["student"]).eval()
-    ema.requires_grad_(False)
-    return {"ema": ema}
+    """SDPO's EMA teacher starts at θ̄: a frozen full copy, built as the student is (sharded under torchrun)."""
+    if run.get("source") is not None:
+        return {"ema": runtime.full_student(args, run["source"], frozen=True).eval()}
+    ema = copy.deepcopy(run["student"]).requires_grad_(False).eval()     # a caller that brings its own student
+    return {"ema": runtime.shard_student(ema, frozen=True) if runtime.world() > 1 else ema}
 
 
 def sdpo_train_step(args, run, state, student, opts, beta, task_rng):

@@ -5,6 +5,7 @@
     python bench.py --step --model runs/toy/backbone   # one LOPD step vs one OPSD-style step, time per phase
     python bench.py --memory                # memory plan for Qwen3-4B/8B (and Olmo3-7B) from meta-device counts
     python bench.py --memory --gpus 8       # the same per GPU under torchrun (FSDP2 student, replicated backbone)
+    python bench.py --check-plan            # the plan's per-token terms against CPU measurements (V 151,936)
     python bench.py --dist-step --model assets/toy-backbone --rollouts 16           # one toy LOPD iteration, then
     torchrun --nproc-per-node 2 bench.py --dist-step --model assets/toy-backbone --rollouts 16   # on 2 processes
     python bench.py --arch qwen3-4b --rollouts 32 --tokens 2048   # one LOPD step of a paper backbone (random
@@ -299,21 +300,21 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
                 gen_batch: int = 8) -> dict:
     """GB of one LOPD iteration at the paper's budgets, in its two phases. Resident: the bf16 backbone θ̄ (teacher
     and encoder), everything trained in fp32 (weights; AdamW m and v). Training a micro-batch of `rollouts`
-    conversations of `tokens` adds the fp32 gradients, the activations and the loss. Activations: ~34·d bytes per
-    token and layer without recomputation (Korthikanti et al. 2022, with SDPA attention), ~2·d with gradient
-    checkpointing (layer inputs) plus one layer's 34·d, for the student, the teacher (which back-propagates into the
-    latents) and the composer's encoder (J experiences per rollout). The loss: with --loss-chunk C, ~6 fp32 (C, V)
+    conversations of `tokens` adds the fp32 gradients, the activations and the loss. Activations: per token, every
+    layer's `layer_activation_bytes` without recomputation (measured; ~66·d for Qwen3-4B), ~2·d a layer with
+    gradient checkpointing (layer inputs) plus one layer's, for the student, the teacher (which back-propagates into
+    the latents) and the composer's encoder (J experiences per rollout). The loss: with --loss-chunk C, ~6 fp32 (C, V)
     tensors (both sides' logits and log-probs, a gradient) whatever the tokens; with full logits, bf16 logits and
     fp32 log-probs of every token, both sides. Rolling out `gen_batch` conversations adds their KV cache (gradients
     are freed by then). What is not counted: SDPA's causal mask, allocator fragmentation, CUDA's own context."""
     n = param_counts(config)
-    P, d, L, V = n["backbone"], config.hidden_size, config.num_hidden_layers, config.vocab_size
+    P, V = n["backbone"], config.vocab_size
     student = n["lora"] // 8 * student_r if student_lora else P                     # train.py --student-lora-r
     trained = n["lora"] + n["qformer"] + student                                    # composer φ + student θ
     weights = 2 * P + 4 * trained                                                   # θ̄ bf16, trained fp32
-    per_tok = (2 * d * L + 34 * d) if checkpointing else 34 * d * L
+    per_tok = activation_bytes_per_token(config, checkpointing)
     act_tokens = rollouts * tokens * 2 + rollouts * n_ret * exp_tokens             # student + teacher, encoder
-    loss = 6 * 4 * loss_chunk * V if loss_chunk else 2 * rollouts * tokens * V * (2 + 4)
+    loss = loss_bytes_per_row(config) * loss_chunk if loss_chunk else 2 * rollouts * tokens * V * (2 + 4)
     out = {"weights": weights / GB, "gradients": 4 * trained / GB, "optimizer": 8 * trained / GB,
            "activations": per_tok * act_tokens / GB, "loss": loss / GB,
            "kv cache": gen_batch * tokens * runtime.kv_bytes_per_token(config) / GB}
@@ -321,6 +322,104 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
     out["rollout"] = out["weights"] + out["optimizer"] + out["kv cache"]
     out["peak"] = max(out["training"], out["rollout"])
     return out
+
+
+def layer_activation_bytes(config) -> int:
+    """What one decoder layer keeps for its backward, per token, bf16, with SDPA attention: 16·d + 10·(q width) +
+    10·(k/v width) + 8·(MLP width) bytes. Measured on HF's Qwen3 by `check_plan` (fitted on six shapes, exact to
+    0.3%); Korthikanti et al.'s 34·d (a GPT layer with a 4·d MLP) is half of it for Qwen3-4B."""
+    d, I = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 16 * d + 10 * config.num_attention_heads * head_dim + 10 * kv_heads * head_dim + 8 * I
+
+
+def activation_bytes_per_token(config, checkpointing: bool) -> int:
+    """The plan's activations of one token through the decoder, bf16: every layer's `layer_activation_bytes` and
+    ~8·d outside them (the final norm) without recomputation; with checkpointing, each layer's input (2·d), ~6·d
+    outside, and one layer's activations while it is recomputed."""
+    d, L = config.hidden_size, config.num_hidden_layers
+    if checkpointing:
+        return 2 * d * L + 6 * d + layer_activation_bytes(config)
+    return layer_activation_bytes(config) * L + 8 * d
+
+
+def loss_bytes_per_row(config) -> int:
+    """The chunked loss's peak per row of its chunk: ~6 fp32 (V,) tensors (both sides' logits and log-probs, a
+    gradient). `check_plan` measures it."""
+    return 6 * 4 * config.vocab_size
+
+
+def check_plan(tokens: int = 512, chunk: int = 256) -> dict:
+    """Each per-token term of `memory_plan` against a measurement on CPU, on a small random Qwen3 with Qwen3's
+    vocabulary (a shape the activation constants were not fitted on), bf16: activations (bytes of the tensors
+    autograd saves for backward, weights excluded, between `tokens` and 2·`tokens`; without checkpointing, and the
+    inputs checkpointing keeps), the KV cache (the cache's tensors after a forward) and the chunked loss (peak RSS
+    over its baseline while one chunk of `chunk` rows goes forward and backward; /proc/self/clear_refs resets the
+    peak). -> {term: (measured, planned)}, bytes per token (per row for the loss)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("qwen3", **{**SMALL_QWEN3_VOCAB, "hidden_size": 192, "intermediate_size": 640,
+                                           "num_hidden_layers": 3, "num_attention_heads": 3, "head_dim": 64})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    out = {}
+    for ckpt in (False, True):
+        if ckpt:
+            runtime.checkpointing(model)
+        slope = (_saved_bytes(model, 2 * tokens) - _saved_bytes(model, tokens)) / tokens
+        saved = activation_bytes_per_token(cfg, ckpt) - (layer_activation_bytes(cfg) if ckpt else 0)
+        out["activations, checkpointing (kept inputs)" if ckpt else "activations"] = (slope, saved)
+    with torch.no_grad():
+        cache = model.eval()(torch.zeros(1, tokens, dtype=torch.long), use_cache=True).past_key_values
+    kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    out["KV cache"] = (kv / tokens, runtime.kv_bytes_per_token(cfg))
+    out["loss, per row of a chunk"] = (_loss_peak(cfg, chunk) / chunk, loss_bytes_per_row(cfg))
+    return out
+
+
+def _saved_bytes(model, tokens: int) -> int:
+    """Bytes autograd keeps for the backward of one forward of `tokens` tokens through the decoder (the LM head is
+    the loss's: `loss, per row`), each storage once, the weights excluded."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.train()
+        h = model.model(input_ids=ids, use_cache=False).last_hidden_state       # (1, T, d)
+    del h
+    return sum(seen.values())
+
+
+def _loss_peak(cfg, chunk: int) -> int:
+    """Peak RSS above the baseline while the chunked LOPD loss runs one chunk forward and backward (fp32)."""
+    V, d = cfg.vocab_size, cfg.hidden_size
+    g = torch.Generator().manual_seed(0)
+    h_s, h_t = (torch.randn(1, chunk, d, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(V, d, generator=g) * 0.02
+    ids, mask = torch.randint(0, V, (1, chunk), generator=g), torch.ones(1, chunk, dtype=torch.bool)
+    heads = ((w, None), (w, None), (w, None))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                                                   # VmHWM back to the current RSS
+    base = _proc_bytes("VmRSS")
+    loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, torch.ones(1), 0.0, 0.0, None, None,
+                                                0.0, chunk=chunk)
+    loss.backward()
+    return _proc_bytes("VmHWM") - base
+
+
+def print_plan_check(tokens: int = 512, chunk: int = 256):
+    print("memory_plan's per-token terms against CPU measurements (Qwen3, d 192, 3 layers, V 151,936, bf16):")
+    print("| term | measured (bytes) | plan (bytes) | measured / plan |")
+    print("|---|---|---|---|")
+    for name, (got, plan) in check_plan(tokens, chunk).items():
+        print(f"| {name} | {got:,.0f} | {plan:,.0f} | {got / plan:.2f} |")
 
 
 def print_memory_table(rollouts: int, tokens: int, loss_chunk: int = 1024, gen_batch: int = 8):
@@ -411,7 +510,6 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
     """One LOPD step of backbone `name` with random weights at rollouts × tokens: peak memory, generation tokens/s,
     composer encoding, teacher + student forward/backward, and model FLOPs utilisation against the bf16 peak.
     The forward and the loss are train.py's (`lopd.micro_batch_objective`), with --loss-chunk as given."""
-    import copy
     import random
     import toy
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -425,10 +523,10 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
     with device:
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     base.requires_grad_(False).eval()
-    student = None if student_lora else copy.deepcopy(base).float().requires_grad_(True)
+    ckpt = argparse.Namespace(grad_ckpt=grad_ckpt)
+    student = None if student_lora else runtime.full_student(ckpt, runtime.student_source(base))   # train.py's way
     if grad_ckpt:
-        for m in filter(None, (base, student)):
-            runtime.checkpointing(m)
+        runtime.checkpointing(base)
     composer = Composer(base, tok, ComposerConfig(n_latents=8 if name == "toy" else 32, encode_batch_size=8))
     student = runtime.LoraStudent(composer.peft, 64) if student_lora else student
     opts = (torch.optim.AdamW(student.parameters(), lr=1e-5), torch.optim.AdamW(composer.trainable_parameters(),
@@ -678,6 +776,8 @@ def main(argv=None):
     p.add_argument("--loss", action="store_true", help="time the distillation loss against cross-entropy")
     p.add_argument("--step", action="store_true", help="time one LOPD step against an OPSD-style step")
     p.add_argument("--memory", action="store_true", help="memory plan of the paper's backbones (meta device)")
+    p.add_argument("--check-plan", action="store_true", help="the memory plan's per-token terms against CPU "
+                   "measurements on a small Qwen3 with Qwen3's vocabulary")
     p.add_argument("--dist-step", action="store_true",
                    help="one toy LOPD iteration, phases timed; under torchrun the batch is split over the ranks")
     p.add_argument("--gpus", type=int, default=1, help="--memory: per-GPU plan under torchrun with this many GPUs")
@@ -726,6 +826,8 @@ def main(argv=None):
         if a.gpus > 1:
             print()
             print_memory_table_gpus(a.gpus, rollouts=1, tokens=40960)
+    if a.check_plan:
+        print_plan_check()
     if a.arch:
         bench_arch(a.arch, rollouts, tokens, a.micro_batch, a.student_lora, a.grad_ckpt, a.loss_chunk)
     if a.verifier:
@@ -736,7 +838,8 @@ def main(argv=None):
         bench_pretrain()
     if a.gpu_check:
         raise SystemExit(0 if gpu_check(a.gpu_check) else 1)
-    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout_memory or a.dist_step):
+    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout_memory or a.dist_step
+            or a.check_plan):
         p.print_help()
 
 

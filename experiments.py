@@ -37,7 +37,6 @@ toy backbone, which share the backbone and vary everything after it.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -80,7 +79,6 @@ def ablation_seed(args: train.Args) -> dict:
                                             which=("vanilla",))["vanilla"]["reward"], "generations": 0}}
     rows.update({k: {"teacher": v["reward"], "generations": len(run["episodes"])}
                  for k, v in train.world_check(args, run, run["test"]).items()})
-    base_student = run["student"] if isinstance(run["student"], runtime.LoraStudent) else copy.deepcopy(run["student"])
     for name, change in VARIANTS.items():
         # only LOPD itself is evaluated along the way (its curve is Figure 4's): the others' evaluations would add
         # ~40% to the table's time, and its rows read the end only
@@ -93,14 +91,18 @@ def ablation_seed(args: train.Args) -> dict:
             runtime.reset_composer(run["composer"], os.path.join(args.out, "composer_init"))
             train.cold_start(vargs, None, run["tok"], run["retriever"], run["episodes"], run["train"],
                              log_of(vargs), composer=run["composer"])
-        fresh = base_student.reset() if isinstance(base_student, runtime.LoraStudent) else copy.deepcopy(base_student)
-        student = train.joint_training({**run, "args": vargs, "student": fresh, "log": log_of(vargs)})
+        student = train.joint_training({**run, "args": vargs, "student": fresh_student(run), "log": log_of(vargs)})
         end = train.evaluate(vargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
                              which=("base + composer", "LOPD student"))
         gens = len(run["episodes"]) + (0 if vargs.method == "rft" else vargs.steps * vargs.rollouts_per_step)
         rows[name] = {"student": end["LOPD student"]["reward"], "teacher": end["base + composer"]["reward"],
                       "generations": gens}
     return rows
+
+
+def fresh_student(run: dict):
+    """θ = θ̄ for the next joint stage: the LoRA student reset, or None (train.joint_training builds a full one)."""
+    return None if run["student"] is None else run["student"].reset()
 
 
 def _slug(name: str) -> str:
@@ -200,7 +202,6 @@ def figure4_seed(args: train.Args) -> list[dict]:
     Returns CSV rows: method, seed, step, generations (with the bank where the method uses it), training
     generations (without), reward of the student alone on the first --eval-tasks held-out tasks."""
     run = train.prepare(args)
-    base_student = run["student"] if isinstance(run["student"], runtime.LoraStudent) else copy.deepcopy(run["student"])
     vanilla = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"][:args.eval_tasks],
                        which=("vanilla",))["vanilla"]["reward"]
     rows = []
@@ -208,8 +209,7 @@ def figure4_seed(args: train.Args) -> list[dict]:
         margs = dataclasses.replace(args, method=method, out=method_dir(args.out, method), resume=True)
         os.makedirs(margs.out, exist_ok=True)
         runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-        fresh = base_student.reset() if isinstance(base_student, runtime.LoraStudent) else copy.deepcopy(base_student)
-        train.joint_training({**run, "args": margs, "student": fresh, "log": log_of(margs)})
+        train.joint_training({**run, "args": margs, "student": fresh_student(run), "log": log_of(margs)})
         bank = len(run["episodes"]) if baselines.METHODS[method].uses_bank else 0
         rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
                          reward=vanilla))
@@ -344,9 +344,7 @@ def dial_method(margs: train.Args, run: dict, method: str, curve0: float) -> lis
     """One method's joint stage from the seed's θ̄ and φ0, and its rows (dial_seed's docstring)."""
     os.makedirs(margs.out, exist_ok=True)
     runtime.reset_composer(run["composer"], os.path.join(os.path.dirname(margs.out), "composer0"))
-    base = run["student"]
-    fresh = base.reset() if isinstance(base, runtime.LoraStudent) else copy.deepcopy(base)
-    student = train.joint_training({**run, "args": margs, "student": fresh, "log": log_of(margs)})
+    student = train.joint_training({**run, "args": margs, "student": fresh_student(run), "log": log_of(margs)})
     last = _logged(os.path.join(margs.out, "metrics.jsonl"), margs.method)
     rows = [_row(margs, method, "student", 0, 0, curve0)]
     rows += [_row(margs, method, "student", k + 1, r["generations"], r["reward/eval"])
@@ -420,12 +418,13 @@ def convention_split(args: train.Args) -> list[dict]:
     if os.path.isfile(done):
         return json.load(open(done))
     run, rows = train.prepare(args), []
+    student = run["student"] or runtime.full_student(args, run["source"])
     for method in ("base", *DIAL_METHODS):
         keep, which = {}, ("vanilla",) if method == "base" else ("LOPD student",)
         if method != "base":
-            runtime.load_student_weights(run["student"], os.path.join(
+            runtime.load_student_weights(student, os.path.join(
                 runtime.latest_checkpoint(os.path.join(args.out, method)), "student"))
-        train.evaluate(args, run["composer"], run["student"], run["retriever"], run["tok"], run["test"], which=which,
+        train.evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"], which=which,
                        keep=keep)
         kept = [envs.conventions_kept(ep.task, ep.trace) for ep in keep[which[0]]]
         rows += [_row(args, method, f"kept_{c}", 0, 0, float(np.mean([k[c] for k in kept]))) for c in kept[0]]

@@ -301,13 +301,51 @@ def gathered(model):
 # ----------------------------------------------------------------------------------------------------------------
 # The student θ: a full fp32 copy (the paper) or a LoRA adapter; gradient checkpointing
 # ----------------------------------------------------------------------------------------------------------------
-def full_student(args, model):
-    """θ as a full copy of θ̄ (the paper's default), made before the composer's LoRA goes into `model`. Its weights
-    are fp32 (bf16 forwards under autocast, `precision`): AdamW steps of lr 1e-5 vanish in bf16 weights."""
-    student = copy.deepcopy(model).float().requires_grad_(True)
-    if args.grad_ckpt:
+def student_source(model) -> dict:
+    """What a full student θ is built from, taken from θ̄ before the composer's LoRA goes in: its class, config,
+    generation config, device and tensors by name. Nothing is copied: PEFT wraps θ̄'s modules but keeps their
+    weights, the same tensors, and θ̄ is frozen."""
+    tensors = {**dict(model.named_buffers()), **model.state_dict()}    # persistent and non-persistent buffers too
+    return dict(cls=type(model), config=model.config, generation_config=model.generation_config, tensors=tensors,
+                device=next(model.parameters()).device)
+
+
+def full_student(args, source: dict, frozen: bool = False):
+    """θ as a full copy of θ̄ (the paper's default), built when the joint stage first needs it. Its weights are fp32
+    (bf16 forwards under autocast, `precision`): AdamW steps of lr 1e-5 vanish in bf16 weights.
+    It is made on the meta device (no memory), sharded under torchrun (FSDP2, `shard_student`; `frozen` as there),
+    then materialised: each rank allocates only its shard of the fp32 weights and fills it from θ̄'s tensors. In
+    one process the result equals copy.deepcopy(θ̄).float() exactly (tests/test_scale.py)."""
+    with torch.device("meta"):
+        student = source["cls"](copy.deepcopy(source["config"]))        # fp32 parameters, no storage yet
+    student.generation_config = copy.deepcopy(source["generation_config"])
+    if world() > 1:
+        shard_student(student, frozen)
+    student.to_empty(device=source["device"])
+    student.tie_weights()                # to_empty gives each module its own tensor: the tied head shares again
+    fill_from(student, source["tensors"])
+    student.requires_grad_(not frozen)
+    if args.grad_ckpt and not frozen:
         checkpointing(student)
     return student
+
+
+@torch.no_grad()
+def fill_from(student, tensors: dict):
+    """Copy θ̄'s tensors into the student's (cast to their dtype): the whole tensor in one process, this rank's shard
+    of it under FSDP2 (set_model_state_dict slices each full tensor locally: every rank holds θ̄). Buffers are never
+    sharded."""
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(student, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        keys = student.state_dict().keys()
+        set_model_state_dict(student, {k: tensors[k] for k in keys},
+                             options=StateDictOptions(full_state_dict=True, strict=True))
+    else:
+        for name, t in student.state_dict(keep_vars=True).items():
+            t.copy_(tensors[name])
+    for name, b in student.named_buffers():
+        b.copy_(tensors[name])
 
 
 class LoraStudent(torch.nn.Module):

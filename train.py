@@ -309,16 +309,17 @@ def prepare(args: Args):
     log = runtime.Log(args.out, args.tensorboard)
     model, tok = load_backbone(args, device, dtype)
     fit_context(args, model)
-    student = None if args.student_lora else runtime.full_student(args, model)   # before the composer's LoRA goes in
+    source = None if args.student_lora else runtime.student_source(model)   # θ̄'s weights, before the composer's LoRA
     train_tasks, test_tasks = load_splits(args)
     episodes = base_rollouts(args, model, tok, train_tasks, log)
     retriever = build_retriever(args, model, tok, episodes, train_tasks, test_tasks, log)
     composer = cold_start(args, model, tok, retriever, episodes, train_tasks, log)
+    student = None                       # a full student is built when the joint stage needs it (runtime.full_student)
     if args.student_lora:
         student = runtime.LoraStudent(composer.peft, args.student_lora_r)
         runtime.broadcast_params(student.params)            # torchrun: rank 0's adapter init everywhere
         student.initial = [p.detach().clone() for p in student.params]
-    return dict(args=args, log=log, tok=tok, student=student, composer=composer, retriever=retriever,
+    return dict(args=args, log=log, tok=tok, student=student, source=source, composer=composer, retriever=retriever,
                 episodes=episodes, train=train_tasks, test=test_tasks)
 
 
@@ -678,10 +679,10 @@ def joint_training(run):
     run.update(make_env=env_factory(args), sample=sample_config(args))
     run["tools"] = run["make_env"]().tools
     state = method.setup(args, run)
-    if runtime.world() > 1 and not isinstance(student, runtime.LoraStudent):   # torchrun: FSDP2 (LoRA: replicated)
+    if student is None:                  # θ = θ̄ in fp32, made now (under torchrun, sharded before it is materialised)
+        student = runtime.full_student(args, run["source"])
+    elif runtime.world() > 1 and not isinstance(student, runtime.LoraStudent):   # a caller's own full student
         student = runtime.shard_student(student)
-        if "ema" in state:
-            state["ema"] = runtime.shard_student(state["ema"], frozen=True)
     composer.qformer.to(getattr(torch, args.qformer_dtype))     # --qformer-dtype (float32 unless asked)
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
@@ -979,6 +980,8 @@ def load_run(args: Args) -> dict:
     ckpt = runtime.latest_checkpoint(args.out)
     if ckpt is None:
         return {**run, "student": None}
+    if run["student"] is None:
+        run["student"] = runtime.full_student(args, run["source"])
     runtime.load_student_weights(run["student"], os.path.join(ckpt, "student"))
     runtime.reset_composer(run["composer"], os.path.join(ckpt, "composer"))
     return run

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -125,9 +126,13 @@ def equivalence(backbone, out):
                for i, t in enumerate(bank_tasks)]
     ret = retrieval.Retriever(entries, retrieval.Embedder.from_model(base, tok, pooling="mean"))
     ret.cache_queries([t.task_id for t in tasks], [t.text for t in tasks])
-    student = copy.deepcopy(base).requires_grad_(True)
-    grpo_student = copy.deepcopy(student)
-    before = {k: v.detach().clone() for k, v in student.state_dict().items()}
+    # the student as train.py makes it: on the meta device, sharded before it is materialised (each rank allocates
+    # its half of the fp32 weights only), filled from θ̄'s tensors
+    grpo_student = copy.deepcopy(base).requires_grad_(True)
+    before = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    student = runtime.full_student(types.SimpleNamespace(grad_ckpt=False), runtime.student_source(base))
+    local = sum(getattr(p, "_local_tensor", p).numel() for p in student.parameters())
+    assert local <= sum(p.numel() for p in base.parameters()) / runtime.world() + 64, local   # + uneven splits
     torch.manual_seed(0)
     comp = Composer(base, tok, ComposerConfig(n_latents=2, n_layers=1))
     with torch.no_grad():
@@ -140,7 +145,7 @@ def equivalence(backbone, out):
                         | {"qformer." + n: p.detach().clone() for n, p in comp.qformer.named_parameters()})
     composer_before = composer()
     if runtime.world() > 1:
-        student, grpo_student = runtime.shard_student(student), runtime.shard_student(grpo_student)
+        grpo_student = runtime.shard_student(grpo_student)
     saved, lopd.rollout = lopd.rollout, lambda *a, **k: runtime.shard(fixed)     # every rank: its slice of `fixed`
     try:
         opts = (torch.optim.SGD(student.parameters(), lr=1.0), torch.optim.SGD(comp.trainable_parameters(), lr=1.0))

@@ -366,18 +366,20 @@ def test_skipped_step_leaves_no_stale_gradients(world, monkeypatch):
 
 
 def test_retrieve_modes_pass_the_controls_to_the_retriever():
-    """same: Ret(x); other: the task's variant is excluded; none: the composer reads no reference at all."""
+    """same: Ret(x) without the task's own entries; self: with them (the official allow_self_retrieval); other: the
+    task's variant excluded; shop: only the task's variant (the oracle); none: no reference at all."""
     class Recorder:
-        def retrieve(self, task_ids, texts, n_ret, exclude_self, exclude_variants=None):
-            self.call = (task_ids, exclude_self, exclude_variants)
+        def retrieve(self, task_ids, texts, n_ret, exclude_self, exclude_variants=None, only_variants=None):
+            self.call = (task_ids, exclude_self, exclude_variants, only_variants)
             return [[{"task": "t", "trace": "x"}] * n_ret for _ in task_ids]
     tasks = [envs.make_task(random.Random(i), f"t{i}") for i in range(3)]
+    ids, shops = [t.task_id for t in tasks], [t.shop for t in tasks]
     rec = Recorder()
     assert lopd.retrieve(rec, tasks, 2, "none") == [[lopd.NO_REFERENCE] * 2] * 3 and not hasattr(rec, "call")
-    lopd.retrieve(rec, tasks, 2, "other")
-    assert rec.call == ([t.task_id for t in tasks], True, [t.shop for t in tasks])
-    lopd.retrieve(rec, tasks, 2)
-    assert rec.call == ([t.task_id for t in tasks], True, None)
+    for mode, call in (("other", (ids, True, shops, None)), ("same", (ids, True, None, None)),
+                       ("self", (ids, False, None, None)), ("shop", (ids, True, None, shops))):
+        lopd.retrieve(rec, tasks, 2, mode)
+        assert rec.call == call, mode
     with pytest.raises(ValueError, match="retrieval mode 'bogus'"):
         lopd.retrieve(rec, tasks, 2, "bogus")
 

@@ -1,7 +1,6 @@
-"""The official code's settings as flags (experiments.py absorb): each against an independent computation.
-
---kl-per trajectory (eq. 10 as written), --task-order epoch, --retrieval self / shop, --cold-optim split and
---qformer-dtype bfloat16. The default of each is what the project ran before, and a test says so."""
+"""The official code's settings as flags (experiments.py absorb), each against an independent computation:
+--kl-per trajectory (eq. 10 as written), --task-order epoch, --cold-optim split and --qformer-dtype bfloat16.
+--retrieval self and shop are tested in test_lopd.py (the modes) and test_retrieval.py (the oracle)."""
 import argparse
 import random
 
@@ -10,7 +9,6 @@ import torch
 
 import baselines
 import losses
-import lopd
 import train
 from test_losses import M, bf_buckets, bf_kl, hidden_case, make_batch
 from test_composer import build
@@ -91,22 +89,7 @@ def test_epoch_order_shows_every_task_once_before_any_twice_and_resumes_by_step(
     assert len(set(fresh)) < len(fresh)
 
 
-# ---------- --retrieval self / shop -------------------------------------------------------------------------------
-class Recorder:
-    """A retriever that records what lopd.retrieve asked of it."""
-    def retrieve(self, ids, texts, **kw):
-        self.kw = kw
-        return [[] for _ in ids]
-
-
-@pytest.mark.parametrize("mode, exclude_self, exclude, only", [
-    ("same", True, None, None), ("self", False, None, None), ("other", True, ["a", "b"], None),
-    ("shop", True, None, ["a", "b"])])
-def test_retrieval_modes_ask_the_retriever_for_the_right_entries(mode, exclude_self, exclude, only):
-    tasks = [argparse.Namespace(task_id=f"t{i}", text="x", variant=v) for i, v in enumerate("ab")]
-    r = Recorder()
-    lopd.retrieve(r, tasks, 3, mode)
-    assert r.kw == dict(n_ret=3, exclude_self=exclude_self, exclude_variants=exclude, only_variants=only)
+# ---------- --retrieval self / shop: tests/test_lopd.py (the modes) and tests/test_retrieval.py (the oracle) --------
 
 
 # ---------- --cold-optim split -------------------------------------------------------------------------------------

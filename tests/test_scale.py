@@ -5,6 +5,7 @@ a KV cache and the chunked loss (tests/test_lopd.py, tests/test_losses.py).
 
 Run: python -m pytest tests/test_scale.py -q      (a few seconds)
 """
+import argparse
 import datetime
 import os
 import sys
@@ -140,3 +141,52 @@ def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
     assert [e.task for e in eps] == tasks                                   # task order, whatever the batches
     by_length = sorted(range(6), key=lambda i: len(tasks[i].text))
     assert seen[0] == sorted(by_length[:2]) and by_length != list(range(6))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_full_student_is_built_when_needed_and_equals_a_float_copy_of_the_backbone(tied):
+    """runtime.full_student builds θ on the meta device and fills it from θ̄ (under torchrun, shard by shard:
+    tests/test_distributed.py). In one process it must equal copy.deepcopy(θ̄).float(): every parameter and buffer
+    (the rotary inv_freq is not in the state dict), the tie, the generation config and the logits."""
+    import copy
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, tie_word_embeddings=tied)
+    base = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    base.generation_config = GenerationConfig(eos_token_id=[3, 5], temperature=0.6)
+    source = runtime.student_source(base)
+    want = copy.deepcopy(base).float()
+    got = runtime.full_student(argparse.Namespace(grad_ckpt=False), source)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in got.parameters())
+    for (n, a), (m, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
+        assert n == m and torch.equal(a, b), n
+    for (n, a), (m, b) in zip(want.named_buffers(), got.named_buffers(), strict=True):
+        assert n == m and torch.equal(a, b), n
+    assert (got.lm_head.weight is got.model.embed_tokens.weight) == tied
+    assert got.generation_config.eos_token_id == [3, 5]
+    ids = torch.randint(0, 61, (2, 9))
+    assert torch.equal(got(ids).logits, want(ids).logits)
+    got.lm_head.weight.data.add_(1.0)                                   # its own storage: θ̄ is untouched
+    assert torch.equal(base.lm_head.weight.float(), want.lm_head.weight)
+
+
+def test_prepare_leaves_the_full_student_to_the_joint_stage(toy_backbone_dir, tmp_path):
+    """Stages 1-4 hold no student (it would sit in memory through them, and unsharded under torchrun)."""
+    args = train.parse_args(["--model", toy_backbone_dir, "--out", str(tmp_path / "run"), "--n-train", "20",
+                             "--n-test", "2", "--bank-threshold", "0", "--cold-steps", "1", "--latents", "2",
+                             "--max-new-tokens", "8", "--max-env-steps", "2"])
+    run = train.prepare(args)
+    assert run["student"] is None and run["source"]["cls"].__name__ == "Qwen3ForCausalLM"
+    peft = run["composer"].peft                                        # θ̄ with the composer's LoRA inside
+    backbone = {t.data_ptr() for t in [*peft.parameters(), *peft.buffers()]}
+    assert {t.data_ptr() for t in run["source"]["tensors"].values()} <= backbone   # θ̄'s own tensors, not copies
+
+
+def test_each_per_token_term_of_the_memory_plan_is_within_20_percent_of_a_measurement():
+    """bench.check_plan measures, on a small random Qwen3 with Qwen3's vocabulary, what autograd saves a token (with
+    and without checkpointing), the KV cache a token and the chunked loss's peak a row; memory_plan's terms must be
+    within 20% of each (the activation constants were fitted on other shapes)."""
+    import bench
+    for term, (measured, planned) in bench.check_plan(tokens=128, chunk=64).items():
+        assert 0.8 <= measured / planned <= 1.2, (term, measured, planned)
