@@ -842,6 +842,7 @@ def markdown_table(rows: dict, paper=PAPER_TABLE3, table: str = "table3") -> str
                 "---|" * (len(CODE_COLUMNS) + 1) + "\n")
         return head + "\n".join(f"| {name} | " + " | ".join(f"{m[k]:.3f}" for k, _ in CODE_COLUMNS) +
                                  f" | {paper_table2_cell(name)} |" for name, m in rows.items()) + "\n"
+    paper = paper if table == "table3" else {}              # another world's rows are not EnvScaler's
     head = "| row | " + " | ".join(c for _, c in COLUMNS) + " |\n|---|" + "---|" * len(COLUMNS) + "\n"
     lines = []
     for name, m in rows.items():
@@ -862,7 +863,8 @@ def write_results(out: str, rows: dict, extra: dict | None = None, table: str = 
         json.dump({"rows": rows, **(extra or {})}, f, indent=1)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("Held-out problems, pass@1 (one program each, every test must pass)\n\n" if table == "pass@1" else
-                "Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n")
+                "Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n" if table == "table3"
+                else "Held-out tasks\n\n")
         f.write(markdown_table(rows, table=table))
 
 
