@@ -5,6 +5,7 @@
     python experiments.py figure4 --env code --seeds 1 --seed 2    # any train.py flag after the experiment's name
     python experiments.py dial                         # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
     python experiments.py absorb                       # the official code's settings one at a time, 3 seeds
+    python experiments.py course                       # the walk-through's staged path: OPSD -> ... -> LOPD
 
 Each experiment runs train.py's stages 1-4 once per seed (`train.prepare`, cached in OUT/seedI; the dial's in
 OUT/kK/seedI), then several joint stages from the same θ̄, bank and φ0 (`train.joint_training`), and writes its
@@ -27,6 +28,11 @@ table (and figure) into --out:
               per row the student, its teacher at the end, the distillation efficiency (student − vanilla) /
               (teacher − vanilla) and the gaps to GRPO and RFT; the best row and GRPO then run twice as long. Two
               processes on one --out share the rows (`OMP_NUM_THREADS=1 python experiments.py absorb &` twice).
+
+  course      OUT/course.csv, course.md, course.png: the walk-through's five stages at the exercises' scale
+              (300 training tasks, 100 held out, 20 iterations): OPSD with a text teacher; latents instead of the
+              text, the composer frozen; the composer learning without the margin; with the margin and β; the
+              full method. Per stage the student, its teacher at the end, the efficiency, Δ and β at the end.
 
 The first two evaluate every 10 steps on 100 held-out tasks (`CURVE`); the table's LOPD run is Figure 4's LOPD curve, so
 the two share it when given the same --out. docs/results.md holds what they measured.
@@ -609,41 +615,69 @@ ABSORB_ROWS = {          # row: train.py's changes; the rows are run in this ord
 OWN_COLD_START = ("latents", "retrieval", "cold_optim")     # changes that need the row's own φ0
 ABSORB_STEPS = 60
 LONG = ", twice the iterations"
+# The course's staged path (docs/walkthrough.md, "The method in five stages"), at the exercises' scale: each stage
+# adds one piece of LOPD to the one before, from one θ̄, bank and φ0 per seed.
+COURSE_ROWS = {
+    VANILLA: None,
+    "1. OPSD: the teacher reads a success as text": {"method": "opsd"},
+    "2. latents instead of text, the composer frozen": {"freeze_composer": True},
+    "3. the composer learns, no margin (m = 0)": {"margin": 0.0, "anchor": 0.0},
+    "4. the margin and β (m = 0.05), no anchor": {"anchor": 0.0},
+    "5. the full method (+ the anchor λ = 0.2)": {},
+}
+COURSE = {"n_train": 300, "n_test": 100, "steps": 20, "eval_every": 10, "eval_tasks": 50}
+ROWS = {"absorb": ABSORB_ROWS, "course": COURSE_ROWS}
 
 
-def absorb(args: train.Args, seeds: int = 3, given=()):
+def absorb(args: train.Args, seeds: int = 3, given=(), report: bool = False):
     """`python experiments.py absorb [--seeds 3]`: every row × seed, then the long runs, then OUT/absorb.csv,
     absorb.md and absorb.png. Start it twice on the same --out to use two cores (OMP_NUM_THREADS=1 each). A
-    --steps on the command line replaces ABSORB_STEPS (the long runs: twice as many)."""
-    if not args.model:
-        args = dataclasses.replace(args, model=train.toy_backbone(args))
+    --steps on the command line replaces ABSORB_STEPS (the long runs: twice as many). `report`: run nothing, write
+    the table from the rows finished so far."""
     given_steps = any(g.split("=")[0] == "--steps" for g in given)
     args = dataclasses.replace(args, steps=args.steps if given_steps else ABSORB_STEPS, eval_every=0)
+    _run_rows("absorb", args, seeds, report)
+
+
+def course(args: train.Args, seeds: int = 3, given=(), report: bool = False):
+    """`python experiments.py course [--seeds 3]`: the staged path of the walk-through, each stage × seed at the
+    exercises' scale (COURSE, unless its flag is given), then OUT/course.csv, course.md and course.png."""
+    flags = {g.split("=")[0] for g in given}
+    args = dataclasses.replace(args, **{k: v for k, v in COURSE.items() if "--" + k.replace("_", "-") not in flags})
+    _run_rows("course", args, seeds, report)
+
+
+def _run_rows(kind: str, args: train.Args, seeds: int, report: bool):
+    """Every job (row, seed) of ROWS[kind] not yet done, claimed one at a time (several workers share them), the
+    seed's VANILLA row first; then the table from every finished row."""
+    if not args.model:
+        args = dataclasses.replace(args, model=train.toy_backbone(args))
     seed_args = [dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}"))
                  for i in range(seeds)]
-    while True:
-        jobs = [(row, a) for row in ABSORB_ROWS for a in seed_args]
-        if all(_absorbed(a, row) for row, a in jobs):       # the long runs wait for every short one
+    while not report:
+        jobs = [(row, a) for row in ROWS[kind] for a in seed_args]
+        if kind == "absorb" and all(_absorbed(a, row, kind) for row, a in jobs):   # the long runs wait for the rest
             jobs += [(row + LONG, a) for row in (_best_lopd_row(seed_args), "GRPO") for a in seed_args]
-        todo = [(row, a) for row, a in jobs if not _absorbed(a, row)]
-        ready = [(row, a) for row, a in todo if row == VANILLA or _absorbed(a, VANILLA)]   # the seed's stages first
+        todo = [(row, a) for row, a in jobs if not _absorbed(a, row, kind)]
+        ready = [(row, a) for row, a in todo if row == VANILLA or _absorbed(a, VANILLA, kind)]   # the seed's stages
         if not todo:
             break
         job = next(((row, a) for row, a in ready if _claim(a, row)), None)
         if job is None:                                     # everything left is another worker's: wait for it
             time.sleep(15)
             continue
-        absorb_row(*job)
-    rows = [r for a in seed_args for r in json.load(open(os.path.join(a.out, "absorb.json")))]
-    _write_absorb(args.out, rows)
+        absorb_row(*job, kind=kind)
+    rows = [r for a in seed_args if os.path.isfile(os.path.join(a.out, f"{kind}.json"))
+            for r in json.load(open(os.path.join(a.out, f"{kind}.json")))]
+    _write_absorb(args.out, rows, kind)
 
 
 def _row_dir(a: train.Args, row: str) -> str:
     return os.path.join(a.out, _slug(row.replace("φ0", "phi0")))
 
 
-def _absorbed(a: train.Args, row: str) -> bool:
-    return os.path.isfile(os.path.join(_row_dir(a, row), "absorb.json"))
+def _absorbed(a: train.Args, row: str, kind: str = "absorb") -> bool:
+    return os.path.isfile(os.path.join(_row_dir(a, row), f"{kind}.json"))
 
 
 def _claim(a: train.Args, row: str) -> bool:
@@ -668,22 +702,22 @@ def _best_lopd_row(seed_args) -> str:
     """The LOPD row whose student ends highest (mean over seeds)."""
     def mean_student(row):
         return np.mean([json.load(open(os.path.join(_row_dir(a, row), "absorb.json")))["student"] for a in seed_args])
-    return max((r for r, c in ABSORB_ROWS.items() if c is not None and c.get("method", "lopd") == "lopd"),
+    return max((r for r, c in ROWS["absorb"].items() if c is not None and c.get("method", "lopd") == "lopd"),
                key=mean_student)
 
 
-def absorb_row(row: str, a: train.Args):
+def absorb_row(row: str, a: train.Args, kind: str = "absorb"):
     """One job: the row's joint stage (or the seed's vanilla and φ0 rows) and its end evaluation on every held-out
-    task, written to ROW/absorb.json and appended to the seed's absorb.json."""
+    task, written to ROW/KIND.json and appended to the seed's KIND.json."""
     long = row.endswith(LONG)
-    change = ABSORB_ROWS[row[:-len(LONG)] if long else row]
+    change = ROWS[kind][row[:-len(LONG)] if long else row]
     out = _row_dir(a, row)
     if change is None:
         run = train.prepare(a)
         end = train.evaluate(a, run["composer"], None, run["retriever"], run["tok"], run["test"],
                              which=("vanilla", "base + composer"))
         result = {"vanilla": end["vanilla"]["reward"], "teacher": end["base + composer"]["reward"]}
-        return _absorb_result(a, row, out, result)
+        return _absorb_result(a, row, out, result, kind)
     rargs = dataclasses.replace(a, out=out, resume=True, steps=2 * a.steps if long else a.steps, **change)
     if long and not os.path.isdir(out):                     # continue the 60-iteration run in a copy of its folder
         shutil.copytree(_row_dir(a, row[:-len(LONG)]), out, ignore=shutil.ignore_patterns("absorb.json"))
@@ -698,9 +732,11 @@ def absorb_row(row: str, a: train.Args):
     result = {"student": end["LOPD student"]["reward"], "generations": steps[max(steps)]["generations"],
               "seconds_per_step": float(np.mean([r["seconds"] for r in steps.values()])),
               "minutes": round((time.time() - t0) / 60, 1)}
-    if lopd_like:
-        result["teacher"] = end["base + composer"]["reward"]
-    _absorb_result(a, row, out, result)
+    if lopd_like:                                           # its teacher at the end, Δ and β of the last step
+        last = steps[max(steps)]
+        result.update(teacher=end["base + composer"]["reward"], delta=last["privilege/delta"], beta=last["dual/beta"])
+        result["teacher_curve"] = [r["reward/teacher"] for _, r in sorted(steps.items()) if "reward/teacher" in r]
+    _absorb_result(a, row, out, result, kind)
 
 
 def _row_run(a: train.Args, rargs: train.Args, change: dict) -> dict:
@@ -717,13 +753,13 @@ def _row_run(a: train.Args, rargs: train.Args, change: dict) -> dict:
     return train.prepare(dataclasses.replace(rargs, steps=a.steps))
 
 
-def _absorb_result(a: train.Args, row: str, out: str, result: dict):
+def _absorb_result(a: train.Args, row: str, out: str, result: dict, kind: str = "absorb"):
     os.makedirs(out, exist_ok=True)
     result = {"row": row, "seed": a.seed, **result}
-    _write_json(os.path.join(out, "absorb.json"), result)
-    whole = os.path.join(a.out, "absorb.json")              # the seed's rows, rebuilt from every row's own file
-    rows = [json.load(open(os.path.join(_row_dir(a, r), "absorb.json")))
-            for r in [*ABSORB_ROWS, *(k + LONG for k in ABSORB_ROWS)] if _absorbed(a, r)]
+    _write_json(os.path.join(out, f"{kind}.json"), result)
+    whole = os.path.join(a.out, f"{kind}.json")             # the seed's rows, rebuilt from every row's own file
+    rows = [json.load(open(os.path.join(_row_dir(a, r), f"{kind}.json")))
+            for r in [*ROWS[kind], *(k + LONG for k in ROWS[kind])] if _absorbed(a, r, kind)]
     _write_json(whole, rows)
     if os.path.exists(out + ".claim"):
         os.remove(out + ".claim")
@@ -747,7 +783,7 @@ def absorb_summary(rows) -> dict:
                 m.setdefault("vanilla", []).append(r["vanilla"])
                 m.setdefault("teacher", []).append(r["teacher"])
                 continue
-            for k in ("student", "teacher", "generations", "seconds_per_step"):
+            for k in ("student", "teacher", "generations", "seconds_per_step", "delta", "beta"):
                 if k in r:
                     m.setdefault(k, []).append(r[k])
             if "teacher" in r and s in base and r["teacher"] != base[s]["vanilla"]:
@@ -761,9 +797,14 @@ def absorb_summary(rows) -> dict:
     return out
 
 
-def absorb_table(rows) -> str:
-    """Markdown: one line per row, mean ± std over seeds of each measure."""
-    cols = ("student", "teacher", "efficiency", "LOPD − GRPO", "LOPD − RFT", "generations", "seconds_per_step")
+TABLE_COLUMNS = {"absorb": ("student", "teacher", "efficiency", "LOPD − GRPO", "LOPD − RFT", "generations",
+                            "seconds_per_step"),
+                 "course": ("student", "teacher", "efficiency", "delta", "beta", "seconds_per_step")}
+
+
+def absorb_table(rows, kind: str = "absorb") -> str:
+    """Markdown: one line per row, mean ± std over seeds of each measure (delta, beta: Δ and β at the last step)."""
+    cols = TABLE_COLUMNS[kind]
     lines = ["| row | " + " | ".join(c.replace("_", " ") for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, m in absorb_summary(rows).items():
         if "vanilla" in m:
@@ -772,24 +813,28 @@ def absorb_table(rows) -> str:
                   else _ms(m[c])) if c in m else "" for c in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     n = len({r["seed"] for r in rows})
+    gaps = (" LOPD − GRPO: the same seed's GRPO student after as many iterations; LOPD − RFT: its RFT student (the "
+            "short run's).") if kind == "absorb" else " delta, beta: Δ and β at the last step."
     return "\n".join(lines) + (f"\n\n{n} seeds; mean ± std over seeds. Efficiency: (student − vanilla) / "
-                               "(teacher at the end − vanilla), per seed. LOPD − GRPO: the same seed's GRPO student "
-                               "after as many iterations; LOPD − RFT: its RFT student (the short run's).\n")
+                               f"(teacher at the end − vanilla), per seed.{gaps}\n")
 
 
-def _write_absorb(out: str, rows):
-    keys = ("row", "seed", "vanilla", "student", "teacher", "generations", "seconds_per_step", "minutes")
-    with open(os.path.join(out, "absorb.csv"), "w") as f:
+def _write_absorb(out: str, rows, kind: str = "absorb"):
+    keys = ("row", "seed", "vanilla", "student", "teacher", "delta", "beta", "generations", "seconds_per_step",
+            "minutes")
+    with open(os.path.join(out, f"{kind}.csv"), "w") as f:
         f.write(",".join(keys) + "\n")
         f.writelines(",".join(f'"{r[k]}"' if k == "row" else str(r.get(k, "")) for k in keys) + "\n" for r in rows)
-    table = absorb_table(rows)
-    with open(os.path.join(out, "absorb.md"), "w") as f:
+    table = absorb_table(rows, kind)
+    with open(os.path.join(out, f"{kind}.md"), "w") as f:
         f.write(table)
     print("\n" + table)
-    plot_absorb(absorb_summary(rows), os.path.join(out, "absorb.png"))
+    title = ("Does the student absorb its teacher? (tool world, toy scale)" if kind == "absorb" else
+             "LOPD in five stages (tool world, the exercises' scale)")
+    plot_absorb(absorb_summary(rows), os.path.join(out, f"{kind}.png"), title)
 
 
-def plot_absorb(summary: dict, path: str):
+def plot_absorb(summary: dict, path: str, title: str):
     """Per row: the student (bar) and its teacher at the end (marker), mean ± std; vanilla and φ0's teacher as
     dashed lines. Skipped with a message without matplotlib."""
     plt = _pyplot()
@@ -797,10 +842,11 @@ def plot_absorb(summary: dict, path: str):
         return
     base = summary.get(VANILLA, {})
     names = [n for n in summary if "student" in summary[n]]
-    fig, ax = plt.subplots(figsize=(8, 0.42 * len(names) + 1.4))
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(names) + 1.8))
     y = range(len(names))
     ax.barh(y, [np.mean(summary[n]["student"]) for n in names], xerr=[np.std(summary[n]["student"]) for n in names],
-            capsize=3, color="tab:blue", label="student alone")
+            capsize=3, color=["tab:gray" if n.startswith(("GRPO", "RFT")) else "tab:blue" for n in names],
+            label="student alone (grey: GRPO, RFT)")
     ty = [i for i, n in enumerate(names) if "teacher" in summary[n]]
     ax.errorbar([np.mean(summary[names[i]]["teacher"]) for i in ty], ty, fmt="D", color="tab:orange",
                 xerr=[np.std(summary[names[i]]["teacher"]) for i in ty], capsize=3, label="its teacher at the end")
@@ -811,14 +857,14 @@ def plot_absorb(summary: dict, path: str):
     ax.set_yticks(list(y), names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("held-out reward (mean ± std over seeds)")
-    ax.set_title("Does the student absorb its teacher? (tool world, toy scale)")
-    ax.legend(loc="lower right", fontsize=7)
+    ax.set_title(title)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(names) - 0.12), ncol=4, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
 
 
-EXPERIMENTS = {"ablations": ablations, "figure4": figure4, "dial": dial, "absorb": absorb}
+EXPERIMENTS = {"ablations": ablations, "figure4": figure4, "dial": dial, "absorb": absorb, "course": course}
 
 
 def main(argv=None):
@@ -827,6 +873,8 @@ def main(argv=None):
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("experiment", choices=sorted(EXPERIMENTS), help="which experiment to run")
     p.add_argument("--seeds", type=int, default=3, help="seeds seed, seed+1, ...; rows are mean ± std (default: 3)")
+    p.add_argument("--report", action="store_true", help="absorb and course: run nothing, write the table, CSV and "
+                   "plot from the rows finished so far")
     p.add_argument("--ks", default="1,2,3,4", help="dial only: the K (hidden conventions per shop) to run, "
                    "comma-separated (default: 1,2,3,4)")
     mine, rest = p.parse_known_args(argv)
@@ -841,8 +889,8 @@ def main(argv=None):
     with runtime.one_line_errors():
         if mine.experiment == "dial":
             return dial(train.parse_args(rest), mine.seeds, ks, given=rest)
-        if mine.experiment == "absorb":
-            return absorb(train.parse_args(rest), mine.seeds, given=rest)
+        if mine.experiment in ("absorb", "course"):
+            return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds, given=rest, report=mine.report)
         return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds)
 
 

@@ -414,7 +414,7 @@ def test_absorb_command_at_tiny_size(runs, backbone, tmp_path, monkeypatch):
     to 4 steps from their checkpoints, and the table's efficiency and gaps are the rows' own numbers."""
     rows = {k: experiments.ABSORB_ROWS[k] for k in (experiments.VANILLA, "LOPD, toy defaults", "GRPO", "RFT",
                                                     "official at toy scale (all six)")}
-    monkeypatch.setattr(experiments, "ABSORB_ROWS", rows)
+    monkeypatch.setitem(experiments.ROWS, "absorb", rows)
     out = tmp_path / "absorb"
     (out / "seed0").mkdir(parents=True)
     for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
@@ -451,3 +451,24 @@ def test_absorb_claims_a_job_once_and_takes_over_a_dead_workers(tmp_path):
         f.write(dead.stdout.strip())                                    # a worker that has exited
     assert experiments._claim(a, "RFT")
     assert open(experiments._row_dir(a, "RFT") + ".claim").read() == str(os.getpid())
+
+
+def test_course_command_runs_the_staged_path_at_tiny_size(runs, backbone, tmp_path, monkeypatch):
+    """experiments.py course on two of its stages (one seed, 2 steps, from run a's cached stages): OPSD's row has
+    no latent teacher; a LOPD stage logs its last Δ and β and its teacher along the way."""
+    stage3 = "3. the composer learns, no margin (m = 0)"
+    rows = {k: experiments.COURSE_ROWS[k] for k in [*list(experiments.COURSE_ROWS)[:2], stage3]}
+    monkeypatch.setitem(experiments.ROWS, "course", rows)
+    out = tmp_path / "course"
+    (out / "seed0").mkdir(parents=True)
+    for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
+        subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / "seed0" / name)], check=True)
+    flags = train_cmd(backbone, out, "--steps", "2", "--eval-every", "1", "--eval-tasks", "2")[2:]
+    experiments.main(["course", "--seeds", "1", *flags])        # --n-train 30 and --n-test 6 given: kept
+    got = {r["row"]: r for r in json.load(open(out / "seed0" / "course.json"))}
+    opsd, m0 = got["1. OPSD: the teacher reads a success as text"], got[stage3]
+    assert "teacher" not in opsd and "delta" not in opsd
+    folder = experiments._row_dir(argparse.Namespace(out=str(out / "seed0")), stage3)
+    last = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl")) if '"stage": "lopd"' in line][-1]
+    assert (m0["delta"], m0["beta"]) == (last["privilege/delta"], last["dual/beta"]) and len(m0["teacher_curve"]) == 2
+    assert "| delta | beta |" in (out / "course.md").read_text()
