@@ -765,6 +765,32 @@ def _absorb_result(a: train.Args, row: str, out: str, result: dict, kind: str = 
         os.remove(out + ".claim")
 
 
+def absorb_kept(args: train.Args, seeds: int = 3, row: str = "LOPD, toy defaults") -> list[dict]:
+    """Where the student falls short of its teacher: for `row`'s run of each seed, the share of held-out episodes
+    that took each convention's step exactly when the shop requires it (envs.conventions_kept), for vanilla, the
+    teacher at the end (base + the row's final composer) and the student. Rows {seed, who, convention, kept};
+    OUT/absorb_kept.json."""
+    out = []
+    for i in range(seeds):
+        a = dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}"), steps=ABSORB_STEPS)
+        run, ckpt = train.prepare(a), runtime.latest_checkpoint(_row_dir(a, row))
+        student = runtime.full_student(a, run["source"])
+        runtime.load_student_weights(student, os.path.join(ckpt, "student"))
+        runtime.reset_composer(run["composer"], os.path.join(ckpt, "composer"))
+        keep = {}
+        train.evaluate(a, run["composer"], student, run["retriever"], run["tok"], run["test"], keep=keep)
+        for who, eps in keep.items():
+            kept = [envs.conventions_kept(ep.task, ep.trace) for ep in eps]
+            out += [dict(seed=a.seed, who=who, convention=c, kept=float(np.mean([k[c] for k in kept])))
+                    for c in kept[0]]
+            out.append(dict(seed=a.seed, who=who, convention="reward", kept=float(np.mean([ep.reward for ep in eps]))))
+    _write_json(os.path.join(args.out, "absorb_kept.json"), out)
+    for who in dict.fromkeys(r["who"] for r in out):
+        print(who, {c: _ms([r["kept"] for r in out if r["who"] == who and r["convention"] == c])
+                    for c in dict.fromkeys(r["convention"] for r in out)})
+    return out
+
+
 def absorb_summary(rows) -> dict:
     """{row: {measure: [one value per seed]}}: student, teacher, efficiency (student − vanilla) / (teacher −
     vanilla), LOPD − GRPO and LOPD − RFT (at the same iterations), generations, seconds per step."""
@@ -875,6 +901,8 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=3, help="seeds seed, seed+1, ...; rows are mean ± std (default: 3)")
     p.add_argument("--report", action="store_true", help="absorb and course: run nothing, write the table, CSV and "
                    "plot from the rows finished so far")
+    p.add_argument("--kept", action="store_true", help="absorb only: run nothing but absorb_kept, which conventions "
+                   "vanilla, the default row's teacher and its student keep (after the rows)")
     p.add_argument("--ks", default="1,2,3,4", help="dial only: the K (hidden conventions per shop) to run, "
                    "comma-separated (default: 1,2,3,4)")
     mine, rest = p.parse_known_args(argv)
@@ -889,6 +917,9 @@ def main(argv=None):
     with runtime.one_line_errors():
         if mine.experiment == "dial":
             return dial(train.parse_args(rest), mine.seeds, ks, given=rest)
+        if mine.experiment == "absorb" and mine.kept:
+            args = train.parse_args(rest)
+            return absorb_kept(dataclasses.replace(args, model=args.model or train.toy_backbone(args)), mine.seeds)
         if mine.experiment in ("absorb", "course"):
             return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds, given=rest, report=mine.report)
         return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds)

@@ -441,6 +441,12 @@ def test_absorb_command_at_tiny_size(runs, backbone, tmp_path, monkeypatch):
     assert "| official at toy scale (all six) |" in table and "| GRPO, twice the iterations |" in table
     assert len((out / "absorb.csv").read_text().splitlines()) == 1 + 7
     assert not list(out.glob("seed0/*.claim"))                          # every claim released
+    # --kept: the default row's final student and teacher again, split by convention; their rewards are the row's
+    experiments.main(["absorb", "--kept", "--seeds", "1", *train_cmd(backbone, out, "--steps", "2")[2:]])
+    kept = {(r["who"], r["convention"]): r["kept"] for r in json.load(open(out / "absorb_kept.json"))}
+    assert kept[("LOPD student", "reward")] == lopd_row["student"]
+    assert kept[("base + composer", "reward")] == lopd_row["teacher"] and kept[("vanilla", "reward")] == v
+    assert {c for _, c in kept} == {"verify", "commit", "reward"}
 
 
 def test_absorb_claims_a_job_once_and_takes_over_a_dead_workers(tmp_path):
