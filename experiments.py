@@ -615,8 +615,8 @@ ABSORB_ROWS = {          # row: train.py's changes; the rows are run in this ord
 OWN_COLD_START = ("latents", "retrieval", "cold_optim")     # changes that need the row's own φ0
 ABSORB_STEPS = 60
 LONG = ", twice the iterations"
-# The course's staged path (docs/walkthrough.md, "The method in five stages"), at the exercises' scale: each stage
-# adds one piece of LOPD to the one before, from one θ̄, bank and φ0 per seed.
+# A course's staged path at the exercises' scale (docs/exercises.md's sizes): each stage adds one piece of LOPD to
+# the one before, from one θ̄, bank and φ0 per seed, so each is motivated by what the one before leaves undone.
 COURSE_ROWS = {
     VANILLA: None,
     "1. OPSD: the teacher reads a success as text": {"method": "opsd"},
