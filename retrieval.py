@@ -366,17 +366,16 @@ class Retriever:
         skip = exclude_variants or [None] * len(task_ids)
         keep = only_variants or [None] * len(task_ids)
         own = [self.count_by_task.get(tid, 0) if exclude_self else 0 for tid in task_ids]
+        variant = [e.get("meta", {}).get("variant") for e in self.bank]          # (N,) each entry's, for the checks
         for tid, n_own, var, only in zip(task_ids, own, skip, keep):
-            n_var = 0 if var is None else sum(e.get("meta", {}).get("variant") == var for e in self.bank)
-            if only is not None:     # what the search may return: the shop's entries, less the task's own
-                n_var = len(self) - sum(e.get("meta", {}).get("variant") == only for e in self.bank)
-                n_own = sum(e["task_id"] == tid and e.get("meta", {}).get("variant") == only for e in self.bank) \
-                    if exclude_self else 0
-            if len(self) - n_own - n_var < n_ret:
+            allowed = sum(not (exclude_self and e["task_id"] == tid) and (var is None or v != var)
+                          and (only is None or v == only) for e, v in zip(self.bank, variant))
+            if allowed < n_ret:
                 raise ValueError(f"experience bank too small: n_ret={n_ret} but the bank holds {len(self)} entries"
                                  f" ({n_own} of them from task {tid!r}, excluded as self"
-                                 + (f", {n_var} of variant {var!r}, excluded" if var is not None else "")
-                                 + (f", {n_var} not of variant {only!r}, excluded" if only is not None else "") + ")")
+                                 + (f", {variant.count(var)} of variant {var!r}, excluded" if var is not None else "")
+                                 + (f", {len(self) - variant.count(only)} not of variant {only!r}, excluded"
+                                    if only is not None else "") + f"; {allowed} left)")
         z_q = self.query_vectors(task_ids, tasks)  # (Q, d_ret)
         # search deep enough that n_ret survive the exclusions (the whole bank when variants are excluded)
         k = len(self) if exclude_variants or only_variants else min(n_ret + max(own), len(self))

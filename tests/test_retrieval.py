@@ -267,42 +267,27 @@ def test_self_exclusion(embedder, bank):
     assert all(e["task_id"] != entry["task_id"] for e in big)
 
 
-def test_other_variant_mode_never_returns_the_query_variant(embedder, bank):
-    """The other-variant control (train.py --retrieval other): brute force over the entries of other variants."""
+@pytest.mark.parametrize("kwarg, same, n_ret, error", [("exclude_variants", False, 4, "of variant"),
+                                                      ("only_variants", True, 2, "not of variant")])
+def test_variant_controls_match_brute_force(embedder, bank, kwarg, same, n_ret, error):
+    """The other-variant control (train.py --retrieval other: never the query's variant) and the same-shop oracle
+    (--retrieval shop: only the query's variant): brute force over the entries the control allows."""
     r = Retriever(bank, embedder)
     queries = make_candidates()[::2]
     ids, tasks = [q["task_id"] for q in queries], [q["task"] for q in queries]
     variants = [q["meta"]["variant"] for q in queries]
-    got = r.retrieve(ids, tasks, n_ret=4, exclude_variants=variants)
+    got = r.retrieve(ids, tasks, n_ret=n_ret, **{kwarg: variants})
     zq, zd = embedder.embed_queries(tasks), embedder.embed_docs(bank)
     index_of = {id(e): i for i, e in enumerate(r.bank)}
     for row, q, v, tid in zip(got, zq, variants, ids):
-        assert len(row) == 4 and all(e["meta"]["variant"] != v for e in row)
-        allowed = [i for i in np.argsort(-(zd @ q), kind="stable") if bank[i]["meta"]["variant"] != v
+        assert len(row) == n_ret and all((e["meta"]["variant"] == v) == same for e in row)
+        allowed = [i for i in np.argsort(-(zd @ q), kind="stable") if (bank[i]["meta"]["variant"] == v) == same
                    and bank[i]["task_id"] != tid]
-        assert [index_of[id(e)] for e in row] == allowed[:4]
-    n_other = sum(e["meta"]["variant"] != variants[0] for e in bank)
-    with pytest.raises(ValueError, match="of variant"):
-        r.retrieve(ids[:1], tasks[:1], n_ret=n_other + 1, exclude_variants=variants[:1])
-
-
-def test_same_shop_oracle_returns_only_the_query_variant(embedder, bank):
-    """The oracle control (train.py --retrieval shop): brute force over the entries of the query's own variant."""
-    r = Retriever(bank, embedder)
-    queries = make_candidates()[::2]
-    ids, tasks = [q["task_id"] for q in queries], [q["task"] for q in queries]
-    variants = [q["meta"]["variant"] for q in queries]
-    got = r.retrieve(ids, tasks, n_ret=2, only_variants=variants)
-    zq, zd = embedder.embed_queries(tasks), embedder.embed_docs(bank)
-    index_of = {id(e): i for i, e in enumerate(r.bank)}
-    for row, q, v, tid in zip(got, zq, variants, ids):
-        allowed = [i for i in np.argsort(-(zd @ q), kind="stable") if bank[i]["meta"]["variant"] == v
-                   and bank[i]["task_id"] != tid]
-        assert [index_of[id(e)] for e in row] == allowed[:2]
-    n_own = sum(e["meta"]["variant"] == variants[0] and e["task_id"] != ids[0] for e in bank)
-    with pytest.raises(ValueError, match="not of variant"):
-        r.retrieve(ids[:1], tasks[:1], n_ret=n_own + 1, only_variants=variants[:1])
-    assert len(r.retrieve(ids[:1], tasks[:1], n_ret=n_own, only_variants=variants[:1])[0]) == n_own
+        assert [index_of[id(e)] for e in row] == allowed[:n_ret]
+    n_allowed = sum((e["meta"]["variant"] == variants[0]) == same and e["task_id"] != ids[0] for e in bank)
+    with pytest.raises(ValueError, match=error):
+        r.retrieve(ids[:1], tasks[:1], n_ret=n_allowed + 1, **{kwarg: variants[:1]})
+    assert len(r.retrieve(ids[:1], tasks[:1], n_ret=n_allowed, **{kwarg: variants[:1]})[0]) == n_allowed
 
 
 def test_empty_and_too_small_bank(embedder, bank):
