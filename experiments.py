@@ -32,7 +32,9 @@ table (and figure) into --out:
   course      OUT/course.csv, course.md, course.png: the walk-through's five stages at the exercises' scale
               (300 training tasks, 100 held out, 20 iterations): OPSD with a text teacher; latents instead of the
               text, the composer frozen; the composer learning without the margin; with the margin and β; the
-              full method. Per stage the student, its teacher at the end, the efficiency, Δ and β at the end.
+              full method; then the exercises' runs that are not a stage (m = 0 with the anchor, other shops'
+              references, M = 1, GRPO, RFT). Per row the student, its teacher at the end, the efficiency, Δ and β
+              at the end. docs/exercises.md's answers cite it (assets/course.csv).
 
 The first two evaluate every 10 steps on 100 held-out tasks (`CURVE`); the table's LOPD run is Figure 4's LOPD curve, so
 the two share it when given the same --out. docs/results.md holds what they measured.
@@ -616,7 +618,8 @@ OWN_COLD_START = ("latents", "retrieval", "cold_optim")     # changes that need 
 ABSORB_STEPS = 60
 LONG = ", twice the iterations"
 # A course's staged path at the exercises' scale (docs/exercises.md's sizes): each stage adds one piece of LOPD to
-# the one before, from one θ̄, bank and φ0 per seed, so each is motivated by what the one before leaves undone.
+# the one before, from one θ̄, bank and φ0 per seed, so each is motivated by what the one before leaves undone; then
+# the exercises' runs that are not a stage, so that every answer cites a figure of OUT/course.csv.
 COURSE_ROWS = {
     VANILLA: None,
     "1. OPSD: the teacher reads a success as text": {"method": "opsd"},
@@ -624,6 +627,12 @@ COURSE_ROWS = {
     "3. the composer learns, no margin (m = 0)": {"margin": 0.0, "anchor": 0.0},
     "4. the margin and β (m = 0.05), no anchor": {"anchor": 0.0},
     "5. the full method (+ the anchor λ = 0.2)": {},
+    # the exercises' other runs (docs/exercises.md): stage 5 is exercise 1's run, stage 1 exercise 4's, stage 2 6's
+    "exercise 2: m = 0, the anchor kept": {"margin": 0.0},
+    "exercise 3: other shops' references": {"retrieval": "other"},
+    "exercise 5: M = 1": {"top_m": 1},
+    "exercise 7: GRPO": {"method": "grpo"},
+    "exercise 8: RFT": {"method": "rft"},
 }
 COURSE = {"n_train": 300, "n_test": 100, "steps": 20, "eval_every": 10, "eval_tasks": 50}
 ROWS = {"absorb": ABSORB_ROWS, "course": COURSE_ROWS}
