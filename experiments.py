@@ -29,12 +29,13 @@ table (and figure) into --out:
               (teacher − vanilla) and the gaps to GRPO and RFT; the best row and GRPO then run twice as long. Two
               processes on one --out share the rows (`OMP_NUM_THREADS=1 python experiments.py absorb &` twice).
 
-  course      OUT/course.csv, course.md, course.png: the walk-through's five stages at the exercises' scale
-              (300 training tasks, 100 held out, 20 iterations): OPSD with a text teacher; latents instead of the
-              text, the composer frozen; the composer learning without the margin; with the margin and β; the
-              full method; then the exercises' runs that are not a stage (m = 0 with the anchor, other shops'
-              references, M = 1, GRPO, RFT). Per row the student, its teacher at the end, the efficiency, Δ and β
-              at the end. docs/exercises.md's answers cite it (assets/course.csv).
+  course      OUT/course.csv, course.md, course.png, course-curves.png: the walk-through's five stages at the
+              exercises' scale (300 training tasks, 100 held out, 20 iterations): OPSD with a text teacher;
+              latents instead of the text, the composer frozen; the composer learning without the margin; with
+              the margin and β; the full method. Then stages 3-5 again with the composer's lr 1e-4, and the
+              exercises' runs that are not a stage (m = 0 with the anchor, other shops' references, M = 1, GRPO,
+              RFT). Per row the student, its teacher at the end, the efficiency, Δ and β at the end.
+              docs/exercises.md's answers cite it (assets/course.csv).
 
 The first two evaluate every 10 steps on 100 held-out tasks (`CURVE`); the table's LOPD run is Figure 4's LOPD curve, so
 the two share it when given the same --out. docs/results.md holds what they measured.
@@ -627,6 +628,10 @@ COURSE_ROWS = {
     "3. the composer learns, no margin (m = 0)": {"margin": 0.0, "anchor": 0.0},
     "4. the margin and β (m = 0.05), no anchor": {"anchor": 0.0},
     "5. the full method (+ the anchor λ = 0.2)": {},
+    # at the paper's composer lr 1e-5, 20 iterations barely move φ: stages 3-5 again with a 10× larger step
+    "3'. stage 3, the composer's lr 1e-4": {"margin": 0.0, "anchor": 0.0, "composer_lr": 1e-4},
+    "4'. stage 4, the composer's lr 1e-4": {"anchor": 0.0, "composer_lr": 1e-4},
+    "5'. stage 5, the composer's lr 1e-4": {"composer_lr": 1e-4},
     # the exercises' other runs (docs/exercises.md): stage 5 is exercise 1's run, stage 1 exercise 4's, stage 2 6's
     "exercise 2: m = 0, the anchor kept": {"margin": 0.0},
     "exercise 3: other shops' references": {"retrieval": "other"},
@@ -650,10 +655,40 @@ def absorb(args: train.Args, seeds: int = 3, given=(), report: bool = False):
 
 def course(args: train.Args, seeds: int = 3, given=(), report: bool = False):
     """`python experiments.py course [--seeds 3]`: the staged path of the walk-through, each stage × seed at the
-    exercises' scale (COURSE, unless its flag is given), then OUT/course.csv, course.md and course.png."""
+    exercises' scale (COURSE, unless its flag is given), then OUT/course.csv, course.md, course.png and the Δ and β
+    curves of the stages that learn the composer, course-curves.png."""
     flags = {g.split("=")[0] for g in given}
     args = dataclasses.replace(args, **{k: v for k, v in COURSE.items() if "--" + k.replace("_", "-") not in flags})
     _run_rows("course", args, seeds, report)
+    plot_course_curves(args.out, seeds)
+
+
+def plot_course_curves(out: str, seeds: int):
+    """OUT/course-curves.png: Δ and β per iteration (mean over seeds) for the stages whose composer learns by LOPD's
+    loss, read back from each row's metrics.jsonl; the margin m as a dashed line."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for row, change in ROWS["course"].items():
+        if change is None or not row[0].isdigit() or change.get("method", "lopd") != "lopd" or change.get("freeze_composer"):
+            continue                                        # the stages whose composer learns by eq. 13
+        runs = [_logged(os.path.join(out, f"seed{i}", _slug(row), "metrics.jsonl"), "lopd") for i in range(seeds)]
+        runs = [r for r in runs if r]
+        if not runs:
+            continue
+        steps = sorted(set.intersection(*(set(r) for r in runs)))
+        for ax, key in ((a, "privilege/delta"), (b, "dual/beta")):
+            ax.plot(steps, [np.mean([r[t][key] for r in runs]) for t in steps], label=row, marker=".")
+    a.axhline(0.05, ls="--", color="k", lw=0.8, label="the margin m = 0.05")
+    a.set_title("Δ, the teacher's outcome-weighted privilege (eq. 12)")
+    b.set_title("β, the dual variable (eq. 13)")
+    for ax in (a, b):
+        ax.set_xlabel("iteration")
+    a.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "course-curves.png"), dpi=120)
+    print(f"plot: {os.path.join(out, 'course-curves.png')}")
 
 
 def _run_rows(kind: str, args: train.Args, seeds: int, report: bool):

@@ -7,6 +7,7 @@ The runs that must be separate processes (two seeded runs, one SIGKILLed and res
 ones are started together to use both cores. Bad-input cases call `train.main(argv)` in-process.
 """
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -478,3 +479,5 @@ def test_course_command_runs_the_staged_path_at_tiny_size(runs, backbone, tmp_pa
     last = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl")) if '"stage": "lopd"' in line][-1]
     assert (m0["delta"], m0["beta"]) == (last["privilege/delta"], last["dual/beta"]) and len(m0["teacher_curve"]) == 2
     assert "| delta | beta |" in (out / "course.md").read_text()
+    if importlib.util.find_spec("matplotlib"):                  # the Δ and β curves of the stage that learns φ
+        assert (out / "course-curves.png").stat().st_size > 0
