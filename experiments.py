@@ -49,6 +49,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 
@@ -653,13 +654,14 @@ def absorb(args: train.Args, seeds: int = 3, given=(), report: bool = False):
     _run_rows("absorb", args, seeds, report)
 
 
-def course(args: train.Args, seeds: int = 3, given=(), report: bool = False):
-    """`python experiments.py course [--seeds 3]`: the staged path of the walk-through, each stage × seed at the
-    exercises' scale (COURSE, unless its flag is given), then OUT/course.csv, course.md, course.png and the Δ and β
-    curves of the stages that learn the composer, course-curves.png."""
+def course(args: train.Args, seeds: int = 3, given=(), report: bool = False, stages: bool = False):
+    """`python experiments.py course [--seeds 3] [--stages]`: the staged path of the walk-through, each row × seed
+    at the exercises' scale (COURSE, unless its flag is given), then OUT/course.csv, course.md, course.png and the Δ
+    and β curves of the stages that learn the composer, course-curves.png. `stages`: vanilla and stages 1-5 only."""
     flags = {g.split("=")[0] for g in given}
     args = dataclasses.replace(args, **{k: v for k, v in COURSE.items() if "--" + k.replace("_", "-") not in flags})
-    _run_rows("course", args, seeds, report)
+    rows = [r for r, c in ROWS["course"].items() if c is None or re.match(r"\d\. ", r)] if stages else None
+    _run_rows("course", args, seeds, report, rows)
     plot_course_curves(args.out, seeds)
 
 
@@ -678,28 +680,30 @@ def plot_course_curves(out: str, seeds: int):
         if not runs:
             continue
         steps = sorted(set.intersection(*(set(r) for r in runs)))
-        for ax, key in ((a, "privilege/delta"), (b, "dual/beta")):
-            ax.plot(steps, [np.mean([r[t][key] for r in runs]) for t in steps], label=row, marker=".")
-    a.axhline(0.05, ls="--", color="k", lw=0.8, label="the margin m = 0.05")
+        style = dict(color=f"C{int(row[0])}", ls="--" if "'" in row.split(".")[0] else "-", marker=".", label=row)
+        for ax, key in ((a, "privilege/delta"), (b, "dual/beta")):   # one colour a stage; dashed: lr 1e-4
+            ax.plot(steps, [np.mean([r[t][key] for r in runs]) for t in steps], **style)
+    a.axhline(0.05, ls=":", color="k", lw=0.8)
+    a.text(0, 0.048, "the margin m = 0.05", fontsize=7, va="top")
     a.set_title("Δ, the teacher's outcome-weighted privilege (eq. 12)")
     b.set_title("β, the dual variable (eq. 13)")
     for ax in (a, b):
         ax.set_xlabel("iteration")
-    a.legend(fontsize=6)
+    b.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "course-curves.png"), dpi=120)
     print(f"plot: {os.path.join(out, 'course-curves.png')}")
 
 
-def _run_rows(kind: str, args: train.Args, seeds: int, report: bool):
-    """Every job (row, seed) of ROWS[kind] not yet done, claimed one at a time (several workers share them), the
-    seed's VANILLA row first; then the table from every finished row."""
+def _run_rows(kind: str, args: train.Args, seeds: int, report: bool, only=None):
+    """Every job (row, seed) of ROWS[kind] (or of the rows `only` lists) not yet done, claimed one at a time
+    (several workers share them), the seed's VANILLA row first; then the table from every finished row."""
     if not args.model:
         args = dataclasses.replace(args, model=train.toy_backbone(args))
     seed_args = [dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}"))
                  for i in range(seeds)]
     while not report:
-        jobs = [(row, a) for row in ROWS[kind] for a in seed_args]
+        jobs = [(row, a) for row in (only or ROWS[kind]) for a in seed_args]
         if kind == "absorb" and all(_absorbed(a, row, kind) for row, a in jobs):   # the long runs wait for the rest
             jobs += [(row + LONG, a) for row in (_best_lopd_row(seed_args), "GRPO") for a in seed_args]
         todo = [(row, a) for row, a in jobs if not _absorbed(a, row, kind)]
@@ -915,7 +919,7 @@ def plot_absorb(summary: dict, path: str, title: str):
     fig, ax = plt.subplots(figsize=(8, 0.42 * len(names) + 1.8))
     y = range(len(names))
     ax.barh(y, [np.mean(summary[n]["student"]) for n in names], xerr=[np.std(summary[n]["student"]) for n in names],
-            capsize=3, color=["tab:gray" if n.startswith(("GRPO", "RFT")) else "tab:blue" for n in names],
+            capsize=3, color=["tab:gray" if re.search(r"\b(GRPO|RFT)\b", n) else "tab:blue" for n in names],
             label="student alone (grey: GRPO, RFT)")
     ty = [i for i, n in enumerate(names) if "teacher" in summary[n]]
     ax.errorbar([np.mean(summary[names[i]]["teacher"]) for i in ty], ty, fmt="D", color="tab:orange",
@@ -928,7 +932,7 @@ def plot_absorb(summary: dict, path: str, title: str):
     ax.invert_yaxis()
     ax.set_xlabel("held-out reward (mean ± std over seeds)")
     ax.set_title(title)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(names) - 0.12), ncol=4, fontsize=7)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3 / len(names) - 0.08), ncol=2, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
@@ -947,6 +951,8 @@ def main(argv=None):
                    "plot from the rows finished so far")
     p.add_argument("--kept", action="store_true", help="absorb only: run nothing but absorb_kept, which conventions "
                    "vanilla, the default row's teacher and its student keep (after the rows)")
+    p.add_argument("--stages", action="store_true", help="course only: run vanilla and the five stages, not stages "
+                   "3'-5' or the exercises' rows (the table shows every row finished so far)")
     p.add_argument("--ks", default="1,2,3,4", help="dial only: the K (hidden conventions per shop) to run, "
                    "comma-separated (default: 1,2,3,4)")
     mine, rest = p.parse_known_args(argv)
@@ -964,8 +970,10 @@ def main(argv=None):
         if mine.experiment == "absorb" and mine.kept:
             args = train.parse_args(rest)
             return absorb_kept(dataclasses.replace(args, model=args.model or train.toy_backbone(args)), mine.seeds)
-        if mine.experiment in ("absorb", "course"):
-            return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds, given=rest, report=mine.report)
+        if mine.experiment == "course":
+            return course(train.parse_args(rest), mine.seeds, given=rest, report=mine.report, stages=mine.stages)
+        if mine.experiment == "absorb":
+            return absorb(train.parse_args(rest), mine.seeds, given=rest, report=mine.report)
         return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds)
 
 

@@ -461,18 +461,20 @@ def test_absorb_claims_a_job_once_and_takes_over_a_dead_workers(tmp_path):
 
 
 def test_course_command_runs_the_staged_path_at_tiny_size(runs, backbone, tmp_path, monkeypatch):
-    """experiments.py course on two of its stages (one seed, 2 steps, from run a's cached stages): OPSD's row has
-    no latent teacher; a LOPD stage logs its last Δ and β and its teacher along the way."""
+    """experiments.py course --stages on two of its stages and an exercise's row (one seed, 2 steps, from run a's
+    cached stages): the exercise's row is not run; OPSD's row has no latent teacher; a LOPD stage logs its last Δ
+    and β and its teacher along the way."""
     stage3 = "3. the composer learns, no margin (m = 0)"
-    rows = {k: experiments.COURSE_ROWS[k] for k in [*list(experiments.COURSE_ROWS)[:2], stage3]}
+    rows = {k: experiments.COURSE_ROWS[k] for k in [*list(experiments.COURSE_ROWS)[:2], stage3, "exercise 8: RFT"]}
     monkeypatch.setitem(experiments.ROWS, "course", rows)
     out = tmp_path / "course"
     (out / "seed0").mkdir(parents=True)
     for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
         subprocess.run(["cp", "-r", os.path.join(runs["a"], name), str(out / "seed0" / name)], check=True)
     flags = train_cmd(backbone, out, "--steps", "2", "--eval-every", "1", "--eval-tasks", "2")[2:]
-    experiments.main(["course", "--seeds", "1", *flags])        # --n-train 30 and --n-test 6 given: kept
+    experiments.main(["course", "--stages", "--seeds", "1", *flags])   # --n-train 30 and --n-test 6 given: kept
     got = {r["row"]: r for r in json.load(open(out / "seed0" / "course.json"))}
+    assert sorted(got) == sorted(list(rows)[:3])                # the exercise's row waits for a run without --stages
     opsd, m0 = got["1. OPSD: the teacher reads a success as text"], got[stage3]
     assert "teacher" not in opsd and "delta" not in opsd
     folder = experiments._row_dir(argparse.Namespace(out=str(out / "seed0")), stage3)
