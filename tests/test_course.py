@@ -85,3 +85,102 @@ def test_the_adding_a_method_diff_gives_a_method_that_trains(tmp_path, toy_backb
     steps = [r for r in rows if r["stage"] == "reinforce"]
     assert [r["step"] for r in steps] == [0, 1] and all("loss/reinforce" in r and r["skipped"] == 0 for r in steps)
     assert "| REINFORCE student |" in open(out / "results.md").read()
+
+
+# ---- the answers cite what the course command measured ----------------------------------------------------------
+# docs/exercises.md's answers quote `python experiments.py course` (assets/course.csv: one line per row and seed) in
+# tables headed CITED; every "a ± b" and every three-decimal figure of an answer's prose is either in its tables or
+# in a paragraph that names its other source (results.md, the commit it was measured at, or the paper's figures).
+CITED = "| course.csv row | measure | seed 0 | 3 seeds |"
+COURSE_CSV = os.path.join(ROOT, "assets", "course.csv")
+
+
+def cited(text: str) -> list[tuple[str, ...]]:
+    """(row, measure, seed-0 cell, mean ± std cell) for each line of each CITED table in `text`."""
+    out = []
+    for block in text.split(CITED)[1:]:
+        for line in block.splitlines()[2:]:                     # [0] rest of the header line, [1] the |---| line
+            if not line.startswith("|"):
+                break
+            out.append(tuple(c.strip() for c in line.strip().strip("|").split("|")))
+    return out
+
+
+def course_values(path: str = COURSE_CSV) -> dict:
+    """{(row, measure): {seed: value}} from a course CSV, computed here from the raw lines (not experiments.py)."""
+    import csv
+    out = {}
+    for r in csv.DictReader(open(path, encoding="utf-8")):
+        for k, v in r.items():
+            if k not in ("row", "seed") and v not in ("", None):
+                out.setdefault((r["row"], k), {})[int(r["seed"])] = float(v)
+    return out
+
+
+def fmt(measure: str, x: float) -> str:
+    return f"{x:.2f}" if measure == "seconds_per_step" else f"{x:.3f}"
+
+
+def stale_citations(rows: list[tuple[str, ...]], values: dict) -> list[str]:
+    import statistics
+    bad = []
+    for row, measure, seed0, spread in rows:
+        v = values.get((row, measure))
+        if v is None:
+            bad.append(f"{row} / {measure}: no such row and measure in course.csv")
+            continue
+        mean, std = statistics.fmean(v.values()), statistics.pstdev(v.values())   # population std, as the table's
+        want = (fmt(measure, v[0]), f"{fmt(measure, mean)} ± {fmt(measure, std)}")
+        if (seed0, spread) != want:
+            bad.append(f"{row} / {measure}: the doc says {seed0}, {spread}; course.csv gives {want[0]}, {want[1]}")
+    return bad
+
+
+def answers(text: str) -> dict:
+    """{answer heading: its text} under exercises.md's "## Answers"."""
+    part = text.split("\n## Answers\n", 1)[1]
+    return dict(re.findall(r"(?m)^### (.+)\n((?:(?!^### ).*\n?)*)", part))
+
+
+def uncited_figures(answer: str) -> list[str]:
+    """Figures of `answer`'s prose (a ± b, or 0.ddd) that are not in its CITED tables, in paragraphs that name no
+    other source."""
+    cells = [c for row in cited(answer) for c in row[2:]]
+    known = set(cells) | {n for c in cells for n in re.findall(r"\d\.\d+", c)}   # a cell, or a number in one
+    bad = []
+    for para in re.split(r"\n\s*\n", answer):
+        if para.startswith("|") or re.search(r"results\.md|commit [0-9a-f]{7}|the paper's", para, re.I):
+            continue
+        for fig in re.findall(r"(?<![\d.])\d\.\d+ ± \d\.\d+|(?<![\d.])[01]\.\d{3}(?!\d)", para):
+            if fig not in known:
+                bad.append(fig)
+    return bad
+
+
+def test_the_answers_cite_what_the_course_command_measured():
+    text = open(os.path.join(ROOT, "docs", "exercises.md"), encoding="utf-8").read()
+    rows, values = cited(text), course_values()
+    assert len(rows) >= 15, rows                                # the tables were found
+    assert not stale_citations(rows, values), "\n".join(stale_citations(rows, values))
+    bad = {h: f for h, a in answers(text).items() if (f := uncited_figures(a))}
+    assert not bad, bad
+    # the checks can fail: a figure that drifted from the CSV, and one in prose that no table or source backs
+    row, measure, seed0, spread = rows[0]
+    drifted = [(row, measure, fmt(measure, float(seed0) + 0.001), spread)]
+    assert stale_citations(drifted, values) and not stale_citations(rows[:1], values)
+    assert uncited_figures(f"{CITED}\n|---|---|---|---|\n| {row} | {measure} | {seed0} | {spread} |\n\n"
+                           f"The student ends at {spread}, not 0.999.\n") == ["0.999"]
+
+
+def test_the_walkthroughs_staged_table_is_the_course_table():
+    """Stop 5's table (the header, vanilla, the five stages and stages 3-5 at lr 1e-4) is assets/course.md's, which is what experiments.py
+    writes from assets/course.csv."""
+    import experiments
+    rows = []
+    for r in __import__("csv").DictReader(open(COURSE_CSV, encoding="utf-8")):
+        rows.append({k: (v if k == "row" else int(v) if k == "seed" else float(v)) for k, v in r.items() if v != ""})
+    table = experiments.absorb_table(rows, "course")
+    assert open(os.path.join(ROOT, "assets", "course.md"), encoding="utf-8").read() == table
+    walk = open(os.path.join(ROOT, "docs", "walkthrough.md"), encoding="utf-8").read()
+    lines = [line for line in table.splitlines() if re.match(r"\| (row|vanilla|\d'?\.) ", line)]
+    assert len(lines) == 10 and all(line in walk for line in lines), [line for line in lines if line not in walk]
