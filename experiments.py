@@ -657,7 +657,7 @@ def absorb(args: train.Args, seeds: int = 3, given=(), report: bool = False):
 def course(args: train.Args, seeds: int = 3, given=(), report: bool = False, stages: bool = False):
     """`python experiments.py course [--seeds 3] [--stages]`: the staged path of the walk-through, each row × seed
     at the exercises' scale (COURSE, unless its flag is given), then OUT/course.csv, course.md, course.png and the Δ
-    and β curves of the stages that learn the composer, course-curves.png. `stages`: vanilla and stages 1-5 only."""
+    and β curves of the stages trained by eq. 13, course-curves.png. `stages`: vanilla and stages 1-5 only."""
     flags = {g.split("=")[0] for g in given}
     args = dataclasses.replace(args, **{k: v for k, v in COURSE.items() if "--" + k.replace("_", "-") not in flags})
     rows = [r for r, c in ROWS["course"].items() if c is None or re.match(r"\d\. ", r)] if stages else None
@@ -666,15 +666,15 @@ def course(args: train.Args, seeds: int = 3, given=(), report: bool = False, sta
 
 
 def plot_course_curves(out: str, seeds: int):
-    """OUT/course-curves.png: Δ and β per iteration (mean over seeds) for the stages whose composer learns by LOPD's
-    loss, read back from each row's metrics.jsonl; the margin m as a dashed line."""
+    """OUT/course-curves.png: Δ and β per iteration (mean over seeds) for the stages trained by LOPD's loss (the
+    frozen composer's too: its Δ and β are logged), read back from each row's metrics.jsonl; the margin m dotted."""
     plt = _pyplot()
     if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for row, change in ROWS["course"].items():
-        if change is None or not row[0].isdigit() or change.get("method", "lopd") != "lopd" or change.get("freeze_composer"):
-            continue                                        # the stages whose composer learns by eq. 13
+        if change is None or not row[0].isdigit() or change.get("method", "lopd") != "lopd":
+            continue                                        # the stages trained by eq. 13 (φ frozen or not)
         runs = [_logged(os.path.join(out, f"seed{i}", _slug(row), "metrics.jsonl"), "lopd") for i in range(seeds)]
         runs = [r for r in runs if r]
         if not runs:

@@ -111,7 +111,7 @@ grpo | opsd | sdpo (baselines, B.1: the same loop, rollouts and evaluation; base
     top_m: int = 20
     """M, teacher top-M support of the distillation KL (eq. 9; B.2: 20)"""
     margin: float = 0.05
-    """m, the privileged margin (eq. 13; B.2: 0.05)"""
+    """m, the privileged margin (eq. 13; §4.1: 0.05)"""
     anchor: float = 0.2
     """λ, weight of the latent anchor ||c_φ − sg c_φ0||² (B.2: 0.2)"""
     dual_lr: float = 0.5
