@@ -660,8 +660,8 @@ def course(args: train.Args, seeds: int = 3, given=(), report: bool = False, sta
     and β curves of the stages trained by eq. 13, course-curves.png. `stages`: vanilla and stages 1-5 only."""
     flags = {g.split("=")[0] for g in given}
     args = dataclasses.replace(args, **{k: v for k, v in COURSE.items() if "--" + k.replace("_", "-") not in flags})
-    rows = [r for r, c in ROWS["course"].items() if c is None or re.match(r"\d\. ", r)] if stages else None
-    _run_rows("course", args, seeds, report, rows)
+    rows = [r for r, c in ROWS["course"].items() if c is None or _stage(r) in {(n, False) for n in range(1, 6)}]
+    _run_rows("course", args, seeds, report, rows if stages else None)
     plot_course_curves(args.out, seeds)
 
 
@@ -673,14 +673,16 @@ def plot_course_curves(out: str, seeds: int):
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for row, change in ROWS["course"].items():
-        if change is None or not row[0].isdigit() or change.get("method", "lopd") != "lopd":
+        if _stage(row) is None or change.get("method", "lopd") != "lopd":
             continue                                        # the stages trained by eq. 13 (φ frozen or not)
-        runs = [_logged(os.path.join(out, f"seed{i}", _slug(row), "metrics.jsonl"), "lopd") for i in range(seeds)]
+        runs = [_logged(os.path.join(_seed_row_dir(os.path.join(out, f"seed{i}"), row), "metrics.jsonl"), "lopd")
+                for i in range(seeds)]
         runs = [r for r in runs if r]
         if not runs:
             continue
         steps = sorted(set.intersection(*(set(r) for r in runs)))
-        style = dict(color=f"C{int(row[0])}", ls="--" if "'" in row.split(".")[0] else "-", marker=".", label=row)
+        number, primed = _stage(row)
+        style = dict(color=f"C{number}", ls="--" if primed else "-", marker=".", label=row)
         for ax, key in ((a, "privilege/delta"), (b, "dual/beta")):   # one colour a stage; dashed: lr 1e-4
             ax.plot(steps, [np.mean([r[t][key] for r in runs]) for t in steps], **style)
     a.axhline(0.05, ls=":", color="k", lw=0.8)
@@ -721,7 +723,17 @@ def _run_rows(kind: str, args: train.Args, seeds: int, report: bool, only=None):
 
 
 def _row_dir(a: train.Args, row: str) -> str:
-    return os.path.join(a.out, _slug(row.replace("φ0", "phi0")))
+    return _seed_row_dir(a.out, row)
+
+
+def _seed_row_dir(seed_out: str, row: str) -> str:
+    return os.path.join(seed_out, _slug(row.replace("φ0", "phi0")))
+
+
+def _stage(row: str):
+    """A course row's stage: (its number, whether it is a primed lr-1e-4 repeat), or None for other rows."""
+    m = re.match(r"(\d)('?)\. ", row)
+    return (int(m.group(1)), bool(m.group(2))) if m else None
 
 
 def _absorbed(a: train.Args, row: str, kind: str = "absorb") -> bool:

@@ -173,11 +173,12 @@ def test_the_answers_cite_what_the_course_command_measured():
 
 
 def test_the_walkthroughs_staged_table_is_the_course_table():
-    """Stop 5's table (the header, vanilla, the five stages and stages 3-5 at lr 1e-4) is assets/course.md's, which is what experiments.py
-    writes from assets/course.csv."""
+    """Stop 5's table (the header, vanilla, the five stages and stages 3-5 at lr 1e-4) is assets/course.md's, which
+    is what experiments.py writes from assets/course.csv."""
+    import csv
     import experiments
     rows = []
-    for r in __import__("csv").DictReader(open(COURSE_CSV, encoding="utf-8")):
+    for r in csv.DictReader(open(COURSE_CSV, encoding="utf-8")):
         rows.append({k: (v if k == "row" else int(v) if k == "seed" else float(v)) for k, v in r.items() if v != ""})
     table = experiments.absorb_table(rows, "course")
     assert open(os.path.join(ROOT, "assets", "course.md"), encoding="utf-8").read() == table
