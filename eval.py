@@ -1,6 +1,6 @@
 """Evaluate a finished run on held-out tasks, and look inside its composer (paper §4, B.3, B.4, §4.4).
 
-    python eval.py --run runs/toy                    # Table 3's rows again; results.md and results.json in the run
+    python eval.py --run runs/toy                    # Table 3's rows again: OUT/eval_200tasks.md and .json
     python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
     python eval.py --run runs/toy --inspect-latents  # what the composer carries (§4.4; `latent_similarity`)
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
@@ -49,15 +49,24 @@ import train
 def final_eval(args: train.Args, n_test: int = 0, temperature=None, controls: bool = False,
                keep: dict | None = None):
     """Rebuild the run from OUT (`train.load_run`), evaluate its rows on the first n_test held-out tasks (0: all),
-    with `controls` also the world check's rows; write results.md/json. -> (rows, run, tasks)."""
+    with `controls` also the world check's rows; write them into files of their own (`eval_name`), never over the
+    training run's results.md. -> (rows, run, tasks)."""
     run = train.load_run(args)
     tasks = run["test"][:n_test] if n_test else run["test"]
     rows = train.name_student_row(args, train.evaluate(args, run["composer"], run["student"], run["retriever"],
                                                        run["tok"], tasks, temperature, keep=keep))
     if controls:
         rows.update({k: v for k, v in train.world_check(args, run, tasks).items() if k not in rows})
-    train.write_results(args.out, rows, table=train.environment(args).results)
+    train.write_results(args.out, rows, table=train.environment(args).results,
+                        name=eval_name(len(tasks), temperature, controls))
     return rows, run, tasks
+
+
+def eval_name(n_tasks: int, temperature=None, controls: bool = False) -> str:
+    """What an evaluation wrote its rows into, named by what it evaluated: eval_200tasks, eval_4tasks_T0
+    (temperature 0), eval_200tasks_world-check."""
+    return (f"eval_{n_tasks}tasks" + ("" if temperature is None else f"_T{temperature:g}") +
+            ("_world-check" if controls else ""))
 
 
 def conventions_table(tok, episodes: dict) -> str:
@@ -297,23 +306,24 @@ def main(argv=None):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
-    args = train.load_args(a.run)
+    args = dataclasses.replace(train.load_args(a.run), out=a.run)     # the folder given, wherever it was trained
     if a.tasks:
         missing = [f for f in a.tasks if not os.path.isfile(f)]
         if missing:
             p.error(f"--tasks: no such file {missing[0]!r}; give JSONL benchmark files")
-        return eval_benchmarks(dataclasses.replace(args, out=a.run), a.tasks, a.n_test, a.temperature)
+        return eval_benchmarks(args, a.tasks, a.n_test, a.temperature)
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     if a.show:
         with runtime.one_line_errors():
-            path = show_episodes(dataclasses.replace(args, out=a.run), a.show, os.path.join(a.run, "show.html"))
+            path = show_episodes(args, a.show, os.path.join(a.run, "show.html"))
         print(f"wrote {path}")
         return
     keep = {} if a.conventions else None
     with runtime.one_line_errors():
         rows, run, tasks = final_eval(args, a.n_test, a.temperature, a.world_check, keep)
     print(train.markdown_table(rows, table=train.environment(args).results))
+    print(f"written to {os.path.join(a.run, eval_name(len(tasks), a.temperature, a.world_check))}.md and .json")
     if a.conventions:
         print(conventions_table(run["tok"], train.name_student_row(args, keep)))
     if a.inspect_latents:

@@ -26,8 +26,8 @@ table (and figure) into --out:
               self-retrieval, student lr 1e-5, L_distill per trajectory, epoch task order, the cold start's two
               optimizers, a bf16 QFormer), with all of them, with an oracle same-shop retriever, and GRPO and RFT;
               per row the student, its teacher at the end, the distillation efficiency (student − vanilla) /
-              (teacher − vanilla) and the gaps to GRPO and RFT; the best row and GRPO then run twice as long. Two
-              processes on one --out share the rows (`OMP_NUM_THREADS=1 python experiments.py absorb &` twice).
+              (teacher − vanilla) and the gaps to GRPO and RFT; the best row and GRPO then run twice as long. Several
+              processes on one --out share the rows (`python experiments.py absorb --workers 2`).
 
   course      OUT/course.csv, course.md, course.png, course-curves.png: the walk-through's five stages at the
               exercises' scale (300 training tasks, 100 held out, 20 iterations): OPSD with a text teacher;
@@ -51,9 +51,12 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
+import torch
 
 import baselines
 import envs
@@ -646,7 +649,8 @@ ROWS = {"absorb": ABSORB_ROWS, "course": COURSE_ROWS}
 
 def absorb(args: train.Args, seeds: int = 3, given=(), report: bool = False):
     """`python experiments.py absorb [--seeds 3]`: every row × seed, then the long runs, then OUT/absorb.csv,
-    absorb.md and absorb.png. Start it twice on the same --out to use two cores (OMP_NUM_THREADS=1 each). A
+    absorb.md and absorb.png. --workers 2 (or two processes on the same --out, OMP_NUM_THREADS=1 each) uses two
+    cores. A
     --steps on the command line replaces ABSORB_STEPS (the long runs: twice as many). `report`: run nothing, write
     the table from the rows finished so far."""
     given_steps = any(g.split("=")[0] == "--steps" for g in given)
@@ -967,9 +971,14 @@ def main(argv=None):
                    "3'-5' or the exercises' rows (the table shows every row finished so far)")
     p.add_argument("--ks", default="1,2,3,4", help="dial only: the K (hidden conventions per shop) to run, "
                    "comma-separated (default: 1,2,3,4)")
+    p.add_argument("--workers", type=int, default=1, help="absorb and course: this many processes share the rows "
+                   "of one --out, the cores split between them (default: 1)")
     mine, rest = p.parse_known_args(argv)
-    if mine.seeds < 1:
-        p.error(f"--seeds must be at least 1, not {mine.seeds}")
+    if mine.seeds < 1 or mine.workers < 1:
+        p.error(f"--seeds and --workers must be at least 1, not {mine.seeds} and {mine.workers}")
+    if mine.workers > 1 and mine.experiment not in ("absorb", "course"):
+        p.error(f"--workers: only absorb and course share their rows between processes, not {mine.experiment}")
+    helpers = start_workers(mine.workers, argv if argv is not None else sys.argv[1:])
     try:
         ks = tuple(int(k) for k in mine.ks.split(","))
     except ValueError:
@@ -983,10 +992,25 @@ def main(argv=None):
             args = train.parse_args(rest)
             return absorb_kept(dataclasses.replace(args, model=args.model or train.toy_backbone(args)), mine.seeds)
         if mine.experiment == "course":
-            return course(train.parse_args(rest), mine.seeds, given=rest, report=mine.report, stages=mine.stages)
+            course(train.parse_args(rest), mine.seeds, given=rest, report=mine.report, stages=mine.stages)
+            return [h.wait() for h in helpers]
         if mine.experiment == "absorb":
-            return absorb(train.parse_args(rest), mine.seeds, given=rest, report=mine.report)
+            absorb(train.parse_args(rest), mine.seeds, given=rest, report=mine.report)
+            return [h.wait() for h in helpers]
         return EXPERIMENTS[mine.experiment](train.parse_args(rest), mine.seeds)
+
+
+def start_workers(n: int, argv: list) -> list:
+    """--workers N: N − 1 more processes of the same command (the rows are shared through claim files), and every
+    process, this one too, on cores / N threads: two processes on both cores' threads each ran several times slower
+    than on one each (torch's threads spin against each other)."""
+    threads = max(1, (os.cpu_count() or 1) // n)
+    if n > 1:
+        torch.set_num_threads(threads)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    argv = [a for i, a in enumerate(argv) if not a.startswith("--workers") and
+            not (i > 0 and argv[i - 1] == "--workers")]
+    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env) for _ in range(n - 1)]
 
 
 if __name__ == "__main__":

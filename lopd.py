@@ -29,14 +29,16 @@ are never re-tokenized: the ids that were sampled are the ids that are scored (d
 
 Deviations from the paper
 -------------------------
-1. Generation uses Hugging Face `generate` (KV cache within a turn, left padding, explicit attention masks), not
-   SGLang/vLLM; each turn re-encodes the conversation so far.
+1. Generation is a small KV-cached sampler on the Hugging Face model (`Conversations`: left padding, explicit
+   attention masks and positions, Hugging Face's warpers), not SGLang/vLLM. Each conversation keeps its cache
+   across turns and the prompt prefix a batch shares is computed once, as a serving engine's prefix cache would.
 2. A reply cut off by the per-turn token budget ends the episode (the reply is kept, unterminated), and so does a
    conversation whose next reply might not fit its budget (`SampleConfig.max_len`, train.py --max-len).
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -44,7 +46,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import LogitsProcessor, LogitsProcessorList
 
 import inject
 import losses
@@ -198,7 +199,7 @@ class SampleConfig:
     max_new_tokens: int = 64      # per reply
     max_len: int = 768            # the conversation's token budget: an episode ends when its next reply might not
                                   # fit (train.py --max-len; B.2's 40,960 for real models, 768 for the toy)
-    batch_size: int = 64          # episodes generated together (train.py --gen-batch, or from --kv-budget)
+    batch_size: int = 64          # episodes generated together (train.py --gen-batch, or the memory plan's)
     sort_by_length: bool = False  # batch tasks of similar length together (real models: less left padding)
     enable_thinking: bool = False # chat template: Qwen3 thinking mode (prompts, observations, latent prompts)
 
@@ -214,54 +215,171 @@ def left_pad(rows, pad_id, device):
     return ids.to(device), att.to(device)
 
 
-class SampledLogProbs(LogitsProcessor):
-    """log π(a_t) at temperature 1 of each token that `generate` samples, one (B,) gather per step.
+def sample_next(scores, cfg: SampleConfig):
+    """The next token of each row from its logits (B, V) fp32: argmax at temperature 0; otherwise Hugging Face's
+    sampling, in its order: divide by the temperature, keep the top-k, keep the top-p nucleus, draw from the
+    softmax. -> (B,) ids."""
+    if cfg.temperature <= 0:
+        return scores.argmax(-1)                                              # (B,)
+    s = scores / cfg.temperature if cfg.temperature != 1.0 else scores       # (B, V)
+    if cfg.top_k:
+        kth = torch.topk(s, min(cfg.top_k, s.shape[-1]))[0][..., -1:]         # (B, 1) the k-th largest
+        s = s.masked_fill(s < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_s, order = torch.sort(s, descending=False)                     # (B, V) ascending
+        drop = sorted_s.softmax(-1).cumsum(-1) <= 1 - cfg.top_p                # (B, V) the tail outside the nucleus
+        drop[..., -1:] = False                                                # the most likely token always stays
+        s = s.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(s.softmax(-1), num_samples=1)[:, 0]              # (B,)
 
-    generate calls a logits processor with step t's scores (B, V) and the ids up to step t − 1, so this one keeps
-    step t's log-softmax until the next call (or `finish`) shows which token was drawn. Peak memory is one (B, V)
-    step, where generate's `output_logits` would keep every step, (B, N, V): ~40 GB in fp32 at B = 64, N = 1024,
-    V = 151,936. It runs after generate's own processors (none for the toy or Qwen3: the raw logits) and before
-    the sampling warpers (temperature, top-k, top-p), which it never sees."""
 
-    def __init__(self):
-        self.steps, self.pending = [], None
+class Conversations:
+    """The KV caches of the conversations that generate together, kept from turn to turn.
 
-    def __call__(self, input_ids, scores):
-        if self.pending is not None:                                        # the token drawn at step t − 1
-            self.steps.append(self.pending.gather(-1, input_ids[:, -1:])[:, 0])   # (B,)
-        self.pending = F.log_softmax(scores.float(), -1)                     # (B, V) step t
-        return scores
+    A turn feeds each conversation only what its cache lacks: the prompt once, then the last reply's final token
+    and the observation. So a turn costs its new tokens, not the whole conversation again, and the prompt part that
+    every conversation of the batch shares (the system prompt and the tool schemas) is computed once, for one row,
+    then copied to every row. The layout is left-padded: each feed ends in the last column, whose logits predict
+    every row's next token. Padding has attention mask 0 and no position of its own (position ids count each
+    row's real tokens), so every row sees exactly its own conversation. Keys are cached after their rotary
+    embedding, so squeezing the padding out between turns (`_compact`) changes no key.
 
-    def finish(self, new):
-        """new (B, N) the sampled ids -> their log-probs (B, N)."""
-        last = self.pending.gather(-1, new[:, -1:].to(self.pending.device))[:, 0]   # (B,)
-        return torch.stack(self.steps + [last], 1)                          # (B, N)
+    `embed_fn(ids, attention_mask) -> inputs_embeds` fills the prompts' placeholder span with latents (inject.py);
+    it is called once, on the left-padded prompts, and the latents then live in the cache."""
+
+    def __init__(self, model, tokenizer, embed_fn=None):
+        self.model, self.pad, self.embed_fn = model, tokenizer.pad_token_id, embed_fn
+        self.device = next(model.parameters()).device
+        self.cache, self.mask = None, None      # the model's cache of B rows; (B, L) 1 on each row's real tokens
+        self.keys, self.fed = [], []            # per row: the caller's key, the ids its cache holds
+        self.cache_arg = cache_argument(model)
+
+    def forward(self, ids=None, embeds=None):
+        """Feed (B, n) new ids (or embeddings) behind the cache, whose mask already covers them. -> (B, V) fp32
+        logits of each row's last column."""
+        pos = (self.mask.cumsum(1) - 1).clamp(min=0)[:, -(ids if embeds is None else embeds).shape[1]:]   # (B, n)
+        past = {} if self.cache is None else {self.cache_arg: self.cache}
+        out = self.model(input_ids=ids, inputs_embeds=embeds, attention_mask=self.mask, position_ids=pos,
+                         use_cache=True, logits_to_keep=1, **past)
+        self.cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        return out.logits[:, -1].float()                                      # (B, V)
+
+    def start(self, keys, prompts):
+        """The first feed: the prompts' shared prefix once, for one row, then each row's own rest. -> (B, V)."""
+        self.keys, self.fed = list(keys), [list(p) for p in prompts]
+        rows = self._prompt_vectors(prompts)                       # per row (n_i,) ids or (n_i, d) embeddings
+        p = _shared_prefix(rows)
+        B, embeds = len(rows), self.embed_fn is not None
+        if p:
+            self.mask = torch.ones((1, p), dtype=torch.long, device=self.device)          # (1, p)
+            self.forward(**{"embeds" if embeds else "ids": rows[0][None, :p]})
+            self.cache.batch_repeat_interleave(B)                                         # (B, heads, p, hd)
+            self.mask = self.mask.expand(B, p)                                            # (B, p)
+        return self._feed([r[p:] for r in rows])
+
+    def _prompt_vectors(self, prompts) -> list:
+        if self.embed_fn is None:
+            return [torch.tensor(p, device=self.device) for p in prompts]
+        ids, att = left_pad(prompts, self.pad, self.device)                              # (B, L)
+        embeds = self.embed_fn(ids, att)                                                  # (B, L, d)
+        return [embeds[i, ids.shape[1] - len(p):] for i, p in enumerate(prompts)]       # (n_i, d) each
+
+    def _feed(self, tails) -> torch.Tensor:
+        """Append each row's new ids (or embeddings) behind its cache, left-padded to one width. -> (B, V)."""
+        n, first = max(len(t) for t in tails), tails[0]
+        new = first.new_zeros((len(tails), n) + tuple(first.shape[1:]))                 # (B, n) or (B, n, d)
+        if first.dim() == 1:
+            new.fill_(self.pad)
+        mask = torch.zeros((len(tails), n), dtype=torch.long, device=self.device)         # (B, n)
+        for i, t in enumerate(tails):
+            new[i, n - len(t):], mask[i, n - len(t):] = t, 1
+        self.mask = mask if self.mask is None else torch.cat([self.mask, mask], 1)         # (B, L + n)
+        return self.forward(**{"embeds" if new.dim() == 3 else "ids": new})
+
+    def resume(self, keys, contexts) -> torch.Tensor:
+        """A later turn: keep the rows of `keys` (in their order), squeeze out padding, feed what each cache lacks."""
+        rows = [self.keys.index(k) for k in keys]
+        if rows != list(range(len(self.keys))):
+            self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
+            self.mask, self.keys, self.fed = self.mask[rows], list(keys), [self.fed[i] for i in rows]
+        self._compact()
+        tails = []
+        for i, ctx in enumerate(contexts):
+            if ctx[:len(self.fed[i])] != self.fed[i] or len(ctx) == len(self.fed[i]):
+                raise ValueError(f"conversation {self.keys[i]!r}: its context does not extend what it was fed")
+            tails.append(torch.tensor(ctx[len(self.fed[i]):], device=self.device))
+            self.fed[i] = list(ctx)
+        return self._feed(tails)
+
+    def _compact(self):
+        """Move each row's cached tokens to the right end, in order, and drop the columns that hold only padding.
+        Only for caches of full-attention layers (a sliding window keeps its own positions): others keep it."""
+        from transformers.cache_utils import DynamicLayer
+        if bool(self.mask.all()) or not all(type(layer) is DynamicLayer for layer in self.cache.layers):
+            return                                                        # no padding, or a cache of another kind
+        width = int(self.mask.sum(1).max())                               # the longest row's cached tokens
+        order = torch.sort(self.mask, dim=1, stable=True).indices[:, -width:]             # (B, width) real last
+        for layer in self.cache.layers:
+            at = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, at), layer.values.gather(2, at)  # (B, heads, width, hd)
+        self.mask = self.mask.gather(1, order)                                             # (B, width)
+
+    def decode(self, logits, cfg: SampleConfig, eos: list) -> list:
+        """Sample up to cfg.max_new_tokens per row from the logits of its last fed token; a row stops at its first
+        end-of-turn id. -> per row (reply ids, their log-probs at temperature 1, ended with eos?)."""
+        B, ends = logits.shape[0], torch.tensor(eos, device=self.device)
+        replies, logps = [[] for _ in range(B)], [[] for _ in range(B)]
+        live = torch.ones(B, dtype=torch.bool, device=self.device)                       # (B,)
+        for t in range(cfg.max_new_tokens):
+            tok = sample_next(logits, cfg)                                                 # (B,)
+            lp = F.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]                  # (B,) log π(a_t)
+            for i, (a, la, on) in enumerate(zip(tok.tolist(), lp.tolist(), live.tolist())):
+                if on:
+                    replies[i].append(a)
+                    logps[i].append(la)
+            live = live & ~torch.isin(tok, ends)
+            if not live.any() or t == cfg.max_new_tokens - 1:
+                break
+            for i in live.nonzero()[:, 0].tolist():               # the token goes into the cache of a live row
+                self.fed[i].append(replies[i][-1])
+            self.mask = torch.cat([self.mask, live[:, None].long()], 1)                   # (B, L + 1)
+            logits = self.forward(ids=tok.masked_fill(~live, self.pad)[:, None])           # (B, V)
+        return [(r, lp, bool(r) and r[-1] in eos) for r, lp in zip(replies, logps)]
+
+
+def cache_argument(model) -> str:
+    """The name under which `model`'s forward takes a KV cache: `cache` in recent transformers 5.x releases,
+    `past_key_values` before them."""
+    from transformers import PreTrainedModel
+    wrapped = getattr(model, "peft", model)             # runtime.LoraStudent keeps its backbone off its modules
+    inner = next((m for m in wrapped.modules() if isinstance(m, PreTrainedModel)), wrapped)
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+
+
+def _shared_prefix(rows) -> int:
+    """How many leading positions every row shares (equal ids, or equal embedding vectors), leaving each row at
+    least one position of its own (its last one gives the logits of its first reply token)."""
+    n = min(len(r) for r in rows) - 1
+    if len(rows) == 1 or n <= 0:
+        return 0 if len(rows) > 1 else max(n, 0)
+    first = rows[0][:n]
+    same = torch.stack([(r[:n] == first).reshape(n, -1).all(-1) for r in rows[1:]]).all(0)   # (n,)
+    return int(same.long().cumprod(0).sum())
 
 
 @torch.no_grad()
-def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=None):
+def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=None, conversations=None, keys=None):
     """Sample one reply per context. Returns per row (new ids, their log-probs at temperature 1, finished?).
 
-    `embed_fn(ids, attention_mask) -> inputs_embeds` lets a caller replace placeholder embeddings with latents
-    (inject.py); generate then returns only the new tokens. The log-probs are gathered step by step
-    (`SampledLogProbs`); no loss reads them (GRPO's π_old is the detached re-scored policy, ρ = 1), they are kept
-    with the episode as a check that re-scoring reproduces sampling."""
-    device = next(model.parameters()).device
-    ids, att = left_pad(contexts, tokenizer.pad_token_id, device)        # (B, L)
-    sample, logps, eos = cfg.temperature > 0, SampledLogProbs(), eos_ids(model, tokenizer)
-    kw = dict(attention_mask=att, max_new_tokens=cfg.max_new_tokens, do_sample=sample,
-              pad_token_id=tokenizer.pad_token_id, eos_token_id=eos if len(eos) > 1 else eos[0],
-              logits_processor=LogitsProcessorList([logps]),
-              synced_gpus=False)   # under torchrun a sharded student generates gathered (`gathered`): no lockstep
-    if sample:
-        kw.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-    else:
-        kw.update(temperature=None, top_p=None, top_k=None)
-    if embed_fn is None:
-        new = model.generate(input_ids=ids, **kw)[:, ids.shape[1]:]        # (B, N)
-    else:
-        new = model.generate(inputs_embeds=embed_fn(ids, att), **kw)       # (B, N): only new tokens
-    return cut_at_eos(new, logps.finish(new), eos)                          # logps: (B, N)
+    `conversations` (a `Conversations`) keeps each context's KV cache from an earlier call, under `keys` (one per
+    context): a later turn then feeds only what a context added since. Without it, every context is fed whole.
+    `embed_fn(ids, attention_mask) -> inputs_embeds` replaces the placeholder embeddings with latents (inject.py).
+    The log-probs are those of the raw logits; no loss reads them (GRPO's π_old is the detached re-scored policy,
+    ρ = 1): they are kept with the episode as a check that re-scoring reproduces sampling."""
+    conv = conversations if conversations is not None else Conversations(model, tokenizer, embed_fn)
+    keys = list(range(len(contexts))) if keys is None else list(keys)
+    logits = conv.resume(keys, contexts) if conv.cache is not None else conv.start(keys, contexts)   # (B, V)
+    return conv.decode(logits, cfg, eos_ids(model, tokenizer))
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -272,18 +390,6 @@ def eos_ids(model, tokenizer) -> list[int]:
     more = getattr(config, "eos_token_id", None)
     more = [] if more is None else [more] if isinstance(more, int) else list(more)
     return [tokenizer.eos_token_id] + [i for i in more if i != tokenizer.eos_token_id]
-
-
-def cut_at_eos(new, logp, eos_id) -> list:
-    """Each row's reply up to and including its first eos (one id or a list of them): [(ids, log-probs, ended with
-    eos)]. new, logp (B, N)."""
-    ends = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=new.device)
-    rows = []
-    for i in range(new.shape[0]):
-        eos = torch.isin(new[i], ends).nonzero()
-        n = int(eos[0]) + 1 if len(eos) else new.shape[1]
-        rows.append((new[i, :n].tolist(), logp[i, :n].tolist(), bool(len(eos))))
-    return rows
 
 
 def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tools=None, prompt_fn=None,
@@ -310,11 +416,13 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
             ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else
                    prompt_ids(tokenizer, msgs, tools, cfg.enable_thinking), sampled=False)
             ep.prompt_len = len(ep.ids)
+        # each conversation keeps its KV cache from turn to turn; embed_fn is told which tasks the rows are
+        conv = Conversations(model, tokenizer, None if embed_fn is None else
+                             lambda ids, att, rows=which: embed_fn(ids, att, rows))
         while not all(ep.done for ep in eps):
             live = [i for i, ep in enumerate(eps) if not ep.done]
-            bound = None if embed_fn is None else (  # tell embed_fn which tasks the rows are
-                lambda ids, att, rows=[which[i] for i in live]: embed_fn(ids, att, rows))
-            replies = generate_replies(model, tokenizer, [eps[i].ids for i in live], cfg, bound)
+            replies = generate_replies(model, tokenizer, [eps[i].ids for i in live], cfg, conversations=conv,
+                                       keys=live)
             texts = [tokenizer.decode(new, skip_special_tokens=False).replace(tokenizer.eos_token, "")
                      for new, _, _ in replies]
             n_before = [len(envs[i].trace) for i in live]
@@ -552,17 +660,18 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
 
 
 def micro_batches(eps, size: int, token_budget: int = 0) -> list[slice]:
-    """The forward/backward passes of a batch, as consecutive slices of its episodes: `size` episodes each, or with
-    a token budget as many as fit in it, counted as a padded batch (rows × the longest episode; at least one).
-    Losses are normalised by the whole batch's counts, so any split gives the same gradient. Under torchrun every
-    rank runs as many as the busiest one (a sharded model's forward is a collective): the extra ones are empty."""
+    """The forward/backward passes of a batch, as consecutive slices of its episodes: at most `size` episodes each,
+    and with a token budget at most as many as fit in it, counted as a padded batch (rows × the longest episode; at
+    least one). Losses are normalised by the whole batch's counts, so any split gives the same gradient. Under
+    torchrun every rank runs as many as the busiest one (a sharded model's forward is a collective): the extra ones
+    are empty."""
     if not token_budget:
         out = [slice(i, i + size) for i in range(0, len(eps), size)]
     else:
         out, start, longest = [], 0, 0
         for i, e in enumerate(eps):
             longest = max(longest, len(e.ids))
-            if i > start and longest * (i + 1 - start) > token_budget:   # e does not fit: it opens the next one
+            if i > start and (longest * (i + 1 - start) > token_budget or i - start == size):   # e opens the next
                 out.append(slice(start, i))
                 start, longest = i, len(e.ids)
         out.append(slice(start, len(eps)))

@@ -29,6 +29,7 @@ import shutil
 import sys
 import types
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -140,21 +141,27 @@ def cached(path: str) -> bool:
     return all_true(os.path.exists(path))
 
 
-def write_json(path: str, obj):
-    """Write one JSON object atomically: a temp file in the same folder, then os.replace."""
-    tmp = path + ".tmp"
+@contextmanager
+def atomic_open(path: str):
+    """A text file written atomically: into a temp file in the same folder, renamed over `path` once complete (a
+    kill leaves the old file or the new one, never half of one)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        yield f
     os.replace(tmp, path)
+
+
+def write_json(path: str, obj):
+    """Write one JSON object atomically (`atomic_open`)."""
+    with atomic_open(path) as f:
+        json.dump(obj, f, indent=1)
 
 
 def write_jsonl(path: str, rows):
-    """Write rows atomically: a temp file in the same folder, then os.replace."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    """Write rows atomically (`atomic_open`)."""
+    with atomic_open(path) as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -479,18 +486,6 @@ def _identity(x):
     return x
 
 
-def kv_bytes_per_token(config) -> int:
-    """Generation's KV cache: keys and values of every layer, bf16. Qwen3-4B: 2·36·8·128·2 = 147 KB a token."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * 2
-
-
-def kv_budget_batch(config, budget_gb: float, max_len: int) -> int:
-    """How many conversations of max_len tokens generate together within budget_gb of KV cache (at least one)."""
-    return max(1, int(budget_gb * 1e9 // (kv_bytes_per_token(config) * max_len)))
-
-
 def lm_head(model_or_head) -> tuple:
     """(weight (V, d), bias or None) of an LM head, or of a model's (get_output_embeddings()). A tied head is the
     embedding matrix itself, so its gradient reaches the embeddings. A ValueError for a head that is not one
@@ -501,6 +496,147 @@ def lm_head(model_or_head) -> tuple:
         raise ValueError(f"{type(model_or_head).__name__}: its logits are not one linear map of its hidden states; "
                          "the chunked loss needs that (use --loss-chunk 0)")
     return head.weight, head.bias
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The memory plan: every budget from the machine it runs on
+# ----------------------------------------------------------------------------------------------------------------
+HEADROOM = 0.85     # the share of the measured free memory a plan fills; the rest is for what it does not count
+CPU_TOKENS = 2048   # a CPU's forward/backward is no faster a token past this many (docs/real-models.md): the cap there
+EXPERIENCE_TOKENS = 512   # tokens of one retrieved experience in the composer's encoder (an observation-lite trace)
+GB = 1e9
+
+
+def free_memory(device) -> int:
+    """Bytes this process may still fill: CUDA's free memory on the device; on the CPU the host's available RAM
+    (MemAvailable) and, under an address-space cap (`ulimit -v`), what the cap leaves above the process's size."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")}
+    free = info.get("MemAvailable", info.get("MemFree", 0))
+    import resource
+    cap = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if cap != resource.RLIM_INFINITY:
+        size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
+        free = min(free, cap - size)
+    return max(0, free)
+
+
+def layer_activation_bytes(config, elem: int = 2) -> int:
+    """What one decoder layer keeps for its backward, per token, in an `elem`-byte dtype, with SDPA attention:
+    (16·d + 10·(q width) + 10·(k/v width) + 8·(MLP width)) · elem / 2 bytes. Measured on HF's Qwen3 in bf16 by
+    `bench.check_plan` (fitted on six shapes); Korthikanti et al.'s 34·d (a GPT layer, a 4·d MLP) is half of it."""
+    d, I = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return (16 * d + 10 * config.num_attention_heads * head_dim + 10 * kv_heads * head_dim + 8 * I) * elem // 2
+
+
+def activation_bytes_per_token(config, checkpointing: bool, elem: int = 2) -> int:
+    """The activations of one token through the decoder: every layer's `layer_activation_bytes` and ~8·d outside
+    them (the final norm) without recomputation; with checkpointing each layer's input (2·d), ~6·d outside, and one
+    layer's activations while it is recomputed (bf16 figures, scaled by elem / 2)."""
+    d, L = config.hidden_size, config.num_hidden_layers
+    if checkpointing:
+        return (2 * d * L + 6 * d) * elem // 2 + layer_activation_bytes(config, elem)
+    return layer_activation_bytes(config, elem) * L + 8 * d * elem // 2
+
+
+def loss_bytes_per_row(config) -> int:
+    """The chunked loss's peak per row of its chunk: ~6 fp32 (V,) tensors (both sides' logits and log-probs, a
+    gradient). `bench.check_plan` measures it."""
+    return 6 * 4 * config.vocab_size
+
+
+def kv_bytes_per_token(config, elem: int = 2) -> int:
+    """Generation's KV cache: keys and values of every layer. Qwen3-4B in bf16: 2·36·8·128·2 = 147 KB a token."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * elem
+
+
+def kv_budget_batch(config, budget_gb: float, max_len: int, elem: int = 2) -> int:
+    """How many conversations of max_len tokens generate together within budget_gb of KV cache (at least one)."""
+    return max(1, int(budget_gb * GB // (kv_bytes_per_token(config, elem) * max_len)))
+
+
+@dataclass
+class Costs:
+    """What one run costs in memory beyond the loaded backbone, in bytes (`step_costs`)."""
+    resident: int        # allocated for the whole joint stage: the trained weights, their gradients and AdamW states
+    per_token: dict      # {checkpointing: bytes} of one supervised token of a micro-batch (student and teacher)
+    per_row: dict        # {checkpointing: bytes} of one rollout of a micro-batch (its J experiences in the encoder)
+    fixed: int           # of any training step: the loss's chunk of rows
+    per_conversation: int   # of one conversation of --max-len tokens generating: its KV cache
+
+
+def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max_len: int, world: int = 1) -> Costs:
+    """The terms of the plan for a backbone of `config` computing in `elem`-byte precision with `trained` trained
+    parameters (the student, sharded over `world` ranks, and the composer): 16 bytes each (fp32 weight, gradient,
+    AdamW m and v); every supervised token goes through the student and the teacher, each rollout's J experiences
+    through the encoder; the loss is C rows × ~6 fp32 (V,) tensors chunked, both sides' (T, V) logits in full; a
+    generating conversation holds the KV cache of max_len tokens."""
+    sides = {ck: 2 * activation_bytes_per_token(config, ck, elem) for ck in (False, True)}
+    full_logits = 0 if loss_chunk else 2 * config.vocab_size * (elem + 8)        # logits, log-probs, a gradient
+    return Costs(resident=16 * trained // world,
+                 per_token={ck: b + full_logits for ck, b in sides.items()},
+                 per_row={ck: n_ret * EXPERIENCE_TOKENS * b // 2 for ck, b in sides.items()},
+                 fixed=loss_bytes_per_row(config) * loss_chunk,
+                 per_conversation=max_len * kv_bytes_per_token(config, elem))
+
+
+@dataclass
+class MemoryPlan:
+    free: int              # bytes measured free once the backbone is loaded (or --memory)
+    grad_ckpt: bool
+    token_budget: int      # padded tokens per forward/backward
+    gen_batch: int         # conversations that generate together
+    longest: int           # bytes a training step of one --max-len conversation needs, at the plan's checkpointing
+    chosen: tuple          # which of grad_ckpt, token_budget, gen_batch the plan chose (the others were given)
+
+    def line(self, max_len: int) -> str:
+        made = lambda k: "" if k in self.chosen else " (given)"                        # noqa: E731
+        budget = f"{self.token_budget} tokens" if self.token_budget else "--micro-batch rollouts"
+        return (f"memory plan: {_size(HEADROOM * self.free)} of {_size(self.free)} free; gradient "
+                f"checkpointing {'on' if self.grad_ckpt else 'off'}{made('grad_ckpt')}; {budget} a forward/backward"
+                f"{made('token_budget')} (one {max_len}-token conversation trains in {_size(self.longest)}); "
+                f"{self.gen_batch} conversations generate together{made('gen_batch')}")
+
+
+def _size(b: float) -> str:
+    """Bytes as GB, or as MB below a tenth of a GB."""
+    return f"{b / GB:.1f} GB" if b >= 0.1 * GB else f"{b / 1e6:.1f} MB"
+
+
+def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | None = None) -> MemoryPlan:
+    """The budgets that fit `free` bytes (HEADROOM of them): checkpointing only if one conversation of max_len
+    tokens does not train without it; the token budget that fills what is left beside the resident weights, at
+    most `cap` (on a CPU a longer forward is no faster a token: train.py caps it there at CPU_TOKENS, and a
+    micro-batch still holds at least one episode); as many generating conversations as their KV caches fit.
+    `given` holds grad_ckpt, token_budget and gen_batch, each kept unless None. A UserError, before any work, when
+    one --max-len conversation cannot train even alone; a line when a given budget will not fit."""
+    grad_ckpt, token_budget, gen_batch = given["grad_ckpt"], given["token_budget"], given["gen_batch"]
+    room = int(HEADROOM * free) - costs.resident - costs.fixed
+    tokens = {ck: (room - costs.per_row[ck]) // costs.per_token[ck] for ck in (False, True)}
+    ckpt = grad_ckpt if grad_ckpt is not None else tokens[False] < max_len
+    longest = costs.resident + costs.fixed + costs.per_row[ckpt] + max_len * costs.per_token[ckpt]
+    where = f"{_size(HEADROOM * free)} planned of {_size(free)} free"
+    if tokens[ckpt] < max_len:
+        fix = "give --grad-ckpt, " if not ckpt else ""
+        raise UserError(f"memory plan: one conversation of --max-len {max_len} tokens needs {_size(longest)} to "
+                        f"train ({where}): {fix}lower --max-len, use --student-lora, or free memory")
+    budget = token_budget if token_budget is not None else int(min(tokens[ckpt], cap or tokens[ckpt]))
+    if token_budget and token_budget > tokens[ckpt]:
+        say(f"memory plan: --token-budget {token_budget} will not fit ({where}: {int(tokens[ckpt])} tokens do)")
+    per_conv = max(1, costs.per_conversation)
+    batch = gen_batch if gen_batch is not None else max(1, int((room + costs.fixed) // per_conv))
+    if gen_batch and gen_batch * per_conv > room + costs.fixed:
+        say(f"memory plan: --gen-batch {gen_batch} will not fit ({where}: "
+            f"{max(0, (room + costs.fixed) // per_conv)} conversations do)")
+    chosen = tuple(k for k, v in (("grad_ckpt", grad_ckpt), ("token_budget", token_budget),
+                                  ("gen_batch", gen_batch)) if v is None)
+    return MemoryPlan(free, ckpt, budget, batch, longest, chosen)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -209,24 +209,31 @@ LOPD's latents go; the toy backbone reads a reference only there)"""
     """auto | cpu | cuda | mps"""
     dtype: str = "auto"
     """auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16"""
+    memory: float = 0
+    """GB the memory plan may fill (0 = what the device has free once the backbone is loaded: CUDA's free memory,
+or the host's available RAM within any ulimit -v; runtime.plan_memory). The plan chooses --token-budget,
+--gen-batch and --grad-ckpt where they are not given, prints them in one line, and stops before any work when one
+--max-len conversation cannot train"""
     micro_batch: int = 8
-    """rollouts per forward/backward inside an iteration (normalised by the iteration's token count)"""
+    """at most this many rollouts per forward/backward inside an iteration (normalised by the iteration's token
+count)"""
     token_budget: int = None
-    """padded tokens per forward/backward (rows × the longest episode of a micro-batch; at least one episode):
-replaces --micro-batch in the joint stage, the baselines and the cold start when set. 0 = --micro-batch rollouts
-each (the toy's); real models 40,960, one whole conversation at the paper's budget (lopd.micro_batches)"""
+    """at most this many padded tokens per forward/backward (rows × the longest episode of a micro-batch; at least
+one episode) in the joint stage, the baselines and the cold start (lopd.micro_batches). Default: what the memory
+plan fits; 0 = no limit but --micro-batch (the toy's)"""
     kv_budget: float = None
-    """GB of KV cache that generation may fill: it batches as many conversations of --max-len tokens as fit (real
-models 48: 7 conversations of 40,960 tokens of Qwen3-4B); 0 = --gen-batch episodes (the toy's)"""
+    """GB of KV cache that generation may fill: it batches as many conversations of --max-len tokens as fit;
+default: the memory plan's --gen-batch"""
     gen_batch: int = None
-    """episodes generated together: the KV cache grows with it times the conversation (Qwen3-4B: ~147 KB a token,
-so 8 conversations of 40,960 tokens are 48 GB)"""
+    """episodes generated together: their KV caches grow with it times the conversation (Qwen3-4B in bf16: ~147 KB
+a token). Default: as many as the memory plan fits (the toy: 64)"""
     loss_chunk: int = None
     """supervised rows per LM-head application of the LOPD loss: the forwards return hidden states and the loss
 applies the heads in chunks, recomputed in the backward, so memory is bounded by the chunk, not by the conversation
 (losses.lopd_objective_from_hidden). 0 = full (tokens × vocabulary) logits, the readable reference (the toy's)"""
-    grad_ckpt: bool = False
-    """gradient checkpointing in the student's and the teacher's backbones (memory for compute)"""
+    grad_ckpt: bool | None = None
+    """gradient checkpointing in the student's and the teacher's backbones (memory for compute); --no-grad-ckpt
+keeps it off. Default: on only if the memory plan needs it for one --max-len conversation (the toy: off)"""
     student_lora: bool = False
     """train the student as a second LoRA adapter on the frozen backbone (one copy of the weights for teacher,
 composer encoder and student) instead of a full copy"""
@@ -263,12 +270,12 @@ TOY_DEFAULTS = {
     "gen_batch": 64,
     "token_budget": 0,
     "kv_budget": 0,
+    "grad_ckpt": False,
 }
 PAPER_DEFAULTS = {"latents": 32, "composer_input": "task+reference", "cold_steps": 500, "cold_lr": 1e-5,
                   "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
                   "max_new_tokens": 10000, "max_env_steps": 30, "max_len": 40960, "eval_every": 0,
-                  "text_context": "system", "loss_chunk": 1024, "gen_batch": 8,
-                  "token_budget": 40960, "kv_budget": 48}
+                  "text_context": "system", "loss_chunk": 1024}   # budgets: the memory plan (fit_machine)
 METHODS = tuple(baselines.METHODS)     # lopd, rft, grpo, opsd, sdpo
 
 
@@ -298,19 +305,25 @@ def _main(argv=None):
         dist.destroy_process_group()
 
 
-def prepare(args: Args):
-    """Stages 1-4 (each cached in OUT): returns the pieces the joint stage and evaluation need."""
+def prepare(args: Args, record: bool = True):
+    """Stages 1-4 (each cached in OUT): returns the pieces the joint stage and evaluation need. `record`: write
+    args.json (once every default is resolved, the memory plan's too); a finished run read back (`load_run`)
+    writes nothing into its folder, and its memory plan is made again for this machine."""
     os.makedirs(args.out, exist_ok=True)
     check_same_world(args)
-    if runtime.rank() == 0:              # atomically: another rank may be reading it in check_same_world
-        runtime.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
+    if not record:
+        replan(args)
     runtime.seed_everything(args.seed)
     device, dtype = runtime.pick_device(args.device, args.dtype)
     log = runtime.Log(args.out, args.tensorboard)
     model, tok = load_backbone(args, device, dtype)
     fit_context(args, model)
+    plan = fit_machine(args, model, device)
+    if record and runtime.rank() == 0:   # atomically: another rank may be reading it in check_same_world
+        runtime.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
+        runtime.write_json(os.path.join(args.out, "memory_plan.json"), dataclasses.asdict(plan))
     source = None if args.student_lora else runtime.student_source(model)   # θ̄'s weights, before the composer's LoRA
-    train_tasks, test_tasks = load_splits(args)
+    train_tasks, test_tasks = load_splits(args, record)
     episodes = base_rollouts(args, model, tok, train_tasks, log)
     retriever = build_retriever(args, model, tok, episodes, train_tasks, test_tasks, log)
     composer = cold_start(args, model, tok, retriever, episodes, train_tasks, log)
@@ -346,8 +359,6 @@ def load_backbone(args: Args, device, dtype):
         say("thinking mode on (B.2; the template has enable_thinking): --no-thinking turns it off")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     model.requires_grad_(False).eval()
-    if args.grad_ckpt:
-        runtime.checkpointing(model)
     return model, tok
 
 
@@ -358,20 +369,64 @@ def thinks_by_default(args: Args, tok) -> bool:
 
 
 def fit_context(args: Args, model):
-    """--max-len no longer than the model's context (config.max_position_embeddings), as many conversations generating
-    together as --kv-budget allows, and a reply no longer than half of a conversation, each said in one line."""
+    """--max-len no longer than the model's context (config.max_position_embeddings), and a reply no longer than
+    half of a conversation, each said in one line."""
     n_ctx = getattr(model.config, "max_position_embeddings", None)
     if n_ctx and (args.max_len or 0) > n_ctx:
         say(f"--max-len {args.max_len} is longer than the model's context: episodes end within its {n_ctx} tokens")
         args.max_len = n_ctx
-    if args.kv_budget and args.max_len:  # generation batched by what its KV cache may fill
-        args.gen_batch = runtime.kv_budget_batch(model.config, args.kv_budget, args.max_len)
-        say(f"--kv-budget {args.kv_budget} GB: {args.gen_batch} conversations of {args.max_len} tokens generate "
-            "together")
     if args.max_len and (args.max_new_tokens or 0) > args.max_len // 2:   # a reply leaves room for a prompt
         say(f"--max-new-tokens {args.max_new_tokens} does not fit --max-len {args.max_len} with its prompt: "
             f"{args.max_len // 2} a reply")
         args.max_new_tokens = args.max_len // 2
+
+
+def fit_machine(args: Args, model, device) -> runtime.MemoryPlan:
+    """The memory plan (runtime.plan_memory): from the memory free once θ̄ is loaded (or --memory GB) and this
+    model's per-token costs, the token budget of every forward/backward, the conversations that generate together
+    and whether gradient checkpointing is needed, where the command line did not give them; one line says what it
+    chose. Stops with a UserError before any work when one --max-len conversation cannot train."""
+    elem = next(model.parameters()).element_size()          # the precision forwards run in: bf16 2, fp32 4
+    if args.kv_budget and args.gen_batch is None:
+        args.gen_batch = runtime.kv_budget_batch(model.config, args.kv_budget, args.max_len, elem)
+    free = int(args.memory * runtime.GB) if args.memory else runtime.free_memory(device)
+    plan = memory_plan(args, model, free, device.type)
+    args.grad_ckpt, args.token_budget, args.gen_batch = plan.grad_ckpt, plan.token_budget, plan.gen_batch
+    say(plan.line(args.max_len))
+    if args.grad_ckpt:
+        runtime.checkpointing(model)
+    return plan
+
+
+def memory_plan(args: Args, model, free: int, device_type: str) -> runtime.MemoryPlan:
+    """The plan of this run on `model` (real or on the meta device: bench.py --memory) with `free` bytes of a
+    `device_type` device (cuda, cpu, ...)."""
+    costs = runtime.step_costs(model.config, next(model.parameters()).element_size(), trained_parameters(args, model),
+                               args.n_ret, args.loss_chunk, args.max_len, runtime.world())
+    given = {k: getattr(args, k) for k in ("grad_ckpt", "token_budget", "gen_batch")}
+    cap = runtime.CPU_TOKENS if device_type == "cpu" else None    # a longer forward is no faster there
+    return runtime.plan_memory(costs, free, args.max_len, given, cap=cap)
+
+
+def trained_parameters(args: Args, model) -> int:
+    """Parameters trained in the joint stage, counted on θ̄ before any is made: the student (a full copy, or a LoRA
+    of rank --student-lora-r; SDPO's EMA teacher counted with it), the composer's LoRA and QFormer."""
+    from composer import QFormer
+    cc = ComposerConfig(n_latents=args.latents)
+    per_rank = sum(m.in_features + m.out_features for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in cc.lora_targets)
+    with torch.device("meta"):
+        d, heads = model.config.hidden_size, model.config.num_attention_heads
+        qformer = sum(p.numel() for p in QFormer(d, heads, cc.n_latents, cc.n_layers, cc.ffn_mult, 1.0).parameters())
+    student = per_rank * args.student_lora_r if args.student_lora else sum(p.numel() for p in model.parameters())
+    return student * (2 if args.method == "sdpo" else 1) + per_rank * cc.lora_r + qformer
+
+
+def replan(args: Args):
+    """A run read back: what its memory plan chose (OUT/memory_plan.json) is chosen again for this machine."""
+    path = os.path.join(args.out, "memory_plan.json")
+    for name in json.load(open(path))["chosen"] if os.path.isfile(path) else ():
+        setattr(args, name, None)
 
 
 def check_causal_lm(path: str):
@@ -441,8 +496,9 @@ def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
                              sort_by_length=not is_toy(args))
 
 
-def load_splits(args: Args):
-    """Training and held-out tasks: the --tasks folder, or the environment's seeded splits (saved to OUT/tasks)."""
+def load_splits(args: Args, record: bool = True):
+    """Training and held-out tasks: the --tasks folder, or the environment's seeded splits (saved to OUT/tasks when
+    `record`)."""
     cls = environment(args)
     try:
         if args.tasks:
@@ -450,6 +506,8 @@ def load_splits(args: Args):
         train, test = cls.make_splits(args)                # the same on every rank (seeded)
     except NotImplementedError as err:                     # a world without a task source of that kind
         raise UserError(f"--env {args.env!r}: {err}") from None
+    if not record:
+        return train, test
     os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
     for name, tasks in (("train", train), ("test", test)):
         if runtime.rank() == 0:
@@ -854,14 +912,13 @@ def markdown_table(rows: dict, paper=PAPER_TABLE3, table: str = "table3") -> str
     return head + "\n".join(lines) + "\n"
 
 
-def write_results(out: str, rows: dict, extra: dict | None = None, table: str = "table3"):
-    """OUT/results.json (every row's summary) and OUT/results.md (the table); a pass@1 run's rows hold pass@1 and
-    reply length only."""
+def write_results(out: str, rows: dict, extra: dict | None = None, table: str = "table3", name: str = "results"):
+    """OUT/NAME.json (every row's summary) and OUT/NAME.md (the table), each written atomically; a pass@1 run's rows
+    hold pass@1 and reply length only. The training run's are results.*; eval.py names its own."""
     if table == "pass@1":
         rows = code_rows(rows)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"rows": rows, **(extra or {})}, f, indent=1)
-    with open(os.path.join(out, "results.md"), "w") as f:
+    runtime.write_json(os.path.join(out, name + ".json"), {"rows": rows, **(extra or {})})
+    with runtime.atomic_open(os.path.join(out, name + ".md")) as f:
         f.write("Held-out problems, pass@1 (one program each, every test must pass)\n\n" if table == "pass@1" else
                 "Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n" if table == "table3"
                 else "Held-out tasks\n\n")
@@ -878,6 +935,8 @@ def parse_args(argv=None) -> Args:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             p.add_argument(flag, action="store_true", help=doc[f.name])
+        elif f.type == "bool | None":                          # --x / --no-x, default None: decided later
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc[f.name])
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             p.add_argument(flag, type=typ, default=f.default, help=doc[f.name] + f" (default: {f.default})")
@@ -891,6 +950,21 @@ def parse_args(argv=None) -> Args:
         if getattr(args, k) is None:
             setattr(args, k, v)
     _check(p, args)
+    return absolute_paths(args)
+
+
+def absolute_paths(args: Args) -> Args:
+    """Every path of a run's settings made absolute (--model where it is a folder, --tasks, --env FILE.py,
+    --chat-template, --tensorboard), so that its args.json works from any directory (eval.py --run)."""
+    spec = args.env
+    where, _, cls = spec.rpartition(":")
+    if where.endswith(".py"):
+        args.env = f"{os.path.abspath(where)}:{cls}"
+    if args.model and os.path.isdir(args.model):
+        args.model = os.path.abspath(args.model)
+    for name in ("tasks", "chat_template", "tensorboard"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
     return args
 
 
@@ -945,8 +1019,10 @@ def _check(p, a: Args):
     if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
         p.error(f"--tasks {a.tasks!r}: expected a folder holding train.jsonl and test.jsonl")
     for name in ("n_ret", "latents", "rollouts_per_step", "micro_batch", "gen_batch", "top_m", "steps", "loss_chunk",
-                 "token_budget"):
-        if getattr(a, name) < (0 if name in ("steps", "loss_chunk", "token_budget") else 1):
+                 "token_budget", "memory"):
+        if getattr(a, name) is not None and getattr(a, name) < (1 if name in ("n_ret", "latents", "micro_batch",
+                                                                                  "rollouts_per_step", "gen_batch",
+                                                                                  "top_m") else 0):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
 
 
@@ -978,7 +1054,7 @@ def load_args(out: str) -> Args:
 def load_run(args: Args) -> dict:
     """A run rebuilt from OUT (eval.py, experiments.py): stages 1-4 from their caches (`prepare`), then the latest
     checkpoint's student and composer. run["student"] is None when the run has no checkpoint."""
-    run = prepare(args)
+    run = prepare(args, record=False)
     ckpt = runtime.latest_checkpoint(args.out)
     if ckpt is None:
         return {**run, "student": None}

@@ -20,6 +20,7 @@ import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
 import retrieval  # noqa: E402
+import runtime  # noqa: E402
 from composer import Composer, ComposerConfig  # noqa: E402
 
 J = 2                                           # experiences per task; K = 2 latents each -> 4 latent positions
@@ -237,6 +238,87 @@ def test_a_token_budget_splits_the_step_without_changing_it(world):
     assert b2 == pytest.approx(b1, rel=1e-6)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_a_budget_planned_from_a_small_free_memory_splits_the_step_without_changing_it(world):
+    """runtime.plan_memory on a faked free memory that leaves room for about 300 tokens beside the resident terms:
+    the planned budget splits the step into micro-batches, each within the plan, with the gradient of one batch."""
+    config = AutoModelForCausalLM.from_pretrained(world["path"]).config
+    costs = runtime.step_costs(config, 4, trained=400_000, n_ret=J, loss_chunk=0, max_len=120)
+    fixed = costs.resident + costs.fixed + costs.per_row[False]
+    free = int((fixed + 300 * costs.per_token[False]) / runtime.HEADROOM) + 1                 # bytes
+    given = dict(grad_ckpt=None, token_budget=None, gen_batch=None)
+    plan = runtime.plan_memory(costs, free, max_len=120, given=given)
+    assert not plan.grad_ckpt and 290 <= plan.token_budget <= 300          # 120 tokens fit without checkpointing
+    assert fixed + plan.token_budget * costs.per_token[False] <= runtime.HEADROOM * free
+    results = []
+    for kw in ({"micro_batch": 4}, {"micro_batch": 4, "token_budget": plan.token_budget}):
+        student, comp, tasks, c0, opts, grads = setup_step(world, seed=1, perturb_c0=0.05)
+        beta, m, eps = run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=7, **kw)
+        parts = lopd.micro_batches(eps, 4, kw.get("token_budget", 0))
+        assert all(len(eps[p]) * max(len(e.ids) for e in eps[p]) <= plan.token_budget for p in parts) or \
+            "token_budget" not in kw
+        g = [grads[id(p)] for p in list(student.parameters()) + comp.trainable_parameters()]
+        results.append((beta, m, g, len(parts)))
+    (b1, m1, g1, n1), (b2, m2, g2, n2) = results
+    assert n1 == 1 and n2 > 1
+    assert b2 == pytest.approx(b1, rel=1e-6) and m2["loss/total"] == pytest.approx(m1["loss/total"], rel=1e-5)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(world):
+    """Eq. (14)'s step (train.cold_start_step) on four bank entries, whole and split by a budget that a faked
+    free memory leaves (about two entries' tokens): the same loss and the same gradient of ψ and χ."""
+    import argparse
+    import train
+    tok, ret = world["tok"], world["retriever"]
+    tasks = {t.task_id: t for t in world["train"]}
+    episodes = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t)) for t in world["train"][:8]]
+    entries = ret.bank[:4]
+    longest = max(len(episodes[e["meta"]["episode"]].ids) for e in entries)
+    config = AutoModelForCausalLM.from_pretrained(world["path"]).config
+    costs = runtime.step_costs(config, 4, trained=10_000, n_ret=J, loss_chunk=0, max_len=longest)
+    fixed = costs.resident + costs.fixed + costs.per_row[False]
+    free = int((fixed + 2 * longest * costs.per_token[False]) / runtime.HEADROOM) + 1
+    budget = runtime.plan_memory(costs, free, longest, dict(grad_ckpt=None, token_budget=None,
+                                                            gen_batch=None)).token_budget
+    assert longest <= budget < 4 * longest
+    out = []
+    for token_budget in (0, budget):
+        _, comp = make_models(world, seed=2)
+        args = argparse.Namespace(n_ret=J, retrieval="same", token_budget=token_budget, loss_chunk=0,
+                                  enable_thinking=False)
+        loss = train.cold_start_step(args, comp, tok, ret, episodes, tasks, entries, envs.ToolWorld)
+        out.append((loss, [p.grad.clone() for p in comp.trainable_parameters()]))
+    (l0, g0), (l1, g1) = out
+    assert len(lopd.micro_batches([episodes[e["meta"]["episode"]] for e in entries], 4, budget)) > 1
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_the_plan_checkpoints_only_when_needed_and_refuses_what_cannot_train():
+    """Checkpointing is chosen when one --max-len conversation does not train without it; a given value is kept
+    and named; below one conversation even with checkpointing the plan is a one-line UserError before any work."""
+    config = type("C", (), dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=1000))()
+    costs = runtime.step_costs(config, 4, trained=10_000, n_ret=3, loss_chunk=0, max_len=1000)
+    none = dict(grad_ckpt=None, token_budget=None, gen_batch=None)
+    need = {ck: costs.resident + costs.fixed + costs.per_row[ck] + 1000 * costs.per_token[ck] for ck in (0, 1)}
+    assert need[1] < need[0]
+    roomy = runtime.plan_memory(costs, int(need[0] / runtime.HEADROOM) + 1, 1000, none)
+    tight = runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) + 1, 1000, none)
+    assert (roomy.grad_ckpt, tight.grad_ckpt) == (False, True) and tight.token_budget >= 1000
+    assert tight.chosen == ("grad_ckpt", "token_budget", "gen_batch") and "(given)" not in tight.line(1000)
+    capped = runtime.plan_memory(costs, 10 * need[0], 1000, none, cap=1000)
+    assert capped.token_budget == 1000 and capped.gen_batch > 1
+    kept = runtime.plan_memory(costs, 10 * need[0], 1000, dict(none, grad_ckpt=True, token_budget=0, gen_batch=3))
+    assert (kept.grad_ckpt, kept.token_budget, kept.gen_batch, kept.chosen) == (True, 0, 3, ())
+    with pytest.raises(runtime.UserError, match=r"--max-len 1000 .*lower --max-len"):
+        runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) - 1, 1000, none)
+    with pytest.raises(runtime.UserError, match="give --grad-ckpt"):
+        runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) + 1, 1000, dict(none, grad_ckpt=False))
 
 
 def test_micro_batches_sum_to_the_whole_batch(world):

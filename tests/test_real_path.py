@@ -194,20 +194,13 @@ def test_checkpointing_is_idempotent_and_survives_a_deepcopy(world):
 # ------------------------------------------------------------------------------------------------------------
 # 3. generation keeps one (B, V) step of log-probs, not (B, N, V)
 # ------------------------------------------------------------------------------------------------------------
-def test_generation_does_not_keep_every_steps_logits(world, monkeypatch):
+def test_the_recorded_logprobs_are_those_of_the_drawn_tokens(world):
+    """Generation keeps one (B, V) step of log-probs at a time; each reply's recorded log-probs equal a forward
+    over context + reply."""
     tok, model = world["tok"], tiny_qwen3(world["tok"])
-    seen = {}
-    real = model.generate
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(model, "generate", spy)
     contexts = [lopd.prompt_ids(tok, toy_world().reset(t)) for t in world["tasks"]]
     torch.manual_seed(0)
     rows = lopd.generate_replies(model, tok, contexts, lopd.SampleConfig(temperature=1.0, max_new_tokens=12))
-    assert not seen.get("output_logits") and not seen.get("output_scores")
-    # the recorded log-probs are those of the tokens drawn: a forward over context + reply gives them again
     for ctx, (new, logps, _) in zip(contexts, rows):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ctx + new])).logits[0, len(ctx) - 1:-1]     # (n, V)
@@ -215,16 +208,24 @@ def test_generation_does_not_keep_every_steps_logits(world, monkeypatch):
         torch.testing.assert_close(torch.tensor(logps), again, atol=1e-4, rtol=1e-4)
 
 
-def test_sampled_logprobs_gather_the_drawn_token_of_each_step():
-    rec = lopd.SampledLogProbs()
-    g = torch.Generator().manual_seed(0)
-    scores = [torch.randn(2, 7, generator=g) for _ in range(3)]           # 3 steps, B = 2, V = 7
-    new = torch.tensor([[1, 4, 6], [0, 0, 3]])                           # (B, N) drawn ids
-    ids = torch.zeros(2, 5, dtype=torch.long)                            # (B, L) a context
-    for t, s in enumerate(scores):
-        assert rec(torch.cat([ids, new[:, :t]], 1), s) is s              # scores pass through unchanged
-    want = torch.stack([torch.log_softmax(s, -1).gather(-1, new[:, t:t + 1])[:, 0] for t, s in enumerate(scores)], 1)
-    torch.testing.assert_close(rec.finish(new), want)
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 20, 0.95), (1.0, 3, 1.0), (0.5, 0, 0.6), (1.3, 50, 0.9)])
+def test_sampling_draws_from_hugging_faces_warped_distribution(temperature, top_k, top_p):
+    """sample_next against transformers' own warpers (temperature, top-k, top-p, in generate's order): the same
+    support, and with the same seed the same draws."""
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    scores = torch.randn(6, 97, generator=torch.Generator().manual_seed(1)) * 3               # (B, V)
+    warp = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
+                               + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    want = warp(None, scores.clone()).softmax(-1)                                           # (B, V)
+    cfg = lopd.SampleConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    torch.manual_seed(3)
+    got = torch.stack([lopd.sample_next(scores, cfg) for _ in range(200)])                 # (200, B)
+    torch.manual_seed(3)
+    ref = torch.stack([torch.multinomial(want, 1)[:, 0] for _ in range(200)])                # (200, B)
+    assert torch.equal(got, ref)
+    assert bool((want.gather(1, got.T) > 0).all())                                          # never outside the support
+    assert torch.equal(lopd.sample_next(scores, lopd.SampleConfig(temperature=0.0)), scores.argmax(-1))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import bench
 import code_env
 import envs
 import lopd
@@ -179,3 +180,46 @@ def test_toy_command_line_names_a_bad_flag(tmp_path, capsys, flag):
         toy.main(["--out", str(tmp_path / "bb"), flag, "0"])
     assert err.value.code == 2 and f"{flag} must be at least 1, not 0" in capsys.readouterr().err
     assert not (tmp_path / "bb").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The KV cache kept across turns (lopd.Conversations) against generate on every whole conversation
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_cached_turns_give_the_ids_of_generating_each_whole_conversation(backbone, monkeypatch, temperature):
+    """Multi-turn toy episodes (shared system prompt computed once, caches kept, padding squeezed out between turns):
+    greedy ids equal the reference's; sampled ones too, from the same seed (the same warpers and draws); the
+    recorded log-probs agree."""
+    model, tok, _ = backbone
+    tasks = envs.make_splits(0, n_train=24, n_test=0)[0]
+    cfg = lopd.SampleConfig(temperature=temperature, max_new_tokens=24, max_len=400, batch_size=10)
+    make_env = lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6)   # noqa: E731
+    torch.manual_seed(0)
+    got = lopd.rollout(model, tok, tasks, cfg, make_env)
+    torch.manual_seed(0)
+    with monkeypatch.context() as m:
+        m.setattr(lopd, "generate_replies", lambda mdl, t, ctx, c, **_: bench.generate_whole(mdl, t, ctx, c))
+        want = lopd.rollout(model, tok, tasks, cfg, make_env)
+    assert sum(e.steps for e in got) > 2 * len(tasks)                  # several turns: the caches were reused
+    for a, b in zip(got, want):
+        assert a.ids == b.ids and a.mask == b.mask
+        assert max(abs(x - y) for x, y in zip(a.logps, b.logps)) < 1e-4
+
+
+def test_the_shared_prefix_is_computed_once_and_turns_feed_only_new_tokens(backbone, monkeypatch):
+    """Count the tokens the model is fed: the system prompt once per batch, then per turn what the turn added."""
+    model, tok, _ = backbone
+    tasks = envs.make_splits(0, n_train=8, n_test=0)[0]
+    cfg = lopd.SampleConfig(temperature=0.0, max_new_tokens=24, max_len=400, batch_size=8)
+    make_env = lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6)   # noqa: E731
+    fed = []
+    real = lopd.Conversations.forward
+    monkeypatch.setattr(lopd.Conversations, "forward",
+                        lambda self, ids=None, embeds=None: fed.append(int(self.mask[:, -ids.shape[1]:].sum()))
+                        or real(self, ids, embeds))
+    eps = lopd.rollout(model, tok, tasks, cfg, make_env)
+    prompts = [e.ids[:e.prompt_len] for e in eps]
+    shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
+    assert shared > 10                                                  # the toy's system prompt
+    # every real token fed once: the shared prefix once, each episode's other tokens once (its last not at all)
+    assert sum(fed) == shared + sum(len(e.ids) - shared - 1 for e in eps)

@@ -54,11 +54,17 @@ def test_every_eos_id_of_the_generation_config_ends_a_reply():
     tok = type("T", (), {"eos_token_id": 5})()
     assert lopd.eos_ids(Gen([7, 5]), tok) == [5, 7]                     # Qwen3: <|im_end|> and <|endoftext|>
     assert lopd.eos_ids(Gen(5), tok) == [5] and lopd.eos_ids(Gen(None), tok) == [5]
-    new = torch.tensor([[1, 7, 2, 5], [1, 2, 3, 4], [5, 1, 1, 1]])      # (B, N)
-    logp = -torch.rand(3, 4)
-    rows = lopd.cut_at_eos(new, logp, [5, 7])
+    # a reply ends at its first id of the list; a row that ended is fed nothing more (mask 0)
+    script = torch.tensor([[1, 7, 2, 5], [1, 2, 3, 4], [5, 1, 1, 1]])            # (B, N) the argmax each step
+    conv = lopd.Conversations.__new__(lopd.Conversations)
+    conv.device, conv.pad, conv.fed = torch.device("cpu"), 0, [[], [], []]
+    conv.mask = torch.ones(3, 2, dtype=torch.long)
+    steps = iter(range(1, 4))
+    conv.forward = lambda ids=None, embeds=None: torch.nn.functional.one_hot(script[:, next(steps)], 9).float()
+    greedy = lopd.SampleConfig(temperature=0.0, max_new_tokens=4)
+    rows = conv.decode(torch.nn.functional.one_hot(script[:, 0], 9).float(), greedy, [5, 7])
     assert [(r[0], r[2]) for r in rows] == [([1, 7], True), ([1, 2, 3, 4], False), ([5], True)]
-    assert lopd.cut_at_eos(new, logp, 5)[0][0] == [1, 7, 2, 5]          # one id: as before
+    assert conv.mask[:, 2:].tolist() == [[1, 0, 0], [1, 1, 1], [0, 0, 0]] and conv.fed == [[1], [1, 2, 3], []]
 
 
 def test_real_models_think_by_default_with_the_papers_budgets(tmp_path):

@@ -117,12 +117,27 @@ def test_smoke_run_writes_results_and_one_record_per_step(runs):
     assert {r["stage"] for r in records(a)} >= {"base_rollouts", "bank", "cold_start", "cold_start_done", "lopd"}
 
 
+def folder_bytes(folder) -> dict:
+    """Every file under `folder` (relative path -> its bytes)."""
+    return {os.path.relpath(os.path.join(d, f), folder): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(folder) for f in files}
+
+
 def test_eval_script_on_a_finished_run(runs, tmp_path):
-    rc, out, err = finish(start([sys.executable, "eval.py", "--run", runs["a"], "--n-test", "4", "--inspect-latents"],
-                                tmp_path / "eval"), ok=False)
+    """eval.py, started from another directory, leaves every file of the training run byte-identical and writes
+    its rows into files of its own, named by what it evaluated."""
+    before = folder_bytes(runs["a"])
+    cmd = [sys.executable, os.path.join(ROOT, "eval.py"), "--run", runs["a"], "--n-test", "4", "--inspect-latents"]
+    with open(tmp_path / "eval.out", "w") as so, open(tmp_path / "eval.err", "w") as se:
+        rc = subprocess.run(cmd, cwd=tmp_path, env=ENV, stdout=so, stderr=se, timeout=180).returncode
+    out, err = read(tmp_path / "eval.out"), read(tmp_path / "eval.err")
     assert rc == 0, err[-3000:]
     for row in ("vanilla", "base + composer", "LOPD student"):
         assert f"| {row} |" in out
+    after = folder_bytes(runs["a"])
+    assert {k: v for k, v in after.items() if not k.startswith("eval_4tasks.")} == before
+    assert sorted(k for k in after if k not in before) == ["eval_4tasks.json", "eval_4tasks.md"]
+    assert list(json.loads(after["eval_4tasks.json"])["rows"]) == ["vanilla", "base + composer", "LOPD student"]
     # --inspect-latents: the similarity table (by shop and by task family, for both retrievals), then the teacher's
     # eight most moved tokens
     assert "| references | same variant | other variant | same schema | other schema |" in out, out[-2000:]
@@ -287,6 +302,16 @@ def test_defaults_follow_the_backbone_and_the_world(backbone, tmp_path):
     given = train.parse_args(["--out", str(tmp_path), "--model", backbone, "--env", "code", "--lr", "2e-5"])
     assert (toy.lr, code.lr, real.lr, given.lr) == (1e-4, 3e-4, 1e-5, 2e-5)
     assert (toy.latents, code.latents, real.latents) == (8, 8, 32)
+
+
+def test_a_runs_paths_work_from_any_directory(backbone, tmp_path, monkeypatch):
+    """Paths given relative to where training starts are stored absolute: --model, --env FILE.py:CLASS."""
+    (tmp_path / "worlds").mkdir()
+    (tmp_path / "worlds" / "mine.py").write_text("from envs import ToolWorld\n\n\nclass Mine(ToolWorld):\n    pass\n")
+    monkeypatch.chdir(os.path.dirname(backbone))
+    args = train.parse_args(["--out", str(tmp_path / "run"), "--model", os.path.basename(backbone),
+                             "--env", os.path.relpath(tmp_path / "worlds" / "mine.py") + ":Mine"])
+    assert args.model == os.path.abspath(backbone) and args.env == f"{tmp_path / 'worlds' / 'mine.py'}:Mine"
 
 
 def test_bad_task_line_fails_naming_file_and_line(backbone, tmp_path):
@@ -483,3 +508,29 @@ def test_course_command_runs_the_staged_path_at_tiny_size(runs, backbone, tmp_pa
     assert "| delta | beta |" in (out / "course.md").read_text()
     if importlib.util.find_spec("matplotlib"):                  # the Δ and β curves of the stage that learns φ
         assert (out / "course-curves.png").stat().st_size > 0
+
+
+def test_workers_split_the_cores_between_them(monkeypatch):
+    """experiments.py --workers N starts N − 1 more copies of the same command (without --workers), and every
+    process, this one too, runs on cores / N threads."""
+    import experiments
+    started, threads = [], []
+    monkeypatch.setattr(experiments.subprocess, "Popen", lambda cmd, env: started.append((cmd, env)) or cmd)
+    monkeypatch.setattr(experiments.torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(experiments.os, "cpu_count", lambda: 8)
+    assert experiments.start_workers(1, ["absorb", "--out", "x"]) == [] and threads == []
+    experiments.start_workers(4, ["absorb", "--workers", "4", "--out", "x", "--workers=4"])
+    assert threads == [2] and len(started) == 3
+    for cmd, env in started:
+        assert cmd[1:] == [os.path.abspath(experiments.__file__), "absorb", "--out", "x"] and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_a_run_that_cannot_fit_stops_before_any_work(backbone, tmp_path):
+    """The pre-flight check: one --max-len conversation that cannot train in the memory given is one line on stderr
+    and exit status 2, before the base rollouts."""
+    proc = start(train_cmd(backbone, tmp_path / "run", "--memory", "0.002"), tmp_path / "log")
+    rc, out, err = finish(proc, timeout=120, ok=False)
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert last.startswith("error: memory plan: one conversation of --max-len 768 tokens") and "lower --max-len" in last
+    assert not os.path.exists(tmp_path / "run" / "base_rollouts.jsonl")
