@@ -31,7 +31,6 @@ Notation: B trajectories, T tokens, V vocabulary, G rollouts per task (a group),
 from __future__ import annotations
 
 import copy
-import math
 import random
 from dataclasses import dataclass
 
@@ -71,18 +70,17 @@ def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: floa
     batch's token count, on the student's optimizer. What differs from `lopd_step`: no rollout, no retrieval,
     no teacher and no composer; the targets are tokens the base already produced. Returns metrics."""
     device = next(student.parameters()).device
-    n_tokens, total = runtime.all_sum(sum(sum(e.mask) for e in episodes)), 0.0
+    n_tokens = runtime.all_sum(sum(sum(e.mask) for e in episodes))
+
+    def part_loss(idx):
+        logp, _, _ = lopd.student_logprobs(student, tokenizer, lopd.pick(episodes, idx), device, loss_chunk)
+        loss = -logp.sum() / n_tokens           # losses.masked_nll; micro-batch parts add up to the batch mean
+        return loss, {"loss/rft": loss.item()}
     student.train()
-    for mb in lopd.micro_batches(episodes, micro_batch, token_budget):
-        weight, mb = (0.0, slice(0, 1)) if mb.stop == mb.start else (1.0, mb)   # torchrun: an idle micro-batch
-        logp, _, _ = lopd.student_logprobs(student, tokenizer, episodes[mb], device, loss_chunk)
-        loss = -weight * logp.sum() / n_tokens  # losses.masked_nll; micro-batch parts add up to the batch mean
-        loss.backward()
-        total += loss.item()
+    m, ok = lopd.accumulate(episodes, part_loss, micro_batch, token_budget)
     student.eval()
-    total = runtime.all_sum(total)
-    ok = lopd.optimizer_step((opt, None), student, None, clip, math.isfinite(total))
-    return {"loss/rft": total, "skipped": int(not ok), "tokens": n_tokens}
+    ok = lopd.optimizer_step((opt, None), student, None, clip, ok)
+    return {**m, "skipped": int(not ok), "tokens": n_tokens}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -127,22 +125,20 @@ def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: l
     rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
     adv = group_advantages(rewards, cfg.group)                                       # (B,) groups never split
     device, n_tokens = next(student.parameters()).device, runtime.all_sum(sum(sum(e.mask) for e in eps))
+
+    def part_loss(idx):
+        logp, _, omega = lopd.student_logprobs(student, tokenizer, lopd.pick(eps, idx), device, cfg.loss_chunk)
+        loss, clipped = ppo_clip_loss(logp, logp.detach(), adv[idx].to(device), omega, cfg.clip_eps, cfg.clip_eps,
+                                      n_tokens)                                              # logp: (b, Tc)
+        # the clipped fraction of the batch's ω tokens: each part's share adds up
+        return loss, {"loss/grpo": loss.item(), "grpo/clip_frac": clipped * float(omega.sum()) / n_tokens}
     student.train()
-    total, clipped = 0.0, 0.0
-    for mb in lopd.micro_batches(eps, cfg.micro_batch, cfg.token_budget):
-        weight, mb = (0.0, slice(0, 1)) if mb.stop == mb.start else (1.0, mb)   # torchrun: an idle micro-batch
-        logp, _, omega = lopd.student_logprobs(student, tokenizer, eps[mb], device, cfg.loss_chunk)   # (b, Tc)
-        loss, frac = ppo_clip_loss(logp, logp.detach(), adv[mb].to(device), omega, cfg.clip_eps, cfg.clip_eps,
-                                   n_tokens)
-        loss = weight * loss
-        loss.backward()
-        total, clipped = total + loss.item(), max(clipped, frac)
+    m, ok = lopd.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget)
     student.eval()
-    total, clipped = runtime.all_sum(total), runtime.all_max(clipped)
-    ok = lopd.optimizer_step((opt, None), student, None, cfg.clip, math.isfinite(total))
+    ok = lopd.optimizer_step((opt, None), student, None, cfg.clip, ok)
     zero = runtime.all_sum(int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()))
-    return {"reward/student": lopd.summarize_all(eps)["reward"], "loss/grpo": total, "grpo/clip_frac": clipped,
-            "grpo/zero_adv_groups": zero, "skipped": int(not ok), "tokens": n_tokens}, eps
+    return {"reward/student": lopd.summarize_all(eps)["reward"], **m, "grpo/zero_adv_groups": zero,
+            "skipped": int(not ok), "tokens": n_tokens}, eps
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -211,23 +207,16 @@ def _distill_step(student, teacher, tokenizer, eps, texts, template, loss_fn, op
     device = next(student.parameters()).device
     rows = [i for i, x in enumerate(texts) if x is not None]
     n_tokens = runtime.all_sum(sum(sum(eps[i].mask) for i in rows))
+
+    def part_loss(idx):
+        loss = _distill_loss(student, teacher, tokenizer, lopd.pick(eps, idx), [texts[i] or "" for i in idx],
+                             template, loss_fn, cfg, make_env, tools, enable_thinking, device, n_tokens)
+        return loss, {"loss/distill": loss.item()}
     student.train()
-    total = 0.0
-    # under torchrun every rank runs as many micro-batches as the busiest one (sharded models' forwards are
-    # collectives); a rank's extra ones re-score its first episode with weight 0
-    for part in lopd.micro_batches([eps[i] for i in rows], cfg.micro_batch, cfg.token_budget):
-        mb, weight = rows[part], 1.0
-        if not mb:
-            mb, weight = [0], 0.0
-        loss = weight * _distill_loss(student, teacher, tokenizer, [eps[i] for i in mb], [texts[i] or "" for i in mb],
-                                      template, loss_fn, cfg, make_env, tools, enable_thinking, device, n_tokens)
-        loss.backward()
-        total += loss.item()
+    m, ok = lopd.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget, rows=rows)
     student.eval()
-    total = runtime.all_sum(total)
-    ok = lopd.optimizer_step((opt, None), student, None, cfg.clip, math.isfinite(total))
-    return {"loss/distill": total, "context/rows": runtime.all_sum(len(rows)), "skipped": int(not ok),
-            "tokens": n_tokens}
+    ok = lopd.optimizer_step((opt, None), student, None, cfg.clip, ok)
+    return {**m, "context/rows": runtime.all_sum(len(rows)), "skipped": int(not ok), "tokens": n_tokens}
 
 
 # ----------------------------------------------------------------------------------------------------------------

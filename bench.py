@@ -233,13 +233,14 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
             yield model
         finally:
             timed("collectives", lambda: cm.__exit__(None, None, None))()
-    original = lopd.gathered
-    for name, phase in (("rollout", "rollout"), ("compose", "compose"), ("retrieve", "retrieve"),
-                        ("student_teacher_logits", "forward"), ("_step", "optimizer"), ("all_sum", "collectives"),
-                        ("all_true", "collectives"), ("sync_grads", "collectives"), ("summarize_all", "collectives")):
-        setattr(lopd, name, timed(phase, getattr(lopd, name)))
-    lopd.losses.lopd_objective = timed("loss", lopd.losses.lopd_objective)
-    lopd.gathered = gathered
+    original = runtime.gathered
+    for module, name, phase in ((lopd, "rollout", "rollout"), (lopd, "compose", "compose"),
+                                (lopd, "retrieve", "retrieve"), (lopd, "student_teacher_logits", "forward"),
+                                (lopd, "optimizer_step", "optimizer"), (lopd, "summarize_all", "collectives"),
+                                (runtime, "all_sum", "collectives"), (runtime, "all_true", "collectives"),
+                                (runtime, "sync_grads", "collectives"), (losses, "lopd_objective", "loss")):
+        setattr(module, name, timed(phase, getattr(module, name)))    # the module each is called through
+    runtime.gathered = gathered
     cfg, scfg = lopd.LOPDConfig(micro_batch=4), lopd.SampleConfig(temperature=0.0)
     mine = runtime.shard(tasks)
     step = lambda: lopd.lopd_step(student, composer, tok, mine, ret, c0, 0.1, opts, cfg, scfg)   # noqa: E731

@@ -2,12 +2,14 @@
 
     rollout / Episode          roll the student out on-policy from the task alone (eq. 1), keeping the exact
                                sampled token ids, the assistant-token mask ω and the sampling-time log-probs
+    Conversations /            generation: each conversation's KV cache kept across turns, the prompt prefix a
+      sample_next              batch shares computed once; Hugging Face's sampling (temperature, top-k, top-p)
     retrieve / compose         Ret(x) (eq. 16) and c_φ = Φ_φ(x, E) (eqs. 4-7)
     teacher_rollout            "base + composer": the frozen base acting behind latents (evaluation)
     student_logits /           p_S and p_T on the SAME sampled ids, the teacher behind its latent prompt with the
       teacher_logits           composer's LoRA off (eq. 8, A.4)
     lopd_step                  Algorithm 1: rollouts -> retrieve -> compose -> re-score -> eq. 13 -> AdamW -> dual step
-    micro_batches /            its forward/backward passes (by rollouts, or by a token budget), and one pass: both
+    micro_batches /            its forward/backward passes (by rollouts and a token budget), and one pass: both
       micro_batch_objective    models' scores and eq. 13, from full logits or (--loss-chunk) from hidden states
 
 The baselines (RFT, GRPO, OPSD, SDPO) run on these same functions: baselines.py. The calls `runtime.all_sum`,
@@ -624,31 +626,21 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
     exps = retrieve(retriever, tasks, cfg.n_ret, cfg.retrieval)
     # whole-batch normalisers (summed over ranks under torchrun: the loss is then this rank's share of the total)
     n_tokens, n_traj = runtime.all_sum(sum(sum(e.mask) for e in eps), len(eps))
-    student.train()
-    totals, finite = {}, True
-    for mb in micro_batches(eps, cfg.micro_batch, cfg.token_budget):
-        idle = mb.stop == mb.start      # torchrun: a rank's extra micro-batch re-scores one episode with weight 0
-        mb = slice(0, 1) if idle else mb
+
+    def part_loss(idx):
+        """4-5. Both models score the same ids; eq. (13) at fixed β on the episodes `idx`. Each micro-batch carries
+        its share b / B of the constant β·m, so that the parts (and their logged values) sum to eq. (13)."""
         with torch.set_grad_enabled(not cfg.freeze_composer):
-            latents = compose(composer, tasks[mb], exps[mb])                              # (b, J·K, d) c_φ
-        c0 = torch.stack([c0_cache[t.task_id] for t in tasks[mb]]).to(latents)           # (b, J·K, d) sg[c_φ0]
-        # 4-5. both models score the same ids; eq. (13) at fixed β. Each micro-batch carries its share b / B of the
-        # constant β·m, so that the micro-batch losses (and their logged values) sum to eq. (13) of the whole batch
-        share = cfg.margin * len(eps[mb]) / n_traj
-        loss, m = micro_batch_objective(student, composer, tokenizer, eps[mb], latents, c0, rewards[mb], beta, share,
-                                        n_tokens, n_traj, cfg, make_env, tools, sample_cfg.enable_thinking)
-        loss, m = (0.0 * loss, {}) if idle else (loss, m)
-        finite &= bool(torch.isfinite(loss))
-        if finite:
-            loss.backward()
-        for k, v in m.items():                                                            # micro-batch parts add
-            totals[k] = totals.get(k, 0.0) + v
-    student.eval()
+            latents = compose(composer, pick(tasks, idx), pick(exps, idx))                  # (b, J·K, d) c_φ
+        c0 = torch.stack([c0_cache[tasks[i].task_id] for i in idx]).to(latents)          # (b, J·K, d) sg[c_φ0]
+        return micro_batch_objective(student, composer, tokenizer, pick(eps, idx), latents, c0, rewards[idx], beta,
+                                     cfg.margin * len(idx) / n_traj, n_tokens, n_traj, cfg, make_env, tools,
+                                     sample_cfg.enable_thinking)
+    student.train()
     # every part adds up over micro-batches and ranks, "loss/total" included: it is the sum of the losses
     # backpropagated (eq. 13 of the whole batch)
-    parts = ("loss/distill", "privilege/delta", "loss/anchor", "loss/total")
-    totals.update(zip(parts, runtime.all_sum(*(totals[k] for k in parts))))
-    finite = runtime.all_true(finite)
+    totals, finite = accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget)
+    student.eval()
     # 6. AdamW steps, gradients clipped per model; 7. the dual step β ← [β + η_β (m − Δ)]₊
     finite = optimizer_step(opts, student, composer, cfg.clip, finite)
     if finite:
@@ -677,6 +669,38 @@ def micro_batches(eps, size: int, token_budget: int = 0) -> list[slice]:
         out.append(slice(start, len(eps)))
     busiest = int(runtime.all_max(float(len(out))))
     return out + [slice(0, 0)] * (busiest - len(out))
+
+
+def accumulate(eps, part_loss, micro_batch: int, token_budget: int = 0, rows=None) -> tuple[dict, bool]:
+    """The one forward/backward loop of every method's step (and of the cold start): the episodes `rows` of `eps`
+    (all by default) in micro-batches (`micro_batches`: at most micro_batch episodes, at most token_budget padded
+    tokens), part_loss(indices into eps) -> (loss, metrics) for each, one backward each. part_loss normalises by
+    whole-batch counts, so the parts add up to the batch's loss and any split gives the same gradient.
+
+    Under torchrun every rank runs as many passes as the busiest one (a sharded model's forward is a collective): an
+    extra pass re-scores one episode with weight 0. After a non-finite loss no part is back-propagated (the caller's
+    `optimizer_step` then drops the gradients). -> (each metric summed over the parts and ranks, finite everywhere?)"""
+    rows = list(range(len(eps))) if rows is None else list(rows)
+    totals, finite = {}, True
+    for part in micro_batches(pick(eps, rows), micro_batch, token_budget):
+        idx, weight = rows[part], 1.0
+        if not idx:                                                  # torchrun: an idle pass
+            idx, weight = rows[:1] or [0], 0.0
+        loss, metrics = part_loss(idx)
+        loss = weight * loss
+        finite &= bool(torch.isfinite(loss))
+        if finite:
+            loss.backward()
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + weight * v
+    keys = sorted(totals)                                            # summed over ranks in one all-reduce
+    sums = runtime.all_sum(*(totals[k] for k in keys)) if keys else ()
+    return dict(zip(keys, sums if len(keys) > 1 else [sums])), runtime.all_true(finite)
+
+
+def pick(items, idx) -> list:
+    """items[i] for i in idx."""
+    return [items[i] for i in idx]
 
 
 def micro_batch_objective(student, composer, tokenizer, eps, latents, c0, rewards, beta, share, n_tokens, n_traj,

@@ -636,20 +636,17 @@ def schema_balanced_sampler(bank, rng: random.Random):
 
 def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entries, make_env) -> float:
     """One eq. (14) loss, back-propagated: each entry's own successful episode, behind latents composed from J OTHER
-    entries. --token-budget splits the batch into forward/backward passes, each normalised by the whole batch's ω
-    count (summed over ranks under torchrun). -> the loss's value on this rank."""
+    entries. --token-budget splits the batch into forward/backward passes (`lopd.accumulate`), each normalised by
+    the whole batch's ω count (summed over ranks under torchrun). -> the loss's value, summed over ranks."""
     eps = [episodes[e["meta"]["episode"]] for e in entries]
-    parts = lopd.micro_batches(eps, max(1, len(eps)), args.token_budget or 0)      # one part unless a budget splits
-    whole = runtime.world() > 1 or len(parts) > 1
-    n_tokens = runtime.all_sum(sum(sum(ep.mask) for ep in eps)) if whole else None  # the global batch's ω count
-    total = 0.0
-    for part in parts:
-        weight, part = (0.0, slice(0, 1)) if part.stop == part.start else (1.0, part)   # torchrun: idle
-        loss = weight * cold_start_part(args, composer, tok, retriever, entries[part], eps[part], tasks_by_id,
-                                        make_env, n_tokens)
-        loss.backward()
-        total += loss.item()
-    return total
+    n_tokens = runtime.all_sum(sum(sum(ep.mask) for ep in eps))                     # the global batch's ω count
+
+    def part_loss(idx):
+        loss = cold_start_part(args, composer, tok, retriever, lopd.pick(entries, idx), lopd.pick(eps, idx),
+                               tasks_by_id, make_env, n_tokens)
+        return loss, {"loss/init": loss.item()}
+    m, _ = lopd.accumulate(eps, part_loss, max(1, len(eps)), args.token_budget or 0)   # one part unless a budget splits
+    return m["loss/init"]
 
 
 def cold_start_part(args, composer, tok, retriever, entries, eps, tasks_by_id, make_env, n_tokens):
@@ -699,7 +696,7 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
             torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
         if step % 50 == 0 or step == args.cold_steps - 1:
-            log("cold_start", step=step, **{"loss/init": runtime.all_sum(loss)})
+            log("cold_start", step=step, **{"loss/init": loss})
     for opt in opts:
         opt.zero_grad(set_to_none=True)   # the last step's gradients must not leak into the joint stage's first one
     if runtime.rank() == 0:

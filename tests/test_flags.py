@@ -19,3 +19,26 @@ def test_eval_names_a_negative_flag(tmp_path, capsys, flags):
     with pytest.raises(SystemExit) as err:
         evaluate.main(["--run", str(tmp_path), *flags])
     assert err.value.code == 2 and "--n-test and --temperature must be at least 0" in capsys.readouterr().err
+
+
+def test_bench_dist_step_times_every_phase_of_a_toy_iteration(capsys):
+    """bench.py --dist-step patches the functions lopd_step calls, in the modules it calls them through (runtime's
+    collectives, lopd's phases, losses' objective), and restores nothing it did not find: one process, 4 rollouts."""
+    import lopd
+    import losses
+    import runtime
+    import toy
+    saved = {(m, n): getattr(m, n) for m, n in ((lopd, "rollout"), (lopd, "compose"), (lopd, "retrieve"),
+                                                (lopd, "student_teacher_logits"), (lopd, "optimizer_step"),
+                                                (lopd, "summarize_all"), (runtime, "all_sum"), (runtime, "all_true"),
+                                                (runtime, "sync_grads"), (runtime, "gathered"),
+                                                (losses, "lopd_objective"))}
+    try:
+        bench.main(["--dist-step", "--model", toy.SHIPPED, "--rollouts", "4", "--repeats", "1"])
+    finally:
+        for (m, n), f in saved.items():
+            setattr(m, n, f)
+    out = capsys.readouterr().out
+    assert "one toy LOPD iteration, 4 rollouts over 1 process(es)" in out
+    for phase in ("rollout", "compose", "forward", "optimizer", "loss", "backward"):
+        assert f"  {phase}" in out, out
