@@ -13,8 +13,8 @@ and the evaluation. What differs is only the teacher's context and the loss, eac
     python train.py --method grpo          # or rft | opsd | sdpo: the same pipeline, stages and evaluation
     python -m pytest tests/test_baselines.py -q
 
-`METHODS` at the bottom is what train.py runs: per method, what it keeps across steps and one step. A new method is
-a step function, its loss and one entry there (docs/adding-a-method.md).
+`METHODS` at the bottom is what train.py runs beside LOPD's own entry (lopd.METHOD): per method, what it keeps across
+steps and one step. A new method is a step function, its loss and one entry there (docs/adding-a-method.md).
 
 Deviations from the papers
 --------------------------
@@ -31,15 +31,15 @@ Notation: B trajectories, T tokens, V vocabulary, G rollouts per task (a group),
 from __future__ import annotations
 
 import copy
-import random
 from dataclasses import dataclass
 
 import torch
 
+import engine
 import inject
 import losses
-import lopd
 import runtime
+from engine import Method, draw_tasks
 from envs import ToolWorld
 from losses import _fp32, bucket_reverse_kl, supervised_logprobs, topm_tail
 
@@ -58,7 +58,7 @@ class BaselineConfig:
     micro_batch: int = 8
     clip: float = 1.0
     loss_chunk: int = 0        # rows per LM-head application (0: full logits); train.py --loss-chunk
-    token_budget: int = 0      # padded tokens per forward/backward (0: micro_batch rollouts); lopd.micro_batches
+    token_budget: int = 0      # padded tokens per forward/backward (0: micro_batch rollouts); engine.micro_batches
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -73,13 +73,13 @@ def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: floa
     n_tokens = runtime.all_sum(sum(sum(e.mask) for e in episodes))
 
     def part_loss(idx):
-        logp, _, _ = lopd.student_logprobs(student, tokenizer, lopd.pick(episodes, idx), device, loss_chunk)
+        logp, _, _ = engine.student_logprobs(student, tokenizer, engine.pick(episodes, idx), device, loss_chunk)
         loss = -logp.sum() / n_tokens           # losses.masked_nll; micro-batch parts add up to the batch mean
         return loss, {"loss/rft": loss.item()}
     student.train()
-    m, ok = lopd.accumulate(episodes, part_loss, micro_batch, token_budget)
+    m, ok = engine.accumulate(episodes, part_loss, micro_batch, token_budget)
     student.eval()
-    ok = lopd.optimizer_step((opt, None), student, None, clip, ok)
+    ok = engine.optimizer_step((opt, None), student, None, clip, ok)
     return {**m, "skipped": int(not ok), "tokens": n_tokens}
 
 
@@ -113,7 +113,7 @@ def ppo_clip_loss(logp, logp_old, advantages, mask, eps_lo=0.2, eps_hi=0.2, n_to
     return -(surrogate * mask).sum() / n, ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()
 
 
-def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: lopd.SampleConfig, make_env=ToolWorld,
+def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: engine.SampleConfig, make_env=ToolWorld,
               tools=None):
     """GRPO: G rollouts per task, Â group-normalised, PPO-clip. No teacher, no context.
 
@@ -121,23 +121,23 @@ def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: l
     binds, and π_old's log-probs need no extra forward (they are the detached current ones)."""
     group_tasks = [t for t in tasks for _ in range(cfg.group)]                               # rows of a group adjacent
     with runtime.gathered(student):
-        eps = lopd.rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+        eps = engine.rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
     rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
     adv = group_advantages(rewards, cfg.group)                                       # (B,) groups never split
     device, n_tokens = next(student.parameters()).device, runtime.all_sum(sum(sum(e.mask) for e in eps))
 
     def part_loss(idx):
-        logp, _, omega = lopd.student_logprobs(student, tokenizer, lopd.pick(eps, idx), device, cfg.loss_chunk)
+        logp, _, omega = engine.student_logprobs(student, tokenizer, engine.pick(eps, idx), device, cfg.loss_chunk)
         loss, clipped = ppo_clip_loss(logp, logp.detach(), adv[idx].to(device), omega, cfg.clip_eps, cfg.clip_eps,
                                       n_tokens)                                              # logp: (b, Tc)
         # the clipped fraction of the batch's ω tokens: each part's share adds up
         return loss, {"loss/grpo": loss.item(), "grpo/clip_frac": clipped * float(omega.sum()) / n_tokens}
     student.train()
-    m, ok = lopd.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget)
+    m, ok = engine.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget)
     student.eval()
-    ok = lopd.optimizer_step((opt, None), student, None, cfg.clip, ok)
+    ok = engine.optimizer_step((opt, None), student, None, cfg.clip, ok)
     zero = runtime.all_sum(int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()))
-    return {"reward/student": lopd.summarize_all(eps)["reward"], **m, "grpo/zero_adv_groups": zero,
+    return {"reward/student": engine.summarize_all(eps)["reward"], **m, "grpo/zero_adv_groups": zero,
             "skipped": int(not ok), "tokens": n_tokens}, eps
 
 
@@ -170,7 +170,7 @@ def text_context_ids(tokenizer, messages, text, template, where, framing, tools=
     msgs = [dict(m) for m in messages]
     i = next(k for k, m in enumerate(msgs) if m["role"] == role)
     msgs[i]["content"] += ("\n\n" if role == "system" else "") + template.format(text=text)
-    return lopd.prompt_ids(tokenizer, msgs, tools, enable_thinking)
+    return engine.prompt_ids(tokenizer, msgs, tools, enable_thinking)
 
 
 def _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg: BaselineConfig, make_env, tools,
@@ -180,7 +180,7 @@ def _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg: Baseline
     prefixes = [text_context_ids(tokenizer, make_env().reset(e.task), x, template, cfg.context, framing, tools,
                                  enable_thinking) for e, x in zip(eps, texts)]
     with torch.no_grad():
-        return lopd.continuation_logits(teacher, tokenizer, prefixes, eps, device)[0]          # (B, Tc, V)
+        return engine.continuation_logits(teacher, tokenizer, prefixes, eps, device)[0]          # (B, Tc, V)
 
 
 def _distill_loss(student, teacher, tokenizer, eps, texts, template, loss_fn, cfg, make_env, tools, enable_thinking,
@@ -190,13 +190,13 @@ def _distill_loss(student, teacher, tokenizer, eps, texts, template, loss_fn, cf
     if not cfg.loss_chunk:
         lt = _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg, make_env, tools, enable_thinking,
                                   device)                                                    # (b, Tc, V)
-        ls, _, omega = lopd.student_logits(student, tokenizer, eps, device)                  # (b, Tc, V)
+        ls, _, omega = engine.student_logits(student, tokenizer, eps, device)                  # (b, Tc, V)
         return loss_fn(ls, lt, omega, n_tokens)
     t_model = teacher if isinstance(teacher, torch.nn.Module) else teacher.__self__.peft   # OPSD: base_forward
     with runtime.lm_head_bypassed(student, t_model):
         ht = _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg, make_env, tools, enable_thinking,
                                   device)                                                    # (b, Tc, d)
-        hs, _, omega = lopd.student_logits(student, tokenizer, eps, device)                  # (b, Tc, d)
+        hs, _, omega = engine.student_logits(student, tokenizer, eps, device)                  # (b, Tc, d)
     return losses.rowwise_from_hidden(loss_fn, hs, ht, runtime.lm_head(student), runtime.lm_head(t_model), omega,
                                       n_tokens, cfg.loss_chunk)
 
@@ -209,13 +209,13 @@ def _distill_step(student, teacher, tokenizer, eps, texts, template, loss_fn, op
     n_tokens = runtime.all_sum(sum(sum(eps[i].mask) for i in rows))
 
     def part_loss(idx):
-        loss = _distill_loss(student, teacher, tokenizer, lopd.pick(eps, idx), [texts[i] or "" for i in idx],
+        loss = _distill_loss(student, teacher, tokenizer, engine.pick(eps, idx), [texts[i] or "" for i in idx],
                              template, loss_fn, cfg, make_env, tools, enable_thinking, device, n_tokens)
         return loss, {"loss/distill": loss.item()}
     student.train()
-    m, ok = lopd.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget, rows=rows)
+    m, ok = engine.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget, rows=rows)
     student.eval()
-    ok = lopd.optimizer_step((opt, None), student, None, cfg.clip, ok)
+    ok = engine.optimizer_step((opt, None), student, None, cfg.clip, ok)
     return {**m, "context/rows": runtime.all_sum(len(rows)), "skipped": int(not ok), "tokens": n_tokens}
 
 
@@ -246,16 +246,16 @@ def opsd_pool(bank, tasks, make_env=ToolWorld, success: float = 1.0) -> dict:
     return pool, len(filled)
 
 
-def opsd_step(student, base, tokenizer, tasks, pool, opt, cfg: BaselineConfig, sample_cfg: lopd.SampleConfig,
+def opsd_step(student, base, tokenizer, tasks, pool, opt, cfg: BaselineConfig, sample_cfg: engine.SampleConfig,
               make_env=ToolWorld, tools=None):
     """OPSD: the frozen base θ̄ sees a successful trajectory of the SAME task as text; forward KL, full vocabulary.
     pool: task_id -> trace text (`opsd_pool`); a task missing from it gives no teacher signal."""
     with runtime.gathered(student):
-        eps = lopd.rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
+        eps = engine.rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
     texts = [pool.get(t.task_id) for t in tasks]
     m = _distill_step(student, base, tokenizer, eps, texts, OPSD_CONTEXT,
                       forward_kl_full, opt, cfg, make_env, tools, sample_cfg.enable_thinking)
-    return {"reward/student": lopd.summarize_all(eps)["reward"], **m}, eps
+    return {"reward/student": engine.summarize_all(eps)["reward"], **m}, eps
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -291,83 +291,29 @@ def sibling_contexts(eps, group: int, success: float = 1.0):
     return out
 
 
-def sdpo_step(student, ema_teacher, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: lopd.SampleConfig,
+def sdpo_step(student, ema_teacher, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: engine.SampleConfig,
               make_env=ToolWorld, tools=None):
     """SDPO: G rollouts per task; each rollout's teacher is the EMA θ̄_ema behind a successful SIBLING's trace (never
     its own); reverse KL over the student's top-K + tail; then θ̄_ema ← (1 − rate)θ̄_ema + rate·θ.
     A rollout with no successful sibling gets no teacher signal."""
     group_tasks = [t for t in tasks for _ in range(cfg.group)]
     with runtime.gathered(student):
-        eps = lopd.rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+        eps = engine.rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
     texts = sibling_contexts(eps, cfg.group, cfg.success)
     m = _distill_step(student, ema_teacher, tokenizer, eps, texts, SDPO_CONTEXT,
                       lambda ls, lt, om, n: reverse_kl_student_topk(ls, lt, om, cfg.top_k, n), opt, cfg,
                       make_env, tools, sample_cfg.enable_thinking)
     ema_update(ema_teacher.parameters(), student.parameters(), cfg.ema_rate)   # shard by shard under FSDP2
-    return {"reward/student": lopd.summarize_all(eps)["reward"], **m}, eps
+    return {"reward/student": engine.summarize_all(eps)["reward"], **m}, eps
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The methods train.py runs (--method): what each keeps across steps, and one step on the shared loop
+# The baselines as train.py runs them (--method): what each keeps across steps, and one step (engine.Method)
 # ----------------------------------------------------------------------------------------------------------------
-# Every step takes (args, run, state, student, opts, β, task_rng) and returns (β, metrics, generations spent).
-# `run` is train.py's: the tokenizer, the composer, the retriever, the tasks, the bank's episodes, `make_env` and
-# the sampling settings `sample`. Every method draws rollouts_per_step generations: LOPD and OPSD as one rollout of
-# that many tasks, GRPO and SDPO as G of each. Under torchrun every rank draws the same tasks and keeps its slice.
-@dataclass
-class Method:
-    setup: object              # (args, run) -> state: what the method keeps across steps
-    step: object               # (args, run, state, student, opts, β, task_rng) -> (β, metrics, generations)
-    uses_bank: bool = False    # its data includes the bank: the bank's rollouts count towards its generations
-    trains_composer: bool = False   # φ has an optimizer (LOPD, unless --freeze-composer)
-    per_task: str = ""         # the Args field that gives rollouts per task ("group"), or "" for one
-
-
-def lopd_config(args) -> lopd.LOPDConfig:
-    return lopd.LOPDConfig(n_ret=args.n_ret, top_m=args.top_m, margin=args.margin, anchor=args.anchor,
-                           dual_lr=args.dual_lr, delta_per=args.delta_per, kl_per=args.kl_per,
-                           micro_batch=args.micro_batch,
-                           privilege_against=args.privilege_against, loss_chunk=args.loss_chunk or 0,
-                           token_budget=args.token_budget or 0,
-                           clip=args.clip, freeze_composer=args.freeze_composer, retrieval=args.retrieval)
-
-
 def baseline_config(args) -> BaselineConfig:
     return BaselineConfig(group=args.group, clip_eps=args.clip_eps, top_k=args.top_m, ema_rate=args.ema_rate,
                           success=args.bank_threshold, context=args.text_context, micro_batch=args.micro_batch,
                           clip=args.clip, loss_chunk=args.loss_chunk or 0, token_budget=args.token_budget or 0)
-
-
-def draw_tasks(args, run, task_rng, per_task: int = 1) -> list:
-    """This step's tasks: rollouts_per_step / per_task of the training tasks (this rank's slice). --task-order fresh
-    draws them anew each step; epoch walks through shuffled epochs (the official code), so every task comes once
-    before any comes twice. Epoch e's order is a function of the seed and e alone, so a resumed run continues it."""
-    n = args.rollouts_per_step // per_task
-    if args.task_order == "fresh":
-        return runtime.shard(task_rng.sample(run["train"], n))
-    tasks, first = run["train"], run["step"] * n                       # positions first .. first + n − 1
-    epochs = range(first // len(tasks), (first + n - 1) // len(tasks) + 1)      # the one or two it reaches into
-    orders = {e: epoch_order(tasks, args.seed, e) for e in epochs}
-    return runtime.shard([orders[i // len(tasks)][i % len(tasks)] for i in range(first, first + n)])
-
-
-def epoch_order(tasks, seed: int, epoch: int) -> list:
-    """--task-order epoch: epoch `epoch`'s shuffle of the training tasks, a function of the seed and the epoch."""
-    return random.Random(f"{seed}/epoch/{epoch}").sample(tasks, len(tasks))
-
-
-def lopd_setup(args, run) -> dict:
-    """Algorithm 1: "cache c_φ0 per task" (each rank a slice of the tasks, gathered)."""
-    part = lopd.anchor_cache(run["composer"], run["retriever"], runtime.shard(run["train"]), args.n_ret,
-                             args.retrieval)
-    return {"c0": part if runtime.world() == 1 else {k: v for d in runtime.gather([part]) for k, v in d.items()}}
-
-
-def lopd_train_step(args, run, state, student, opts, beta, task_rng):
-    tasks = draw_tasks(args, run, task_rng)
-    beta, m, _ = lopd.lopd_step(student, run["composer"], run["tok"], tasks, run["retriever"], state["c0"], beta,
-                                opts, lopd_config(args), run["sample"], run["make_env"], run["tools"])
-    return beta, m, args.rollouts_per_step
 
 
 def rft_setup(args, run) -> dict:
@@ -417,7 +363,6 @@ def sdpo_train_step(args, run, state, student, opts, beta, task_rng):
 
 
 METHODS = {
-    "lopd": Method(lopd_setup, lopd_train_step, uses_bank=True, trains_composer=True),
     "rft": Method(rft_setup, rft_train_step, uses_bank=True),
     "grpo": Method(lambda args, run: {}, grpo_train_step, per_task="group"),
     "opsd": Method(opsd_setup, opsd_train_step, uses_bank=True),

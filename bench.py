@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import code_env
+import engine
 import envs
 import losses
 import lopd
@@ -133,8 +134,8 @@ def text_teacher_logits(model, tok, eps, exps):
         ref = "\n\n".join(lopd.experience_text(x) for x in es)
         msgs = [{"role": "system", "content": envs.TOY_SYSTEM_PROMPT + "\n\nSolved examples:\n" + ref},
                 {"role": "user", "content": e.task.text}]
-        prompts.append(lopd.prompt_ids(tok, msgs))
-    return lopd.continuation_logits(model, tok, prompts, eps, "cpu")[0]                   # (B, Tc, V)
+        prompts.append(engine.prompt_ids(tok, msgs))
+    return engine.continuation_logits(model, tok, prompts, eps, "cpu")[0]                   # (B, Tc, V)
 
 
 def bench_step(model_dir: str, batch: int, repeats: int):
@@ -149,7 +150,7 @@ def bench_step(model_dir: str, batch: int, repeats: int):
     student = copy.deepcopy(base).requires_grad_(True)
     composer = Composer(base, tok, ComposerConfig(n_latents=8))
     train, _ = envs.make_splits(0, 200, 1)
-    bank = [retrieval.make_entry(t.task_id, t.text, lopd.scripted_episode(tok, envs.ToolWorld(), t,
+    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(tok, envs.ToolWorld(), t,
             envs.oracle_calls(t)).trace, 1.0) for t in train[:100]]
     ret = retrieval.Retriever(bank, retrieval.Embedder(retrieval.minilm_path(), pooling="mean"))
     tasks = random.Random(0).sample(train, batch)
@@ -157,7 +158,7 @@ def bench_step(model_dir: str, batch: int, repeats: int):
     clock = {"LOPD": Timer(), "OPSD-style (text teacher)": Timer()}
     for _ in range(repeats):
         tm = clock["LOPD"]
-        eps = tm("rollout", lambda: lopd.rollout(student, tok, tasks, lopd.SampleConfig()))
+        eps = tm("rollout", lambda: engine.rollout(student, tok, tasks, engine.SampleConfig()))
         exps = tm("retrieve", lambda: lopd.retrieve(ret, tasks, 3))
         lat = tm("compose", lambda: lopd.compose(composer, tasks, exps))
         ls, lt, ids, om = tm("teacher + student forward", lambda: lopd.student_teacher_logits(
@@ -166,11 +167,11 @@ def bench_step(model_dir: str, batch: int, repeats: int):
                                                          lat.detach(), 0.2)[0])
         tm("backward", loss.backward)
         tm = clock["OPSD-style (text teacher)"]
-        tm("rollout", lambda: lopd.rollout(student, tok, tasks, lopd.SampleConfig()))
+        tm("rollout", lambda: engine.rollout(student, tok, tasks, engine.SampleConfig()))
         exps = tm("retrieve", lambda: lopd.retrieve(ret, tasks, 3))
         with torch.no_grad():
             lt = tm("teacher forward", lambda: text_teacher_logits(base, tok, eps, exps))
-        ls, ids, om = tm("student forward", lambda: lopd.student_logits(student, tok, eps, "cpu"))
+        ls, ids, om = tm("student forward", lambda: engine.student_logits(student, tok, eps, "cpu"))
         loss = tm("loss", lambda: losses.reverse_kl_topm(ls, lt, om))
         tm("backward", loss.backward)
     totals = {k: sum(v.t.values()) / repeats for k, v in clock.items()}
@@ -199,7 +200,7 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     base = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
     student = copy.deepcopy(base).requires_grad_(True)
     train_tasks, _ = envs.make_splits(0, 200, 1)
-    bank = [retrieval.make_entry(t.task_id, t.text, lopd.scripted_episode(tok, envs.ToolWorld(), t,
+    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(tok, envs.ToolWorld(), t,
             envs.oracle_calls(t)).trace, 1.0) for t in train_tasks[:100]]
     ret = retrieval.Retriever(bank, retrieval.Embedder.from_model(base, tok, pooling="mean"))
     tasks = random.Random(0).sample(train_tasks, rollouts)
@@ -234,14 +235,14 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
         finally:
             timed("collectives", lambda: cm.__exit__(None, None, None))()
     original = runtime.gathered
-    for module, name, phase in ((lopd, "rollout", "rollout"), (lopd, "compose", "compose"),
+    for module, name, phase in ((engine, "rollout", "rollout"), (lopd, "compose", "compose"),
                                 (lopd, "retrieve", "retrieve"), (lopd, "student_teacher_logits", "forward"),
-                                (lopd, "optimizer_step", "optimizer"), (lopd, "summarize_all", "collectives"),
+                                (engine, "optimizer_step", "optimizer"), (engine, "summarize_all", "collectives"),
                                 (runtime, "all_sum", "collectives"), (runtime, "all_true", "collectives"),
                                 (runtime, "sync_grads", "collectives"), (losses, "lopd_objective", "loss")):
         setattr(module, name, timed(phase, getattr(module, name)))    # the module each is called through
     runtime.gathered = gathered
-    cfg, scfg = lopd.LOPDConfig(micro_batch=4), lopd.SampleConfig(temperature=0.0)
+    cfg, scfg = lopd.LOPDConfig(micro_batch=4), engine.SampleConfig(temperature=0.0)
     mine = runtime.shard(tasks)
     step = lambda: lopd.lopd_step(student, composer, tok, mine, ret, c0, 0.1, opts, cfg, scfg)   # noqa: E731
     step()
@@ -501,8 +502,8 @@ def synthetic_episodes(tok, tasks, tokens: int, vocab: int, make_env):
     g = torch.Generator().manual_seed(0)
     eps = []
     for t in tasks:
-        e = lopd.Episode(t)
-        e.add(lopd.prompt_ids(tok, make_env().reset(t)), sampled=False)
+        e = engine.Episode(t)
+        e.add(engine.prompt_ids(tok, make_env().reset(t)), sampled=False)
         e.prompt_len = len(e.ids)
         e.add(torch.randint(0, vocab, (tokens,), generator=g).tolist(), sampled=True)
         eps.append(e)
@@ -589,10 +590,10 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
 # ----------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def generate_whole(model, tokenizer, contexts, cfg, embed_fn=None, **_):
-    """The reference lopd.Conversations is measured (and tested) against: transformers' generate on each whole
+    """The reference engine.Conversations is measured (and tested) against: transformers' generate on each whole
     conversation so far, left-padded, every turn. -> per row (reply ids, their log-probs, ended with eos?)."""
-    ids, att = lopd.left_pad(contexts, tokenizer.pad_token_id, next(model.parameters()).device)   # (B, L)
-    eos = lopd.eos_ids(model, tokenizer)
+    ids, att = engine.left_pad(contexts, tokenizer.pad_token_id, next(model.parameters()).device)   # (B, L)
+    eos = engine.eos_ids(model, tokenizer)
     kw = dict(attention_mask=att, max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0,
               pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, output_logits=True,
               return_dict_in_generate=True)
@@ -636,14 +637,14 @@ def bench_rollout(rollouts: int, tokens: int, steps: int):
     args = argparse.Namespace(max_env_steps=steps, conventions=2)
     make_env = lambda: envs.ToolWorld.for_run(args, toy=False)                         # noqa: E731
     tasks = envs.make_splits(0, rollouts, 0)[0]
-    cfg = lopd.SampleConfig(temperature=0.0, max_new_tokens=tokens, max_len=8192, batch_size=rollouts)
-    out, real = {}, lopd.generate_replies
+    cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=tokens, max_len=8192, batch_size=rollouts)
+    out, real = {}, engine.generate_replies
     for how in ("whole", "cached"):
-        lopd.generate_replies = generate_whole if how == "whole" else real
+        engine.generate_replies = generate_whole if how == "whole" else real
         t0 = time.perf_counter()
-        eps = lopd.rollout(model, tok, tasks, cfg, make_env, make_env().tools)
+        eps = engine.rollout(model, tok, tasks, cfg, make_env, make_env().tools)
         out[how] = (time.perf_counter() - t0, eps)
-    lopd.generate_replies = real
+    engine.generate_replies = real
     same = sum(a.ids == b.ids for a, b in zip(out["whole"][1], out["cached"][1]))
     turns = sum(e.steps for e in out["cached"][1]) / rollouts
     print(f"{name}, {rollouts} rollouts of the tool world (A.5's prompt, ~{len(out['cached'][1][0].ids)} tokens "
@@ -722,7 +723,7 @@ def bench_pretrain(steps: int = 40):
     for temp in (0.0, 0.7):
         torch.manual_seed(0)
         t1 = time.perf_counter()
-        r = lopd.summarize(lopd.rollout(model, tok, test, lopd.SampleConfig(temperature=temp)))["reward"]
+        r = engine.summarize(engine.rollout(model, tok, test, engine.SampleConfig(temperature=temp)))["reward"]
         evals += time.perf_counter() - t1
         print(f"vanilla evaluation of the shipped backbone, T {temp}: reward {r:.3f}, {time.perf_counter() - t1:.1f} s")
     print(f"build + both evaluations: {build + evals:.0f} s (target: 120 s; {(build + evals) / 120:.1f}x over)")

@@ -840,7 +840,7 @@ class CodeWorld(Environment):
     retrieval_instruction: str = "Given a programming problem, retrieve a solved problem that needs a similar program"
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     max_steps: int = 1
-    parallel_steps = True          # lopd.rollout verifies a batch's programs in threads (one process each)
+    parallel_steps = True          # engine.rollout verifies a batch's programs in threads (one process each)
     task: CodeProblem | None = None
     steps: int = 0
     passed: bool = False

@@ -272,7 +272,7 @@ class Composer(nn.Module):
         self.cfg = cfg or ComposerConfig()
         self.tokenizer = tokenizer
         self.peft = _attach_lora(model, self.cfg, adapter_path)
-        # a new PeftModel says training=True whatever the backbone's mode, and lopd.rollout restores the flag it
+        # a new PeftModel says training=True whatever the backbone's mode, and engine.rollout restores the flag it
         # finds: the frozen backbone would leave every evaluation in training mode (dropout on for the teacher)
         self.peft.train(self.backbone.training)
         conf = self.backbone.config
@@ -309,7 +309,7 @@ class Composer(nn.Module):
 
         attention_mask (B, T) must come from lengths (inject.py, THE TRAP): the span holds pad ids.
         keep > 0: logits of the last `keep` positions only, (B, keep, V) (HF's logits_to_keep; 0 = all).
-        position_ids (B, T): for left-padded rows (lopd.pack); None lets the model count from 0."""
+        position_ids (B, T): for left-padded rows (engine.pack); None lets the model count from 0."""
         embeds = inject.embed_with_latents(self.peft, input_ids, latents, starts)        # (B, T, d)
         return self.base_forward(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
                                  logits_to_keep=keep, use_cache=False).logits            # (B, T or keep, V)
@@ -435,7 +435,7 @@ def cold_start_batch(tokenizer, messages_list, episodes, n_latents: int, framing
                      tools=None, enable_thinking=False):
     """Right-padded tensors for `cold_start_loss`: each episode's prompt is swapped for its latent prompt.
 
-    messages_list: the first messages of each episode (e.g. `env.reset(task)`); episodes: `lopd.Episode`s whose
+    messages_list: the first messages of each episode (e.g. `env.reset(task)`); episodes: `engine.Episode`s whose
     ids after `prompt_len` (replies and observations) and ω are kept as they are, never re-tokenized.
     Returns ids (B, T), attention_mask (B, T), omega (B, T) float, starts (B,).
     """

@@ -523,7 +523,7 @@ class StepResult:
 class Environment:
     """What the learner reads of an environment, all of it: lopd.py and train.py use nothing else, and find nothing
     by getattr. A world subclasses this, implements the three episode methods and the task source, and keeps or
-    overrides the rest. One instance plays one episode at a time; `lopd.rollout` makes one per episode.
+    overrides the rest. One instance plays one episode at a time; `engine.rollout` makes one per episode.
 
     A task is any object with these four fields (the tool world's `Task`, code_env's `CodeProblem`):
         task_id   unique; retrieval never returns a task's own bank entries (eq. 16)
@@ -537,7 +537,7 @@ class Environment:
     tools: list | None = None          # JSON schemas for the chat template (`tools=`); None: no tools are listed
     retrieval_instruction: str = retrieval.DEFAULT_INSTRUCTION   # the retriever's query prompt (eq. 15)
     parallel_steps: bool = False       # True: a batch's step() calls run in threads (CodeWorld: one sandbox each)
-    response_template: dict | None = None   # the tokenizer's reply parser; lopd.rollout sets it where there is one
+    response_template: dict | None = None   # the tokenizer's reply parser; engine.rollout sets it where there is one
     # -- what train.py reads: the run ------------------------------------------------------------------------------
     toy_world: str | None = None       # the toy backbone that knows this world (toy.py --world): tools | code | None
     toy_defaults: dict = {}            # settings of the toy run that differ from train.TOY_DEFAULTS, and why
@@ -657,7 +657,7 @@ class ToolWorld(Environment):
     steps: int = 0
     trace: list = field(default_factory=list)     # [(name, args, result)] for the observation-lite trace
     tools: list | None = field(default_factory=lambda: TOOLS)   # schemas for the chat template; None: not listed
-    response_template: dict | None = None   # the tokenizer's reply parser, if it has one (lopd.rollout sets it)
+    response_template: dict | None = None   # the tokenizer's reply parser, if it has one (engine.rollout sets it)
 
     def reset(self, task: Task) -> list[dict]:
         self.task, self.db, self.staged, self.verified = task, copy.deepcopy(task.db), [], set()

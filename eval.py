@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import code_env
+import engine
 import lopd
 import runtime
 import show
@@ -107,7 +108,7 @@ def teacher_shift(composer, tok, ep, lat_same, lat_other, make_env, tools=None, 
     same-variant experience makes the teacher surer of the token the episode took. -> one line per token."""
     same, other = (show.teacher_logprobs(composer, tok, [ep], lat[None], make_env, tools)[0]
                    for lat in (lat_same, lat_other))                          # (Tc,) log π_T(a_t), 0 off ω each
-    conts, omega = lopd.continuation([ep], lat_same.device)
+    conts, omega = engine.continuation([ep], lat_same.device)
     move = same - other                                                       # (Tc,) only sampled tokens count
     lines = []
     for t in move.abs().topk(min(top, int(omega[0].sum()))).indices.tolist():
@@ -163,7 +164,7 @@ def show_episodes(args: train.Args, n: int, path: str) -> str:
     tools = make_env().tools
     runtime.seed_everything(args.seed + 1)                                  # the evaluation rows' sampling seed
     with torch.no_grad(), runtime.precision(composer.peft), runtime.gathered(student):
-        eps = lopd.rollout(student, tok, tasks, train.sample_config(args), make_env, tools)
+        eps = engine.rollout(student, tok, tasks, train.sample_config(args), make_env, tools)
         exps = {m: lopd.retrieve(ret, tasks, args.n_ret, m) for m in ("same", "other")}
         lat = {m: lopd.compose(composer, tasks, e) for m, e in exps.items()}         # (N, J·K, d) each
         terms = show.episode_terms(student, composer, tok, eps, lat["same"], make_env, tools, args.top_m,
@@ -272,7 +273,7 @@ def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict
         runtime.seed_everything(args.seed + 1)
         with runtime.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}",
                                             leave=False) as bar:
-            lopd.rollout(model, tok, problems, cfg, make_env, None, progress=bar)
+            engine.rollout(model, tok, problems, cfg, make_env, None, progress=bar)
         rows += benchmark_rows(problems, log, os.path.basename(path))
     print(benchmark_table(rows, name))
     with open(os.path.join(args.out, "benchmarks.json"), "w") as f:

@@ -58,7 +58,6 @@ import time
 import numpy as np
 import torch
 
-import baselines
 import envs
 import lopd
 import runtime
@@ -223,7 +222,7 @@ def figure4_seed(args: train.Args) -> list[dict]:
         os.makedirs(margs.out, exist_ok=True)
         runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
         train.joint_training({**run, "args": margs, "student": fresh_student(run), "log": log_of(margs)})
-        bank = len(run["episodes"]) if baselines.METHODS[method].uses_bank else 0
+        bank = len(run["episodes"]) if train.METHODS[method].uses_bank else 0
         rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
                          reward=vanilla))
         last = {k: r for k, r in _logged(os.path.join(margs.out, "metrics.jsonl"), method).items()

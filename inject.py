@@ -21,7 +21,7 @@ Notation: B batch, L (or T) tokens, J experiences, K latents per experience, n =
 THE TRAP (docs/design.md, "Correctness traps"). The placeholder id IS the pad id. Anything that infers the attention
 mask from `input_ids != pad_token_id` (generate() without an `attention_mask`, a collator, a hand-written mask)
 masks the placeholders too, and the teacher silently never sees its latents (measured: logits change by 0.56).
-Always pass an explicit attention_mask built from row LENGTHS (`lopd.left_pad`, `length_mask`), never from ids.
+Always pass an explicit attention_mask built from row LENGTHS (`engine.left_pad`, `length_mask`), never from ids.
 
 Left padding. Generation pads on the left, so the span of row b starts at its unpadded start plus the number of
 pad positions left of it (`span_starts`); each row has its own start.
@@ -159,7 +159,7 @@ def latent_prompt_ids(tokenizer, messages, n_latents: int, framing=AGENTIC_FRAMI
     """Prompt ids with a span of `n_latents` placeholder ids (eq. 17), and the span's start index.
 
     messages: chat messages (system, user, ...); the first user message gets the framing. The template renders
-    with add_generation_prompt=True, so the ids end with the assistant header, like `lopd.prompt_ids`.
+    with add_generation_prompt=True, so the ids end with the assistant header, like `engine.prompt_ids`.
     Returns (ids, start): ids[start:start + n_latents] are the placeholders.
     """
     text = chat_text(tokenizer, _with_latent_block(messages, framing), tools, enable_thinking)
@@ -179,7 +179,7 @@ def _prompt_only(tokenizer, messages, n_latents, framing, tools, enable_thinking
 
 
 def latent_prompt_fn(n_latents: int, framing=AGENTIC_FRAMING, tools=None, enable_thinking=False):
-    """A `prompt_fn(tokenizer, messages) -> ids` for `lopd.rollout` (the teacher's latent prompt).
+    """A `prompt_fn(tokenizer, messages) -> ids` for `engine.rollout` (the teacher's latent prompt).
 
     The span start is not returned by a prompt_fn; get it from `latent_prompt_ids` on the same messages."""
     return functools.partial(_prompt_only, n_latents=n_latents, framing=framing, tools=tools,
@@ -263,7 +263,7 @@ def embed_with_latents(model, input_ids, latents, starts, span_len: int | None =
 
 
 def make_embed_fn(model, latents_per_task, start_per_task):
-    """An `embed_fn(ids, attention_mask, rows) -> inputs_embeds` for `lopd.rollout` / `lopd.generate_replies`.
+    """An `embed_fn(ids, attention_mask, rows) -> inputs_embeds` for `engine.rollout` / `engine.generate_replies`.
 
     latents_per_task (N, n, d): the latents of every task of the rollout; start_per_task (N,): each task's span
     start in its UNPADDED prompt (from `latent_prompt_ids`); rows index both. ids and attention_mask are the

@@ -22,6 +22,7 @@ import html
 
 import torch
 
+import engine
 import losses
 import lopd
 
@@ -63,7 +64,7 @@ def episode_terms(student, composer, tok, eps, latents, make_env, tools=None, to
 def teacher_logprobs(composer, tok, eps, latents, make_env, tools=None):
     """log p_T(a_t) of each episode's own sampled tokens behind `latents` (B, J·K, d): (B, Tc), 0 on observations."""
     lp = lopd.teacher_logits(composer, tok, eps, latents, make_env, tools).float().log_softmax(-1)   # (B, Tc, V)
-    conts, omega = lopd.continuation(eps, latents.device)                                           # ω (B, Tc)
+    conts, omega = engine.continuation(eps, latents.device)                                           # ω (B, Tc)
     ids = torch.zeros(omega.shape, dtype=torch.long, device=latents.device)                        # (B, Tc)
     for b, c in enumerate(conts):
         ids[b, :len(c)] = torch.tensor(c, device=latents.device)

@@ -73,7 +73,7 @@ from code_env import (JUDGES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, co
                       make_code_splits)
 from envs import (CHANGE_TOOLS, CONVENTION_TOOLS, DONE_TEXT, RULES, ToolWorld, format_call, lite_trace, make_splits,
                   make_task, oracle_calls, shops, world_of)
-from lopd import Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
+from engine import Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE with Qwen2/3's pre-tokenizer (digits split one by one) and ChatML tokens

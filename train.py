@@ -66,6 +66,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import baselines
+import engine
 import envs
 import lopd
 import retrieval
@@ -219,7 +220,7 @@ or the host's available RAM within any ulimit -v; runtime.plan_memory). The plan
 count)"""
     token_budget: int = None
     """at most this many padded tokens per forward/backward (rows × the longest episode of a micro-batch; at least
-one episode) in the joint stage, the baselines and the cold start (lopd.micro_batches). Default: what the memory
+one episode) in the joint stage, the baselines and the cold start (engine.micro_batches). Default: what the memory
 plan fits; 0 = no limit but --micro-batch (the toy's)"""
     kv_budget: float = None
     """GB of KV cache that generation may fill: it batches as many conversations of --max-len tokens as fit;
@@ -276,7 +277,7 @@ PAPER_DEFAULTS = {"latents": 32, "composer_input": "task+reference", "cold_steps
                   "steps": 200, "lr": 1e-5, "composer_lr": 1e-5,
                   "max_new_tokens": 10000, "max_env_steps": 30, "max_len": 40960, "eval_every": 0,
                   "text_context": "system", "loss_chunk": 1024}   # budgets: the memory plan (fit_machine)
-METHODS = tuple(baselines.METHODS)     # lopd, rft, grpo, opsd, sdpo
+METHODS = {"lopd": lopd.METHOD, **baselines.METHODS}     # what --method runs: lopd, rft, grpo, opsd, sdpo
 
 
 def main(argv=None):
@@ -486,13 +487,13 @@ def env_factory(args: Args):
     return lambda: cls.for_run(args, toy)
 
 
-def sample_config(args: Args, temperature=None) -> lopd.SampleConfig:
+def sample_config(args: Args, temperature=None) -> engine.SampleConfig:
     # a run written before --max-len existed (no max_len in its args.json) had the fixed budget of 768 tokens
-    max_len = lopd.SampleConfig.max_len if args.max_len is None else args.max_len
-    return lopd.SampleConfig(temperature=args.temperature if temperature is None else temperature,
+    max_len = engine.SampleConfig.max_len if args.max_len is None else args.max_len
+    return engine.SampleConfig(temperature=args.temperature if temperature is None else temperature,
                              top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                              max_len=max_len, enable_thinking=args.enable_thinking,
-                             batch_size=args.gen_batch or lopd.SampleConfig.batch_size,
+                             batch_size=args.gen_batch or engine.SampleConfig.batch_size,
                              sort_by_length=not is_toy(args))
 
 
@@ -515,14 +516,14 @@ def load_splits(args: Args, record: bool = True):
     return train, test
 
 
-def episode_record(ep: lopd.Episode) -> dict:
+def episode_record(ep: engine.Episode) -> dict:
     keep = ("ids", "mask", "logps", "prompt_len", "reward", "steps", "tool_calls", "repeated_calls", "first_len",
             "errors", "trace")
     return {"task_id": ep.task.task_id, **{k: getattr(ep, k) for k in keep}}
 
 
-def episode_from_record(rec: dict, task) -> lopd.Episode:
-    return lopd.Episode(task, **{k: v for k, v in rec.items() if k != "task_id"})
+def episode_from_record(rec: dict, task) -> engine.Episode:
+    return engine.Episode(task, **{k: v for k, v in rec.items() if k != "task_id"})
 
 
 def base_rollouts(args, model, tok, train, log):
@@ -535,12 +536,12 @@ def base_rollouts(args, model, tok, train, log):
     tasks = runtime.shard([t for t in train for _ in range(args.bank_rollouts)])    # this rank's slice (all: 1 process)
     with tqdm(total=len(tasks), desc="base rollouts", leave=False, disable=runtime.rank() != 0) as bar:
         make_env = env_factory(args)
-        eps = lopd.rollout(model, tok, tasks, sample_config(args), make_env, make_env().tools, progress=bar)
+        eps = engine.rollout(model, tok, tasks, sample_config(args), make_env, make_env().tools, progress=bar)
     if runtime.world() > 1:                                      # every rank's slice, in order, on every rank
         eps = [episode_from_record(r, by_id[r["task_id"]]) for r in runtime.gather([episode_record(e) for e in eps])]
     if runtime.rank() == 0:
         runtime.write_jsonl(path, [episode_record(e) for e in eps])
-    log("base_rollouts", n=len(eps), seconds=round(time.time() - t0, 1), **lopd.summarize(eps))
+    log("base_rollouts", n=len(eps), seconds=round(time.time() - t0, 1), **engine.summarize(eps))
     return eps
 
 
@@ -636,16 +637,16 @@ def schema_balanced_sampler(bank, rng: random.Random):
 
 def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entries, make_env) -> float:
     """One eq. (14) loss, back-propagated: each entry's own successful episode, behind latents composed from J OTHER
-    entries. --token-budget splits the batch into forward/backward passes (`lopd.accumulate`), each normalised by
+    entries. --token-budget splits the batch into forward/backward passes (`engine.accumulate`), each normalised by
     the whole batch's ω count (summed over ranks under torchrun). -> the loss's value, summed over ranks."""
     eps = [episodes[e["meta"]["episode"]] for e in entries]
     n_tokens = runtime.all_sum(sum(sum(ep.mask) for ep in eps))                     # the global batch's ω count
 
     def part_loss(idx):
-        loss = cold_start_part(args, composer, tok, retriever, lopd.pick(entries, idx), lopd.pick(eps, idx),
+        loss = cold_start_part(args, composer, tok, retriever, engine.pick(entries, idx), engine.pick(eps, idx),
                                tasks_by_id, make_env, n_tokens)
         return loss, {"loss/init": loss.item()}
-    m, _ = lopd.accumulate(eps, part_loss, max(1, len(eps)), args.token_budget or 0)   # one part unless a budget splits
+    m, _ = engine.accumulate(eps, part_loss, max(1, len(eps)), args.token_budget or 0)   # one part, or the budget's
     return m["loss/init"]
 
 
@@ -721,16 +722,16 @@ def cold_start_groups(args, composer) -> list:
 def make_optimizers(args, student, composer):
     """AdamW for θ, and for φ where the method trains the composer (B.1: AdamW, lr 1e-5, clip 1.0)."""
     opt_s = torch.optim.AdamW(student.parameters(), lr=args.lr)
-    frozen = args.freeze_composer or not baselines.METHODS[args.method].trains_composer
+    frozen = args.freeze_composer or not METHODS[args.method].trains_composer
     opt_c = None if frozen else torch.optim.AdamW(composer.trainable_parameters(), lr=args.composer_lr)
     return opt_s, opt_c
 
 
 def joint_training(run):
-    """Stage 5: args.steps iterations of args.method (Algorithm 1 for lopd; baselines.METHODS has each method's
+    """Stage 5: args.steps iterations of args.method (Algorithm 1 for lopd; METHODS has each method's
     step). Returns the trained student θ."""
     args, composer, student, log = run["args"], run["composer"], run["student"], run["log"]
-    method = baselines.METHODS[args.method]
+    method = METHODS[args.method]
     run.update(make_env=env_factory(args), sample=sample_config(args))
     run["tools"] = run["make_env"]().tools
     state = method.setup(args, run)
@@ -800,7 +801,7 @@ def _bar(n, desc):
 def eval_vanilla(composer, tok, tasks, cfg, make_env, tools=None):
     """θ̄ on the task alone. The composer's LoRA lives in the same backbone, so it is switched off (A.4)."""
     with composer.adapter_disabled(), _bar(len(tasks), "eval vanilla") as bar:
-        return lopd.rollout(composer.peft, tok, tasks, cfg, make_env, tools, progress=bar)
+        return engine.rollout(composer.peft, tok, tasks, cfg, make_env, tools, progress=bar)
 
 
 def eval_teacher(composer, retriever, tok, tasks, cfg, make_env, n_ret, tools=None, mode="same"):
@@ -814,7 +815,7 @@ def eval_teacher(composer, retriever, tok, tasks, cfg, make_env, n_ret, tools=No
 def eval_student(student, tok, tasks, cfg, make_env, tools=None):
     """θ alone, from the task (the deployed policy)."""
     with _bar(len(tasks), "eval student") as bar:
-        return lopd.rollout(student, tok, tasks, cfg, make_env, tools, progress=bar)
+        return engine.rollout(student, tok, tasks, cfg, make_env, tools, progress=bar)
 
 
 def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
@@ -836,7 +837,7 @@ def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
         whole = runtime.gathered(student) if name == "LOPD student" else contextlib.nullcontext()   # FSDP2: weights
         with runtime.precision(composer.peft), whole:
             eps = run() if tasks else []      # torchrun: a rank may get no held-out task
-        rows[name] = lopd.summarize_all(eps)
+        rows[name] = engine.summarize_all(eps)
         if keep is not None:
             keep[name] = eps
     runtime.set_rng_state(saved, random.Random())

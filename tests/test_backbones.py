@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Olmo3Config, Qwen3Co
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import code_env  # noqa: E402
+import engine  # noqa: E402
 import envs  # noqa: E402
 import inject  # noqa: E402
-import lopd  # noqa: E402
 import runtime  # noqa: E402
 import toy  # noqa: E402
 import train  # noqa: E402
@@ -90,7 +90,7 @@ def test_chat_template_lists_tools_and_the_sentinel_splits_once(tools_tok):
         assert json.dumps(tool) in text                                   # every schema, as Qwen3 renders it
     ids, start = inject.latent_prompt_ids(tools_tok, msgs, 6, inject.AGENTIC_FRAMING, envs.TOOLS)
     assert ids[start:start + 6] == [inject.placeholder_id(tools_tok)] * 6
-    plain = lopd.prompt_ids(tools_tok, msgs, envs.TOOLS)
+    plain = engine.prompt_ids(tools_tok, msgs, envs.TOOLS)
     assert len(ids) > len(plain) + 6 and ids[:20] == plain[:20]           # same system turn with the tools
 
 
@@ -128,8 +128,8 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(folders):
         if ckpt:
             runtime.checkpointing(model)
         assert all((layer.forward.__func__ is runtime._checkpointed_forward) == ckpt for layer in model.model.layers)
-        eps = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t)) for t in tasks]
-        logits, ids, omega = lopd.student_logits(model, tok, eps, "cpu")
+        eps = [engine.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t)) for t in tasks]
+        logits, ids, omega = engine.student_logits(model, tok, eps, "cpu")
         loss = -(torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0] * omega).sum() / omega.sum()
         loss.backward()
         results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
+import engine  # noqa: E402
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
@@ -148,7 +149,7 @@ def test_ema_update_matches_the_closed_form():
 
 
 def test_sibling_contexts_never_use_the_rollouts_own_trace():
-    eps = [lopd.Episode(task=None, reward=r, trace=f"t{i}") for i, r in enumerate([1.0, 0.0, 1.0, 0.0, 0, 0, 0, 1])]
+    eps = [engine.Episode(task=None, reward=r, trace=f"t{i}") for i, r in enumerate([1.0, 0.0, 1.0, 0.0, 0, 0, 0, 1])]
     assert baselines.sibling_contexts(eps, 4) == ["t2", "t0", "t0", "t0", "t7", "t7", "t7", None]
 
 
@@ -173,7 +174,7 @@ def _run_method(world, method, monkeypatch):
     student, comp = make_models(world)
     tasks = world["train"][8:10]
     calls = {"rollout": [], "scored": [], "loss": []}
-    real_rollout, real_scoring = lopd.rollout, lopd.continuation_logits
+    real_rollout, real_scoring = engine.rollout, engine.continuation_logits
 
     def rollout(model, tok, tasks_, cfg, *a, **kw):
         calls["rollout"].append((model, [t.task_id for t in tasks_], cfg))
@@ -183,8 +184,8 @@ def _run_method(world, method, monkeypatch):
         calls["scored"].append((model, [list(p) for p in prefixes], [list(e.ids[e.prompt_len:]) for e in eps]))
         return real_scoring(model, tok, prefixes, eps, device)
 
-    monkeypatch.setattr(lopd, "rollout", rollout)
-    monkeypatch.setattr(lopd, "continuation_logits", scoring)
+    monkeypatch.setattr(engine, "rollout", rollout)
+    monkeypatch.setattr(engine, "continuation_logits", scoring)
     for module, name in ((losses, "lopd_objective"), (baselines, "ppo_clip_loss"), (baselines, "forward_kl_full"),
                          (baselines, "reverse_kl_student_topk")):
         real = getattr(module, name)
@@ -264,7 +265,7 @@ def test_every_baseline_gives_the_same_step_with_the_chunked_loss(world, method)
         bcfg = baselines.BaselineConfig(group=2, context="span", micro_batch=8, success=0.0, loss_chunk=chunk)
         torch.manual_seed(0)
         if method == "rft":
-            eps = lopd.rollout(student, world["tok"], tasks, SAMPLE)
+            eps = engine.rollout(student, world["tok"], tasks, SAMPLE)
             m = baselines.rft_step(student, world["tok"], eps, opt, 8, 1.0, chunk)
         elif method == "grpo":
             m, _ = baselines.grpo_step(student, world["tok"], tasks, opt, bcfg, SAMPLE)

@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import code_env  # noqa: E402
+import engine  # noqa: E402
 
 FAST = code_env.SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_kb=64)
 
@@ -218,14 +219,13 @@ def test_code_world_interface():
 
 
 def test_rollout_steps_a_batch_of_code_worlds_in_parallel():
-    """lopd._step_all: CodeWorld's programs run in threads, one sandboxed process each (1 s of sleep each here)."""
-    import lopd
+    """engine._step_all: CodeWorld's programs run in threads, one sandboxed process each (1 s of sleep each here)."""
     slow = "import time\ntime.sleep(1.0)\na, b = map(int, input().split())\nprint(a + b)\n"
     worlds = [code_env.CodeWorld(limits=FAST) for _ in range(4)]
     for w in worlds:
         w.reset(code_env.CodeProblem("p", "sum", tests=[{"input": "1 2", "output": "3"}]))
     t0 = time.time()
-    results = lopd._step_all(worlds, [f"```python\n{slow}```"] * 4)
+    results = engine._step_all(worlds, [f"```python\n{slow}```"] * 4)
     took = time.time() - t0
     assert [w.reward() for w in worlds] == [1.0] * 4 and all(r.done for r in results)
     workers = min(4, os.cpu_count() or 1)
@@ -266,7 +266,7 @@ def test_code_conventions_agree_with_the_sandbox_and_the_table_counts_them(tok):
     conventions are right for p's judge (the sandbox decides, independently of the string checks); the table's
     rates are those counts."""
     import eval as ev
-    from lopd import Episode
+    from engine import Episode
     problems = code_env.make_code_splits(seed=5, n_train=0, n_test=8)[1]
     pairs, marks = [], []
     for p in problems:

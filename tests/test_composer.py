@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import composer as C  # noqa: E402
 import toy  # noqa: E402
 from envs import ToolWorld, make_task, oracle_calls  # noqa: E402
-from lopd import scripted_episode  # noqa: E402
+from engine import scripted_episode  # noqa: E402
 
 CFG = C.ComposerConfig(n_latents=4, n_layers=3, max_exp_tokens=160)
 SHORT = ("Reference:", "End of reference. Your task:")

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import engine
 import envs
 import experiments
 import runtime
@@ -188,12 +189,12 @@ def test_each_shipped_backbone_reads_a_same_shop_reference(k):
     other shop's single convention is the wrong one, so following it fails every task)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import lopd
     folder = toy.shipped("tools", k)
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     tasks = envs.make_splits(0, 1000, 60, conventions=k)[1]
     torch.manual_seed(0)
-    vanilla = lopd.summarize(lopd.rollout(model, tok, tasks, lopd.SampleConfig(temperature=0.7), ToolWorld))["reward"]
+    cfg = engine.SampleConfig(temperature=0.7)
+    vanilla = engine.summarize(engine.rollout(model, tok, tasks, cfg, ToolWorld))["reward"]
     r = toy.reading_check(model, tok, tasks, ToolWorld, seed=0)
     same, other = r["same variant"], r["other variant"]
     assert same - vanilla > 0.2 and same - other > 0.3 and other < vanilla + 0.1, (vanilla, same, other)

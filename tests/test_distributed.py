@@ -25,6 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import baselines  # noqa: E402
+import engine  # noqa: E402
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import retrieval  # noqa: E402
@@ -106,7 +107,7 @@ def backbone(tmp_path_factory):
 # 1. Equivalence: one LOPD iteration and one GRPO step, 2 ranks x B fixed rollouts against 1 process on all 2 x B
 # ------------------------------------------------------------------------------------------------------------
 def equivalence(backbone, out):
-    """One lopd_step and one grpo_step on fixed rollouts (lopd.rollout replaced): each rank gets its slice.
+    """One lopd_step and one grpo_step on fixed rollouts (engine.rollout replaced): each rank gets its slice.
     Plain SGD at lr 1 without clipping, so a weight's change IS its gradient: Adam's first step (g/|g|) or a clip
     would hide a gradient off by the factor 2 of averaging where the rule sums. Writes {metrics, each trained
     part's change} to `out` (rank 0)."""
@@ -119,7 +120,7 @@ def equivalence(backbone, out):
     tasks, bank_tasks = tasks[:2 * B], tasks[2 * B:]
     fixed = []                                                 # scripted episodes with the rewards above
     for task, r in zip(tasks, REWARDS):
-        ep = lopd.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task)[:1])
+        ep = engine.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task)[:1])
         ep.reward, ep.mask = r, [m if i % 3 or not m else 0 for i, m in enumerate(ep.mask)]   # uneven ω counts
         fixed.append(ep)
     entries = [retrieval.make_entry(t.task_id, t.text, f"trace {i}", 1.0, {"episode": i})
@@ -146,24 +147,24 @@ def equivalence(backbone, out):
     composer_before = composer()
     if runtime.world() > 1:
         grpo_student = runtime.shard_student(grpo_student)
-    saved, lopd.rollout = lopd.rollout, lambda *a, **k: runtime.shard(fixed)     # every rank: its slice of `fixed`
+    saved, engine.rollout = engine.rollout, lambda *a, **k: runtime.shard(fixed)     # every rank: its slice of `fixed`
     try:
         opts = (torch.optim.SGD(student.parameters(), lr=1.0), torch.optim.SGD(comp.trainable_parameters(), lr=1.0))
         cfg = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9)
         beta, m, _ = lopd.lopd_step(student, comp, tok, runtime.shard(tasks), ret, c0, 0.3, opts, cfg,
-                                    lopd.SampleConfig(), envs.ToolWorld, None)
+                                    engine.SampleConfig(), envs.ToolWorld, None)
         # the chunked loss (hidden states out, LM heads applied by the loss) on the FSDP2 student, a second step
         chunked = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9, loss_chunk=2)
         opts = (torch.optim.SGD(student.parameters(), lr=1e-3), torch.optim.SGD(comp.trainable_parameters(), lr=1e-3))
         beta, m_chunked, _ = lopd.lopd_step(student, comp, tok, runtime.shard(tasks), ret, c0, beta, opts, chunked,
-                                            lopd.SampleConfig(), envs.ToolWorld, None)
+                                            engine.SampleConfig(), envs.ToolWorld, None)
         assert (runtime.full_optimizer_state(opts[0]) is None) == (runtime.rank() != 0)   # rank 0 keeps the copy
         opt = torch.optim.SGD(grpo_student.parameters(), lr=1.0)
         bcfg = baselines.BaselineConfig(group=2, micro_batch=1, clip=1e9)
-        g_m, _ = baselines.grpo_step(grpo_student, tok, runtime.shard(tasks[:2]), opt, bcfg, lopd.SampleConfig(),
+        g_m, _ = baselines.grpo_step(grpo_student, tok, runtime.shard(tasks[:2]), opt, bcfg, engine.SampleConfig(),
                                 envs.ToolWorld, None)
     finally:
-        lopd.rollout = saved
+        engine.rollout = saved
     def change(model):
         after = runtime.full_state(model)                             # FSDP2: gathered on rank 0, {} elsewhere
         after = {k: p.detach() for k, p in model.named_parameters()} if after is None else after   # tied once
@@ -303,7 +304,7 @@ if __name__ == "__main__":
         dist.destroy_process_group()
     else:                               # train.py with a failure injected
         import train
-        rollout, save = lopd.rollout, runtime.save_checkpoint
+        rollout, save = engine.rollout, runtime.save_checkpoint
 
         def failing(*a, **k):
             if runtime.rank() == 1:
@@ -315,7 +316,7 @@ if __name__ == "__main__":
             dist.barrier()              # rank 0 writes alone: the others would die first and torchrun would end it
             os.kill(os.getpid(), signal.SIGKILL)
         if sys.argv[1] == "--fail-on-rank1":
-            lopd.rollout = failing
+            engine.rollout = failing
         else:
             runtime.save_checkpoint = save_then_die
         os.chdir(ROOT)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from transformers import BertConfig, DistilBertConfig
 
-import lopd
+import engine
 import toy
 import train
 
@@ -90,6 +90,6 @@ def test_a_tokenizer_without_chat_template_is_named_and_the_flag_fixes_it(tmp_pa
 def test_a_bug_still_raises_with_its_traceback(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("a bug in rollout")
-    monkeypatch.setattr(lopd, "rollout", broken)
+    monkeypatch.setattr(engine, "rollout", broken)
     with pytest.raises(RuntimeError, match="a bug in rollout"):
         train.main(["--out", str(tmp_path / "run"), *FAST])

@@ -24,13 +24,14 @@ def test_eval_names_a_negative_flag(tmp_path, capsys, flags):
 def test_bench_dist_step_times_every_phase_of_a_toy_iteration(capsys):
     """bench.py --dist-step patches the functions lopd_step calls, in the modules it calls them through (runtime's
     collectives, lopd's phases, losses' objective), and restores nothing it did not find: one process, 4 rollouts."""
+    import engine
     import lopd
     import losses
     import runtime
     import toy
-    saved = {(m, n): getattr(m, n) for m, n in ((lopd, "rollout"), (lopd, "compose"), (lopd, "retrieve"),
-                                                (lopd, "student_teacher_logits"), (lopd, "optimizer_step"),
-                                                (lopd, "summarize_all"), (runtime, "all_sum"), (runtime, "all_true"),
+    saved = {(m, n): getattr(m, n) for m, n in ((engine, "rollout"), (lopd, "compose"), (lopd, "retrieve"),
+                                                (lopd, "student_teacher_logits"), (engine, "optimizer_step"),
+                                                (engine, "summarize_all"), (runtime, "all_sum"), (runtime, "all_true"),
                                                 (runtime, "sync_grads"), (runtime, "gathered"),
                                                 (losses, "lopd_objective"))}
     try:

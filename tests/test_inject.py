@@ -13,8 +13,8 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine  # noqa: E402
 import inject  # noqa: E402
-import lopd  # noqa: E402
 import toy  # noqa: E402
 from envs import ToolWorld, make_task  # noqa: E402
 
@@ -50,8 +50,8 @@ def both_paths(tok, model, texts, n):
         tok_rows.append(ids[:s] + chosen.tolist() + ids[s + n:])
         starts.append(s)
         lat.append(model.get_input_embeddings().weight[chosen].detach())        # (n, d)
-    ph, att = lopd.left_pad(rows, tok.pad_token_id, "cpu")                      # (B, L)
-    ids_tok, att_tok = lopd.left_pad(tok_rows, tok.pad_token_id, "cpu")         # (B, L)
+    ph, att = engine.left_pad(rows, tok.pad_token_id, "cpu")                      # (B, L)
+    ids_tok, att_tok = engine.left_pad(tok_rows, tok.pad_token_id, "cpu")         # (B, L)
     assert torch.equal(att, att_tok)
     return ph, ids_tok, att, inject.span_starts(att, starts), torch.stack(lat)  # starts (B,), lat (B, n, d)
 
@@ -142,7 +142,7 @@ def test_equivalence_logits_and_greedy(tok, model, texts):
 
 
 def test_generate_replies_with_embed_fn(tok, model):
-    """make_embed_fn + span_starts inside lopd.generate_replies: same greedy replies as the token-id path."""
+    """make_embed_fn + span_starts inside engine.generate_replies: same greedy replies as the token-id path."""
     texts = ["[birch] Set Ben's tier to gold.", "[alder] Move Cleo to Rome, then ship it now please."]
     n = 4
     rows, tok_rows, starts, lat = [], [], [], []
@@ -153,16 +153,16 @@ def test_generate_replies_with_embed_fn(tok, model):
         tok_rows.append(ids[:s] + chosen.tolist() + ids[s + n:])
         starts.append(s)
         lat.append(model.get_input_embeddings().weight[chosen].detach())
-    cfg = lopd.SampleConfig(temperature=0.0, max_new_tokens=6)
+    cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=6)
     fn = inject.make_embed_fn(model, torch.stack(lat), starts)
-    a = lopd.generate_replies(model, tok, rows, cfg, embed_fn=lambda ids, att: fn(ids, att, [0, 1]))
-    b = lopd.generate_replies(model, tok, tok_rows, cfg)
+    a = engine.generate_replies(model, tok, rows, cfg, embed_fn=lambda ids, att: fn(ids, att, [0, 1]))
+    b = engine.generate_replies(model, tok, tok_rows, cfg)
     assert [r[0] for r in a] == [r[0] for r in b]
     assert all(abs(x - y) < 1e-4 for ra, rb in zip(a, b) for x, y in zip(ra[1], rb[1]))
 
 
 def test_rollout_with_latent_prompt(tok, model):
-    """lopd.rollout with prompt_fn + embed_fn (rows index tasks) samples what the token-id prompt samples."""
+    """engine.rollout with prompt_fn + embed_fn (rows index tasks) samples what the token-id prompt samples."""
     rng = random.Random(0)
     tasks = [make_task(rng, f"t{i}") for i in range(3)]
     n = 4
@@ -176,10 +176,10 @@ def test_rollout_with_latent_prompt(tok, model):
         ids, s = spans[i]
         return ids[:s] + chosen[i].tolist() + ids[s + n:]
 
-    cfg = lopd.SampleConfig(temperature=0.0, max_new_tokens=6, batch_size=2)   # two chunks: rows are global
-    a = lopd.rollout(model, tok, tasks, cfg, prompt_fn=inject.latent_prompt_fn(n, framing=SHORT),
+    cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=6, batch_size=2)   # two chunks: rows are global
+    a = engine.rollout(model, tok, tasks, cfg, prompt_fn=inject.latent_prompt_fn(n, framing=SHORT),
                      embed_fn=inject.make_embed_fn(model, lat, [s for _, s in spans]))
-    b = lopd.rollout(model, tok, tasks, cfg, prompt_fn=token_prompt)
+    b = engine.rollout(model, tok, tasks, cfg, prompt_fn=token_prompt)
     for ea, eb, (ids, _) in zip(a, b, spans):
         assert ea.ids[:ea.prompt_len] == ids
         assert ea.ids[ea.prompt_len:] == eb.ids[eb.prompt_len:] and ea.mask == eb.mask

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine  # noqa: E402
 import envs  # noqa: E402
 import inject  # noqa: E402
 import lopd  # noqa: E402
@@ -25,7 +26,7 @@ from composer import Composer, ComposerConfig  # noqa: E402
 
 J = 2                                           # experiences per task; K = 2 latents each -> 4 latent positions
 CFG = ComposerConfig(n_latents=2, n_layers=1)
-SAMPLE = lopd.SampleConfig(temperature=1.0, max_new_tokens=16, batch_size=8)
+SAMPLE = engine.SampleConfig(temperature=1.0, max_new_tokens=16, batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def world(toy_backbone_dir):
     train, _ = envs.make_splits(seed=0, n_train=14, n_test=1)
     entries = []
     for i, task in enumerate(train[:8]):
-        ep = lopd.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task))
+        ep = engine.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task))
         entries.append(retrieval.make_entry(task.task_id, task.text, ep.trace, ep.reward,
                                             {"schema": task.schema, "shop": task.shop, "episode": i}))
     ret = retrieval.Retriever(entries, retrieval.Embedder.from_model(base, tok, pooling="mean"))
@@ -111,7 +112,7 @@ def run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=0, **cfg)
 # ------------------------------------------------------------------------------------------------------------
 def test_pack_puts_continuation_token_t_in_column_P_plus_t():
     prefixes, conts = [[1, 2, 3], [4], [5, 6]], [[7], [8, 9, 10], [11, 12]]
-    ids, att, pos, P, pad = lopd.pack(prefixes, conts, 0, "cpu")
+    ids, att, pos, P, pad = engine.pack(prefixes, conts, 0, "cpu")
     assert P == 3 and ids.shape == (3, 6) and pad.tolist() == [0, 2, 1]
     assert ids.tolist() == [[1, 2, 3, 7, 0, 0], [0, 0, 4, 8, 9, 10], [0, 5, 6, 11, 12, 0]]
     assert att.tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0]]
@@ -122,7 +123,7 @@ def test_pack_puts_continuation_token_t_in_column_P_plus_t():
 def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
     """Batched, padded scoring = each episode scored alone, at every continuation position, for both models."""
     tok, student, comp = world["tok"], *make_models(world)
-    all_eps = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t))
+    all_eps = [engine.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t))
                for t in world["train"]]
     eps, lengths = [], {7}                      # four different continuation lengths, one of them cut short
     for e in all_eps:
@@ -228,7 +229,7 @@ def test_a_token_budget_splits_the_step_without_changing_it(world):
     for kw in ({"micro_batch": 4}, {"token_budget": 300}):
         student, comp, tasks, c0, opts, grads = setup_step(world, seed=1, perturb_c0=0.05)
         beta, m, eps = run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=7, **kw)
-        parts = lopd.micro_batches(eps, 4, kw.get("token_budget", 0))
+        parts = engine.micro_batches(eps, 4, kw.get("token_budget", 0))
         g = [grads[id(p)] for p in list(student.parameters()) + comp.trainable_parameters()]
         results.append((beta, m, [e.ids for e in eps], g, len(parts)))
     (b1, m1, ids1, g1, n1), (b2, m2, ids2, g2, n2) = results
@@ -255,7 +256,7 @@ def test_a_budget_planned_from_a_small_free_memory_splits_the_step_without_chang
     for kw in ({"micro_batch": 4}, {"micro_batch": 4, "token_budget": plan.token_budget}):
         student, comp, tasks, c0, opts, grads = setup_step(world, seed=1, perturb_c0=0.05)
         beta, m, eps = run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=7, **kw)
-        parts = lopd.micro_batches(eps, 4, kw.get("token_budget", 0))
+        parts = engine.micro_batches(eps, 4, kw.get("token_budget", 0))
         assert all(len(eps[p]) * max(len(e.ids) for e in eps[p]) <= plan.token_budget for p in parts) or \
             "token_budget" not in kw
         g = [grads[id(p)] for p in list(student.parameters()) + comp.trainable_parameters()]
@@ -274,7 +275,7 @@ def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(w
     import train
     tok, ret = world["tok"], world["retriever"]
     tasks = {t.task_id: t for t in world["train"]}
-    episodes = [lopd.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t)) for t in world["train"][:8]]
+    episodes = [engine.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t)) for t in world["train"][:8]]
     entries = ret.bank[:4]
     longest = max(len(episodes[e["meta"]["episode"]].ids) for e in entries)
     config = AutoModelForCausalLM.from_pretrained(world["path"]).config
@@ -292,7 +293,7 @@ def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(w
         loss = train.cold_start_step(args, comp, tok, ret, episodes, tasks, entries, envs.ToolWorld)
         out.append((loss, [p.grad.clone() for p in comp.trainable_parameters()]))
     (l0, g0), (l1, g1) = out
-    assert len(lopd.micro_batches([episodes[e["meta"]["episode"]] for e in entries], 4, budget)) > 1
+    assert len(engine.micro_batches([episodes[e["meta"]["episode"]] for e in entries], 4, budget)) > 1
     assert l1 == pytest.approx(l0, rel=1e-5)
     for a, b in zip(g0, g1):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)

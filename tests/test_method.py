@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
+import engine  # noqa: E402
 import envs  # noqa: E402
 import inject  # noqa: E402
 import lopd  # noqa: E402
@@ -65,7 +66,7 @@ def reference_grads(student, comp, world, tasks, eps, fn):
     """fn(student logits, teacher logits, ids, ω), a float64 function written out here, and its autograd
     derivative w.r.t. φ: the teacher re-scores the episodes behind freshly composed latents (no lopd_step)."""
     with torch.no_grad():
-        ls, ids, omega = lopd.student_logits(student, world["tok"], eps, "cpu")              # (B, Tc, V)
+        ls, ids, omega = engine.student_logits(student, world["tok"], eps, "cpu")              # (B, Tc, V)
     latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))         # (B, J·K, d)
     lt = lopd.teacher_logits(comp, world["tok"], eps, latents, envs.ToolWorld, None)   # (B, Tc, V)
     value = fn(ls, lt, ids, omega)
@@ -125,7 +126,7 @@ def test_composer_gradient_is_the_distillation_kl_through_the_teacher(world, two
             q.view(-1)[k] += sign * h
             latents = lopd.compose(r["comp"], tasks, lopd.retrieve(world["retriever"], tasks, J))
             lt = lopd.teacher_logits(r["comp"], world["tok"], r["eps"], latents, envs.ToolWorld, None)
-            ls, ids, om = lopd.student_logits(r["student"], world["tok"], r["eps"], "cpu")
+            ls, ids, om = engine.student_logits(r["student"], world["tok"], r["eps"], "cpu")
             vals.append(ref_distill(ls, lt, ids, om, 5).item())
             q.copy_(saved)                                                # exactly back (two_betas is shared)
     fd = (vals[0] - vals[1]) / (2 * h)
@@ -341,7 +342,7 @@ def test_sdpo_step_moves_the_ema_teacher_towards_the_updated_student(world):
     cfg = baselines.BaselineConfig(group=4, ema_rate=0.3, success=0.5, context="span")
     torch.manual_seed(0)
     m, _ = baselines.sdpo_step(student, ema, world["tok"], world["train"][:1], torch.optim.AdamW(student.parameters(),
-                          lr=1e-2), cfg, lopd.SampleConfig(temperature=1.0, max_new_tokens=12), HashWorld,
+                          lr=1e-2), cfg, engine.SampleConfig(temperature=1.0, max_new_tokens=12), HashWorld,
                           None)
     assert m["context/rows"] > 0 and m["skipped"] == 0
     assert any(not torch.equal(p, q) for p, q in zip(student.parameters(), s_before))   # θ moved
@@ -359,15 +360,15 @@ def test_vanilla_and_teacher_rows_are_the_pure_base(world):
     tok, tasks = world["tok"], world["train"][8:11]
     _, comp = make_models(world)
     pure = AutoModelForCausalLM.from_pretrained(world["path"]).eval()   # θ̄, no adapter anywhere
-    cfg = lopd.SampleConfig(temperature=1.0, max_new_tokens=12, batch_size=8)
+    cfg = engine.SampleConfig(temperature=1.0, max_new_tokens=12, batch_size=8)
 
     def ids(fn, seed=5):
         torch.manual_seed(seed)
         return [e.ids for e in fn()]
 
     vanilla = ids(lambda: train.eval_vanilla(comp, tok, tasks, cfg, envs.ToolWorld, None))
-    assert vanilla == ids(lambda: lopd.rollout(pure, tok, tasks, cfg, envs.ToolWorld, None))
-    assert vanilla != ids(lambda: lopd.rollout(comp.peft, tok, tasks, cfg, envs.ToolWorld, None))   # leaked
+    assert vanilla == ids(lambda: engine.rollout(pure, tok, tasks, cfg, envs.ToolWorld, None))
+    assert vanilla != ids(lambda: engine.rollout(comp.peft, tok, tasks, cfg, envs.ToolWorld, None))   # leaked
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))     # (B, J·K, d)
     n, framing = latents.shape[1], envs.ToolWorld().framing
@@ -375,7 +376,7 @@ def test_vanilla_and_teacher_rows_are_the_pure_base(world):
     prompt_fn = inject.latent_prompt_fn(n, framing, None)
 
     def behind_latents(model):
-        return lambda: lopd.rollout(model, tok, tasks, cfg, envs.ToolWorld, None, prompt_fn,
+        return lambda: engine.rollout(model, tok, tasks, cfg, envs.ToolWorld, None, prompt_fn,
                                     inject.make_embed_fn(model, latents, starts))
 
     teacher = ids(lambda: train.eval_teacher(comp, world["retriever"], tok, tasks, cfg, envs.ToolWorld, J,
@@ -398,23 +399,23 @@ def test_behaviour_metrics_on_scripted_episodes(world):
                                                        "add_order")
     first = len(tok(envs.format_call(*find), add_special_tokens=False)["input_ids"]) + 1   # + end of turn
     # the procedure, the lookup repeated twice in a three-call reply: 6 replies ("Task Completed" last), 7 calls
-    a = lopd.scripted_episode(tok, envs.ToolWorld(), task, [find, [verify, find, find], find_order, cancel, add],
+    a = engine.scripted_episode(tok, envs.ToolWorld(), task, [find, [verify, find, find], find_order, cancel, add],
                               None)
     want_a = {"reward": 1.0, "steps": 6, "calls_per_step": 7 / 6, "first_len": first, "repeated_calls": 2,
               "reward_per_call": 1 / 7, "full_pass": 1.0}
     # lookups only, one of another account (other arguments: not a repeat): 5 replies, 4 calls, nothing written
     other = ("find_customer", {"account": "nobody"})
-    b = lopd.scripted_episode(tok, envs.ToolWorld(), task, [find, find, other, find], None)
+    b = engine.scripted_episode(tok, envs.ToolWorld(), task, [find, find, other, find], None)
     want_b = {"reward": 0.0, "steps": 5, "calls_per_step": 0.8, "first_len": first, "repeated_calls": 2,
               "reward_per_call": 0.0, "full_pass": 0.0}
     # cut by the world's 3-step limit before add_order: 3 replies, 4 calls, half the checklist done
-    c = lopd.scripted_episode(tok, envs.ToolWorld(max_steps=3), task, [find, verify, [find_order, cancel], add],
+    c = engine.scripted_episode(tok, envs.ToolWorld(max_steps=3), task, [find, verify, [find_order, cancel], add],
                               None)
     want_c = {"reward": 0.5, "steps": 3, "calls_per_step": 4 / 3, "first_len": first, "repeated_calls": 0,
               "reward_per_call": 0.125, "full_pass": 0.0}
     for ep, want in ((a, want_a), (b, want_b), (c, want_c)):
         assert ep.metrics() == pytest.approx(want), (ep.metrics(), want)
-    means = lopd.summarize([a, b, c])
+    means = engine.summarize([a, b, c])
     assert means == pytest.approx({k: (want_a[k] + want_b[k] + want_c[k]) / 3 for k in want_a})
     assert list(train.markdown_table({"x": means}).splitlines()[2].split(" | ")[1:3]) == \
         [f"{means['reward']:.3f}", f"{means['full_pass']:.3f}"]

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-import baselines
+import engine
 import losses
 import train
 from test_losses import M, bf_buckets, bf_kl, hidden_case, make_batch
@@ -73,7 +73,7 @@ def test_kl_per_trajectory_chunked_equals_the_reference_in_value_and_gradient():
 def draw(order, step, n_train=100, per_step=32, per_task=1, seed=0):
     args = argparse.Namespace(task_order=order, rollouts_per_step=per_step, seed=seed)
     run = {"train": list(range(n_train)), "step": step}
-    return baselines.draw_tasks(args, run, random.Random(7), per_task)
+    return engine.draw_tasks(args, run, random.Random(7), per_task)
 
 
 def test_epoch_order_shows_every_task_once_before_any_twice_and_resumes_by_step():

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine  # noqa: E402
 import envs  # noqa: E402
 import inject  # noqa: E402
 import losses  # noqa: E402
@@ -70,14 +71,14 @@ def models(tok, ckpt: bool, student_kind: str):
 def world():
     tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))
     tasks = envs.make_splits(0, 3, 1)[0]
-    eps = [lopd.scripted_episode(tok, toy_world(), t, envs.oracle_calls(t)) for t in tasks]
+    eps = [engine.scripted_episode(tok, toy_world(), t, envs.oracle_calls(t)) for t in tasks]
     exps = [[{"task": t.text, "trace": e.trace}] * 2 for t, e in zip(tasks, eps[::-1])]
     return dict(tok=tok, tasks=tasks, eps=eps, exps=exps)
 
 
 def evaluation(comp, student, world):
     """What --eval-every runs between steps: the base (LoRA off), the student, and base + composer rollouts."""
-    cfg = lopd.SampleConfig(temperature=1.0, max_new_tokens=4)
+    cfg = engine.SampleConfig(temperature=1.0, max_new_tokens=4)
     tasks = world["tasks"][:2]
     train.eval_vanilla(comp, world["tok"], tasks, cfg, toy_world, None)
     train.eval_student(student, world["tok"], tasks, cfg, toy_world, None)
@@ -117,14 +118,14 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
     torch.manual_seed(0)
     # no tool list: this toy template ignores tools=, and the 1,800-token list (inject.tools_block) would fill the
     # 2,048 positions; the toy backbone knows its tools from its demonstrations
-    eps = lopd.rollout(model, tok, envs.make_splits(0, 1, 4)[1], cfg, make_env, None)
+    eps = engine.rollout(model, tok, envs.make_splits(0, 1, 4)[1], cfg, make_env, None)
     assert max(e.steps for e in eps) == 3                                # --max-env-steps, not one reply
     for e in eps:
         assert len(e.ids) <= cfg.max_len
         assert e.steps == 3 or e.tool_calls < e.steps                    # only the env or a call-less reply ends it
     # the toy keeps its 768-token budget (its results do not move)
     toy_args = train.parse_args(["--out", str(tmp_path / "toy")])
-    assert train.sample_config(toy_args).max_len == 768 == lopd.SampleConfig().max_len
+    assert train.sample_config(toy_args).max_len == 768 == engine.SampleConfig().max_len
     assert train.sample_config(train.Args()).max_len == 768             # eval.py on a run from before --max-len
 
 
@@ -198,9 +199,9 @@ def test_the_recorded_logprobs_are_those_of_the_drawn_tokens(world):
     """Generation keeps one (B, V) step of log-probs at a time; each reply's recorded log-probs equal a forward
     over context + reply."""
     tok, model = world["tok"], tiny_qwen3(world["tok"])
-    contexts = [lopd.prompt_ids(tok, toy_world().reset(t)) for t in world["tasks"]]
+    contexts = [engine.prompt_ids(tok, toy_world().reset(t)) for t in world["tasks"]]
     torch.manual_seed(0)
-    rows = lopd.generate_replies(model, tok, contexts, lopd.SampleConfig(temperature=1.0, max_new_tokens=12))
+    rows = engine.generate_replies(model, tok, contexts, engine.SampleConfig(temperature=1.0, max_new_tokens=12))
     for ctx, (new, logps, _) in zip(contexts, rows):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ctx + new])).logits[0, len(ctx) - 1:-1]     # (n, V)
@@ -218,14 +219,14 @@ def test_sampling_draws_from_hugging_faces_warped_distribution(temperature, top_
     warp = LogitsProcessorList([TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
                                + ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
     want = warp(None, scores.clone()).softmax(-1)                                           # (B, V)
-    cfg = lopd.SampleConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    cfg = engine.SampleConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     torch.manual_seed(3)
-    got = torch.stack([lopd.sample_next(scores, cfg) for _ in range(200)])                 # (200, B)
+    got = torch.stack([engine.sample_next(scores, cfg) for _ in range(200)])                 # (200, B)
     torch.manual_seed(3)
     ref = torch.stack([torch.multinomial(want, 1)[:, 0] for _ in range(200)])                # (200, B)
     assert torch.equal(got, ref)
     assert bool((want.gather(1, got.T) > 0).all())                                          # never outside the support
-    assert torch.equal(lopd.sample_next(scores, lopd.SampleConfig(temperature=0.0)), scores.argmax(-1))
+    assert torch.equal(engine.sample_next(scores, engine.SampleConfig(temperature=0.0)), scores.argmax(-1))
 
 
 # ------------------------------------------------------------------------------------------------------------

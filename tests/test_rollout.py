@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import bench
+import engine
 import code_env
 import envs
-import lopd
 import toy
 
 
@@ -76,12 +76,12 @@ def test_rollout_omega_covers_exactly_the_sampled_tokens(backbone):
     model, tok, _ = backbone
     _, test = envs.make_splits(seed=0, n_train=10, n_test=12)
     torch.manual_seed(0)
-    eps = lopd.rollout(model, tok, test, lopd.SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=5))
+    eps = engine.rollout(model, tok, test, engine.SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=5))
     assert max(e.steps for e in eps) >= 2                               # multi-turn episodes occur
     for ep in eps:
         segs = _segments(ep)
         env = envs.ToolWorld()
-        assert segs[0] == (0, lopd.prompt_ids(tok, env.reset(ep.task)))  # the prompt, unsampled
+        assert segs[0] == (0, engine.prompt_ids(tok, env.reset(ep.task)))  # the prompt, unsampled
         assert len(ep.ids) == len(ep.mask) == len(ep.logps) and ep.prompt_len == len(segs[0][1])
         replies = [ids for m, ids in segs if m == 1]
         observations = [ids for m, ids in segs[1:] if m == 0]
@@ -90,7 +90,7 @@ def test_rollout_omega_covers_exactly_the_sampled_tokens(backbone):
             text = tok.decode(reply).replace(tok.eos_token, "")
             result = env.step(text)
             if k < len(observations):
-                assert observations[k] == lopd.observation_ids(tok, result.observations)
+                assert observations[k] == engine.observation_ids(tok, result.observations)
         assert env.reward() == ep.reward and envs.lite_trace(env.trace) == ep.trace
 
 
@@ -98,7 +98,7 @@ def test_rescoring_recorded_ids_matches_sampling_logprobs(backbone):
     model, tok, _ = backbone
     _, test = envs.make_splits(seed=0, n_train=10, n_test=6)
     torch.manual_seed(1)
-    eps = lopd.rollout(model, tok, test, lopd.SampleConfig(temperature=0.7, max_new_tokens=32, batch_size=6))
+    eps = engine.rollout(model, tok, test, engine.SampleConfig(temperature=0.7, max_new_tokens=32, batch_size=6))
     for ep in eps:
         ids = torch.tensor([ep.ids])                                     # (1, T)
         with torch.no_grad():
@@ -113,7 +113,7 @@ def test_rescoring_recorded_ids_matches_sampling_logprobs(backbone):
 def test_scripted_episode_uses_the_same_bookkeeping(backbone):
     _, tok, _ = backbone
     task = envs.make_splits(seed=2, n_train=1, n_test=1)[0][0]
-    ep = lopd.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task))
+    ep = engine.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task))
     assert ep.reward == 1.0 and ep.steps == len(envs.oracle_calls(task)) + 1
     rendered = tok.decode(ep.ids)
     assert rendered.endswith("Task Completed<|im_end|>") and rendered.count("<tool_call>") == ep.tool_calls
@@ -183,7 +183,7 @@ def test_toy_command_line_names_a_bad_flag(tmp_path, capsys, flag):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The KV cache kept across turns (lopd.Conversations) against generate on every whole conversation
+# The KV cache kept across turns (engine.Conversations) against generate on every whole conversation
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_cached_turns_give_the_ids_of_generating_each_whole_conversation(backbone, monkeypatch, temperature):
@@ -192,14 +192,14 @@ def test_cached_turns_give_the_ids_of_generating_each_whole_conversation(backbon
     recorded log-probs agree."""
     model, tok, _ = backbone
     tasks = envs.make_splits(0, n_train=24, n_test=0)[0]
-    cfg = lopd.SampleConfig(temperature=temperature, max_new_tokens=24, max_len=400, batch_size=10)
+    cfg = engine.SampleConfig(temperature=temperature, max_new_tokens=24, max_len=400, batch_size=10)
     make_env = lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6)   # noqa: E731
     torch.manual_seed(0)
-    got = lopd.rollout(model, tok, tasks, cfg, make_env)
+    got = engine.rollout(model, tok, tasks, cfg, make_env)
     torch.manual_seed(0)
     with monkeypatch.context() as m:
-        m.setattr(lopd, "generate_replies", lambda mdl, t, ctx, c, **_: bench.generate_whole(mdl, t, ctx, c))
-        want = lopd.rollout(model, tok, tasks, cfg, make_env)
+        m.setattr(engine, "generate_replies", lambda mdl, t, ctx, c, **_: bench.generate_whole(mdl, t, ctx, c))
+        want = engine.rollout(model, tok, tasks, cfg, make_env)
     assert sum(e.steps for e in got) > 2 * len(tasks)                  # several turns: the caches were reused
     for a, b in zip(got, want):
         assert a.ids == b.ids and a.mask == b.mask
@@ -210,14 +210,14 @@ def test_the_shared_prefix_is_computed_once_and_turns_feed_only_new_tokens(backb
     """Count the tokens the model is fed: the system prompt once per batch, then per turn what the turn added."""
     model, tok, _ = backbone
     tasks = envs.make_splits(0, n_train=8, n_test=0)[0]
-    cfg = lopd.SampleConfig(temperature=0.0, max_new_tokens=24, max_len=400, batch_size=8)
+    cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=24, max_len=400, batch_size=8)
     make_env = lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6)   # noqa: E731
     fed = []
-    real = lopd.Conversations.forward
-    monkeypatch.setattr(lopd.Conversations, "forward",
+    real = engine.Conversations.forward
+    monkeypatch.setattr(engine.Conversations, "forward",
                         lambda self, ids=None, embeds=None: fed.append(int(self.mask[:, -ids.shape[1]:].sum()))
                         or real(self, ids, embeds))
-    eps = lopd.rollout(model, tok, tasks, cfg, make_env)
+    eps = engine.rollout(model, tok, tasks, cfg, make_env)
     prompts = [e.ids[:e.prompt_len] for e in eps]
     shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
     assert shared > 10                                                  # the toy's system prompt

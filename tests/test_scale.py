@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lopd  # noqa: E402
+import engine  # noqa: E402
 import runtime  # noqa: E402
 import train  # noqa: E402
 
@@ -52,16 +52,16 @@ class Gen:
 
 def test_every_eos_id_of_the_generation_config_ends_a_reply():
     tok = type("T", (), {"eos_token_id": 5})()
-    assert lopd.eos_ids(Gen([7, 5]), tok) == [5, 7]                     # Qwen3: <|im_end|> and <|endoftext|>
-    assert lopd.eos_ids(Gen(5), tok) == [5] and lopd.eos_ids(Gen(None), tok) == [5]
+    assert engine.eos_ids(Gen([7, 5]), tok) == [5, 7]                     # Qwen3: <|im_end|> and <|endoftext|>
+    assert engine.eos_ids(Gen(5), tok) == [5] and engine.eos_ids(Gen(None), tok) == [5]
     # a reply ends at its first id of the list; a row that ended is fed nothing more (mask 0)
     script = torch.tensor([[1, 7, 2, 5], [1, 2, 3, 4], [5, 1, 1, 1]])            # (B, N) the argmax each step
-    conv = lopd.Conversations.__new__(lopd.Conversations)
+    conv = engine.Conversations.__new__(engine.Conversations)
     conv.device, conv.pad, conv.fed = torch.device("cpu"), 0, [[], [], []]
     conv.mask = torch.ones(3, 2, dtype=torch.long)
     steps = iter(range(1, 4))
     conv.forward = lambda ids=None, embeds=None: torch.nn.functional.one_hot(script[:, next(steps)], 9).float()
-    greedy = lopd.SampleConfig(temperature=0.0, max_new_tokens=4)
+    greedy = engine.SampleConfig(temperature=0.0, max_new_tokens=4)
     rows = conv.decode(torch.nn.functional.one_hot(script[:, 0], 9).float(), greedy, [5, 7])
     assert [(r[0], r[2]) for r in rows] == [([1, 7], True), ([1, 2, 3, 4], False), ([5], True)]
     assert conv.mask[:, 2:].tolist() == [[1, 0, 0], [1, 1, 1], [0, 0, 0]] and conv.fed == [[1], [1, 2, 3], []]
@@ -115,14 +115,14 @@ def test_the_lm_head_bypass_nests_and_restores():
 
 def test_micro_batches_by_a_token_budget(monkeypatch):
     eps = [type("E", (), {"ids": [0] * n})() for n in (5, 3, 8, 2, 2, 9)]
-    assert lopd.micro_batches(eps, 4) == [slice(0, 4), slice(4, 8)]            # by rollouts: the readable default
-    got = lopd.micro_batches(eps, 4, token_budget=12)                           # rows × the longest of each
+    assert engine.micro_batches(eps, 4) == [slice(0, 4), slice(4, 8)]            # by rollouts: the readable default
+    got = engine.micro_batches(eps, 4, token_budget=12)                           # rows × the longest of each
     assert got == [slice(0, 2), slice(2, 3), slice(3, 5), slice(5, 6)]
     for part in got:
         assert max(len(e.ids) for e in eps[part]) * len(eps[part]) <= 12 or part.stop - part.start == 1
-    assert lopd.micro_batches(eps, 4, token_budget=1) == [slice(i, i + 1) for i in range(6)]   # at least one each
+    assert engine.micro_batches(eps, 4, token_budget=1) == [slice(i, i + 1) for i in range(6)]   # at least one each
     monkeypatch.setattr(runtime, "all_max", lambda v: 6.0)                     # torchrun: a busier rank has 6
-    assert lopd.micro_batches(eps, 4)[2:] == [slice(0, 0)] * 4                 # idle passes keep the collectives
+    assert engine.micro_batches(eps, 4)[2:] == [slice(0, 0)] * 4                 # idle passes keep the collectives
 
 
 def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
@@ -142,8 +142,8 @@ def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
     def embed_fn(ids, att, rows):
         seen.append(sorted(rows))
         return model.get_input_embeddings()(ids)
-    cfg = lopd.SampleConfig(max_new_tokens=6, batch_size=2, temperature=0.0, sort_by_length=True)
-    eps = lopd.rollout(model, tok, tasks, cfg, lambda: envs.ToolWorld(max_steps=1), None, embed_fn=embed_fn)
+    cfg = engine.SampleConfig(max_new_tokens=6, batch_size=2, temperature=0.0, sort_by_length=True)
+    eps = engine.rollout(model, tok, tasks, cfg, lambda: envs.ToolWorld(max_steps=1), None, embed_fn=embed_fn)
     assert [e.task for e in eps] == tasks                                   # task order, whatever the batches
     by_length = sorted(range(6), key=lambda i: len(tasks[i].text))
     assert seen[0] == sorted(by_length[:2]) and by_length != list(range(6))

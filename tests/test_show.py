@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine  # noqa: E402
 import envs  # noqa: E402
 import lopd  # noqa: E402
 import show  # noqa: E402
@@ -21,7 +22,7 @@ def test_the_pages_kl_terms_add_up_to_the_logged_distillation_loss(world):
     student, comp = make_models(world, seed=1)
     tasks = world["train"][6:10]
     torch.manual_seed(3)
-    eps = lopd.rollout(student, world["tok"], tasks, SAMPLE)
+    eps = engine.rollout(student, world["tok"], tasks, SAMPLE)
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))          # (B, J·K, d)
         c0 = latents.clone()
@@ -51,7 +52,7 @@ class FakeTok:
 
 
 def test_tokens_and_observations_are_escaped_and_counted():
-    ep = lopd.Episode(envs.Task("t<1>", "alder", "upgrade", "Do <b>this</b> & that", {}, {}, []), reward=1.0)
+    ep = engine.Episode(envs.Task("t<1>", "alder", "upgrade", "Do <b>this</b> & that", {}, {}, []), reward=1.0)
     ep.ids, ep.prompt_len = [9, 9, 0, 1, 4, 2, 3], 2
     alts = [(3, 0.5), (0, 0.2)]
     tokens = [{"id": 0, "omega": 1, "kl": 0.5, "delta": 0.1, "p_s": 0.2, "p_t": 0.3, "alts": alts},

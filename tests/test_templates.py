@@ -10,9 +10,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+import engine
 import envs
 import inject
-import lopd
 
 # Qwen/Qwen3-4B's chat template (the published text).
 QWEN3_TEMPLATE = r'''{%- if tools %}
@@ -141,7 +141,7 @@ def test_smollm2_template_ignores_tools_and_gets_them_in_its_system_prompt(smol_
     assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in system
     assert text.endswith("<|im_start|>user\nCancel an order.<|im_end|>\n<|im_start|>assistant\n")
     # the student's prompt ids and the teacher's latent prompt carry the same tools
-    ids = lopd.prompt_ids(smol_tok, MSGS, envs.TOOLS)
+    ids = engine.prompt_ids(smol_tok, MSGS, envs.TOOLS)
     assert smol_tok.decode(ids) == text
     latent, start = inject.latent_prompt_ids(smol_tok, MSGS, 4, inject.AGENTIC_FRAMING, envs.TOOLS)
     assert smol_tok.decode(latent[:start]).startswith(system)
@@ -256,7 +256,7 @@ def test_the_tokenizers_own_parser_is_preferred():
 
 
 def test_rollout_hands_the_tokenizers_parser_to_the_environment(tok, monkeypatch):
-    """lopd.rollout gives each environment the tokenizer's response_template: the same sampled reply is a call with
+    """engine.rollout gives each environment the tokenizer's response_template: the same sampled reply is a call with
     it and prose (the episode ends, no call) without it. Generation is replaced by that fixed reply."""
     import torch
     spec = {"start_anchor": "<|im_start|>assistant\n",
@@ -264,10 +264,11 @@ def test_rollout_hands_the_tokenizers_parser_to_the_environment(tok, monkeypatch
                                                      "repeats": True}}}
     reply = tok('<call>{"name": "find_customer", "arguments": {"account": "A5"}}</call>',
                 add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    monkeypatch.setattr(lopd, "generate_replies", lambda model, tokenizer, contexts, *a, **k:
+    monkeypatch.setattr(engine, "generate_replies", lambda model, tokenizer, contexts, *a, **k:
                         [(list(reply), [0.0] * len(reply), True) for _ in contexts])
     task = envs.make_splits(0, n_train=1, n_test=0)[0][0]
-    run = lambda: lopd.rollout(torch.nn.Linear(1, 1), tok, [task], lopd.SampleConfig(max_new_tokens=4),  # noqa: E731
+    cfg = engine.SampleConfig(max_new_tokens=4)
+    run = lambda: engine.rollout(torch.nn.Linear(1, 1), tok, [task], cfg,  # noqa: E731
                                lambda: envs.ToolWorld(max_steps=1))[0]
     assert run().tool_calls == 0
     monkeypatch.setattr(tok, "response_template", spec, raising=False)

@@ -1,0 +1,602 @@
+"""The engine every method shares: chat rendering, episodes, generation and rollouts, scoring, the micro-batch
+loop and the optimizer step (paper §3.1, eq. 1 and eq. 8's "the same sampled ids"). It knows no method: lopd.py
+(Algorithm 1) and baselines.py build their losses on it, and a faster generator plugs in at `generate_replies`.
+
+    prompt_ids / observation_ids   the chat template's own rendering of a prompt and of tool results
+    Episode / rollout              on-policy episodes from the task alone (eq. 1): the exact sampled ids, the
+                                   assistant-token mask ω, the sampling-time log-probs, the reward
+    Conversations / sample_next    generation: each conversation's KV cache kept across turns, the prompt prefix a
+                                   batch shares computed once; Hugging Face's sampling (temperature, top-k, top-p)
+    student_logits / _logprobs     a model's scores of an episode's own ids behind a prompt (eq. 8's p_S)
+    micro_batches / accumulate     the one forward/backward loop of every method's step: micro-batches by rollouts
+                                   and a token budget, whole-batch normalisers, idle passes under torchrun
+    optimizer_step                 clip and step each model, or drop a non-finite update
+
+    python -m pytest tests/test_rollout.py tests/test_scale.py -q
+
+Notation: B episodes in a batch, T tokens, V vocabulary.
+
+A conversation is one flat token sequence:
+
+    [prompt: system + user + "<|im_start|>assistant\\n"] [reply 1 ... <|im_end|>] [observation 1] [reply 2 ...] ...
+     ω = 0                                                ω = 1                     ω = 0           ω = 1
+
+where an observation is the chat template's rendering of the tool results plus the next assistant header. Replies
+are never re-tokenized: the ids that were sampled are the ids that are scored (docs/design.md, "Correctness traps").
+
+Deviations from the paper
+-------------------------
+1. Generation is a small KV-cached sampler on the Hugging Face model (`Conversations`: left padding, explicit
+   attention masks and positions, Hugging Face's warpers), not SGLang/vLLM. Each conversation keeps its cache
+   across turns and the prompt prefix a batch shares is computed once, as a serving engine's prefix cache would.
+2. A reply cut off by the per-turn token budget ends the episode (the reply is kept, unterminated), and so does a
+   conversation whose next reply might not fit its budget (`SampleConfig.max_len`, train.py --max-len).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import inject
+import losses
+import runtime
+from envs import DONE_TEXT, Environment, ToolWorld, format_call
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chat rendering: prompt ids and observation ids from the tokenizer's own chat template
+# ----------------------------------------------------------------------------------------------------------------
+def prompt_ids(tokenizer, messages, tools=None, enable_thinking=False) -> list[int]:
+    """Token ids of the first messages plus the assistant generation header. The tools go to the template, or
+    into the system message if the template ignores `tools=` (inject.chat_text)."""
+    text = inject.chat_text(tokenizer, messages, tools, enable_thinking)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+_MARK = "\x00REPLY\x00"
+
+
+def observation_text(tokenizer, results, enable_thinking=False) -> str:
+    """The template's text between the end of a reply (after its end-of-turn token) and the next reply: the tool
+    messages plus the next assistant header. Found by rendering a dummy conversation and cutting after the reply."""
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
+    msgs += [{"role": "tool", "content": r} for r in results]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+    cut = _MARK + tokenizer.eos_token
+    if cut not in text:
+        raise ValueError(f"chat template does not end an assistant turn with eos_token {tokenizer.eos_token!r}")
+    return text[text.index(cut) + len(cut):]
+
+
+def observation_ids(tokenizer, results, enable_thinking=False) -> list[int]:
+    return tokenizer(observation_text(tokenizer, results, enable_thinking), add_special_tokens=False)["input_ids"]
+
+
+def reply_ids(tokenizer, text: str) -> list[int]:
+    """Ids of a scripted reply (demonstrations only; sampled replies keep their sampled ids) plus end-of-turn."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Episodes
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Episode:
+    """One multi-turn episode as the losses see it, plus Table 3's behaviour counts."""
+    task: object
+    ids: list = field(default_factory=list)      # (T,) the whole conversation
+    mask: list = field(default_factory=list)     # (T,) ω: 1 on sampled reply tokens only
+    logps: list = field(default_factory=list)    # (T,) log π(a_t) at sampling time (temperature 1), 0 where ω = 0
+    prompt_len: int = 0
+    reward: float = 0.0
+    steps: int = 0             # interaction steps (assistant replies)
+    tool_calls: int = 0
+    repeated_calls: int = 0    # calls identical (name and arguments) to an earlier call of the episode
+    first_len: int = 0         # tokens in the first reply
+    errors: int = 0
+    trace: str = ""            # observation-lite trace (A.3), for the experience bank
+    done: bool = False
+    seen_calls: set = field(default_factory=set, repr=False)
+
+    def add(self, ids, sampled: bool, logps=None):
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.logps += logps if logps is not None else [0.0] * len(ids)
+
+    def metrics(self) -> dict:
+        return {"reward": self.reward, "steps": self.steps, "calls_per_step": self.tool_calls / max(1, self.steps),
+                "first_len": self.first_len, "repeated_calls": self.repeated_calls,
+                "reward_per_call": self.reward / max(1, self.tool_calls), "full_pass": float(self.reward >= 1.0)}
+
+
+def summarize(episodes) -> dict:
+    """Mean of each behaviour metric over episodes (Table 3's columns)."""
+    return _mean_rows([e.metrics() for e in episodes])
+
+
+def _mean_rows(rows) -> dict:
+    return {k: sum(r[k] for r in rows) / max(1, len(rows)) for k in rows[0]} if rows else {}
+
+
+def summarize_all(episodes) -> dict:
+    """`summarize` over every rank's episodes (under torchrun; this is `summarize` in one process)."""
+    return _mean_rows(runtime.gather([e.metrics() for e in episodes]))
+
+
+def _record_step(ep: Episode, env: Environment, reply: str, n_new: int) -> list[str]:
+    """Execute one reply in the environment and update the episode's counts; returns the observations."""
+    n_before = len(env.trace)
+    return _count_step(ep, env, env.step(reply), n_before, n_new)
+
+
+def _step_all(envs_, replies) -> list:
+    """env.step(reply) for each live episode. An environment that runs programs to verify them (CodeWorld sets
+    `parallel_steps`) steps in threads, one sandboxed process each, up to the core count; the tool world in order."""
+    if envs_ and envs_[0].parallel_steps:
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return list(pool.map(lambda pair: pair[0].step(pair[1]), zip(envs_, replies)))
+    return [env.step(reply) for env, reply in zip(envs_, replies)]
+
+
+def _count_step(ep: Episode, env: Environment, result, n_before: int, n_new: int) -> list[str]:
+    """Update the episode's counts from a step's result (the calls after env.trace[n_before]); -> observations."""
+    ep.steps += 1
+    ep.first_len = ep.first_len or n_new
+    for name, args, _ in env.trace[n_before:]:
+        key = name + json.dumps(args, sort_keys=True)
+        ep.repeated_calls += key in ep.seen_calls
+        ep.seen_calls.add(key)
+    ep.tool_calls += result.n_calls
+    ep.errors += result.errors
+    ep.done = result.done
+    return result.observations
+
+
+def _finish(ep: Episode, env: Environment):
+    text = env.trace_text()                                       # the bank's experience (A.3)
+    ep.done, ep.reward, ep.trace = True, env.reward(), text
+
+
+def scripted_episode(tokenizer, env: Environment, task, calls, tools=None, prompt_fn=None) -> Episode:
+    """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one.
+    calls: one (name, arguments) per reply, or a list of them for one reply with several (parallel) calls.
+    prompt_fn(tokenizer, messages) -> ids overrides the prompt, as in `rollout`."""
+    ep = Episode(task)
+    msgs = env.reset(task)
+    ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else prompt_ids(tokenizer, msgs, tools), sampled=False)
+    ep.prompt_len = len(ep.ids)
+    replies = ["\n".join(format_call(n, a) for n, a in (c if isinstance(c, list) else [c])) for c in calls]
+    for reply in replies + [DONE_TEXT]:
+        ids = reply_ids(tokenizer, reply)
+        ep.add(ids, sampled=True)
+        obs = _record_step(ep, env, reply, len(ids))
+        if ep.done:
+            break
+        ep.add(observation_ids(tokenizer, obs), sampled=False)
+    _finish(ep, env)
+    return ep
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Algorithm 1, steps 1-2: batched multi-turn rollouts with Hugging Face generate (eq. 1)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class SampleConfig:
+    temperature: float = 0.7      # B.2; 0 = greedy
+    top_p: float = 0.95
+    top_k: int = 20
+    max_new_tokens: int = 64      # per reply
+    max_len: int = 768            # the conversation's token budget: an episode ends when its next reply might not
+                                  # fit (train.py --max-len; B.2's 40,960 for real models, 768 for the toy)
+    batch_size: int = 64          # episodes generated together (train.py --gen-batch, or the memory plan's)
+    sort_by_length: bool = False  # batch tasks of similar length together (real models: less left padding)
+    enable_thinking: bool = False # chat template: Qwen3 thinking mode (prompts, observations, latent prompts)
+
+
+def left_pad(rows, pad_id, device):
+    """(B, L) ids and attention mask, left-padded so that every row's next token is at position L."""
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)            # (B, L)
+    att = torch.zeros((len(rows), L), dtype=torch.long)                   # (B, L)
+    for i, r in enumerate(rows):
+        ids[i, L - len(r):] = torch.tensor(r)
+        att[i, L - len(r):] = 1
+    return ids.to(device), att.to(device)
+
+
+def sample_next(scores, cfg: SampleConfig):
+    """The next token of each row from its logits (B, V) fp32: argmax at temperature 0; otherwise Hugging Face's
+    sampling, in its order: divide by the temperature, keep the top-k, keep the top-p nucleus, draw from the
+    softmax. -> (B,) ids."""
+    if cfg.temperature <= 0:
+        return scores.argmax(-1)                                              # (B,)
+    s = scores / cfg.temperature if cfg.temperature != 1.0 else scores       # (B, V)
+    if cfg.top_k:
+        kth = torch.topk(s, min(cfg.top_k, s.shape[-1]))[0][..., -1:]         # (B, 1) the k-th largest
+        s = s.masked_fill(s < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_s, order = torch.sort(s, descending=False)                     # (B, V) ascending
+        drop = sorted_s.softmax(-1).cumsum(-1) <= 1 - cfg.top_p                # (B, V) the tail outside the nucleus
+        drop[..., -1:] = False                                                # the most likely token always stays
+        s = s.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(s.softmax(-1), num_samples=1)[:, 0]              # (B,)
+
+
+class Conversations:
+    """The KV caches of the conversations that generate together, kept from turn to turn.
+
+    A turn feeds each conversation only what its cache lacks: the prompt once, then the last reply's final token
+    and the observation. So a turn costs its new tokens, not the whole conversation again, and the prompt part that
+    every conversation of the batch shares (the system prompt and the tool schemas) is computed once, for one row,
+    then copied to every row. The layout is left-padded: each feed ends in the last column, whose logits predict
+    every row's next token. Padding has attention mask 0 and no position of its own (position ids count each
+    row's real tokens), so every row sees exactly its own conversation. Keys are cached after their rotary
+    embedding, so squeezing the padding out between turns (`_compact`) changes no key.
+
+    `embed_fn(ids, attention_mask) -> inputs_embeds` fills the prompts' placeholder span with latents (inject.py);
+    it is called once, on the left-padded prompts, and the latents then live in the cache."""
+
+    def __init__(self, model, tokenizer, embed_fn=None):
+        self.model, self.pad, self.embed_fn = model, tokenizer.pad_token_id, embed_fn
+        self.device = next(model.parameters()).device
+        self.cache, self.mask = None, None      # the model's cache of B rows; (B, L) 1 on each row's real tokens
+        self.keys, self.fed = [], []            # per row: the caller's key, the ids its cache holds
+        self.cache_arg = cache_argument(model)
+
+    def forward(self, ids=None, embeds=None):
+        """Feed (B, n) new ids (or embeddings) behind the cache, whose mask already covers them. -> (B, V) fp32
+        logits of each row's last column."""
+        pos = (self.mask.cumsum(1) - 1).clamp(min=0)[:, -(ids if embeds is None else embeds).shape[1]:]   # (B, n)
+        past = {} if self.cache is None else {self.cache_arg: self.cache}
+        out = self.model(input_ids=ids, inputs_embeds=embeds, attention_mask=self.mask, position_ids=pos,
+                         use_cache=True, logits_to_keep=1, **past)
+        self.cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        return out.logits[:, -1].float()                                      # (B, V)
+
+    def start(self, keys, prompts):
+        """The first feed: the prompts' shared prefix once, for one row, then each row's own rest. -> (B, V)."""
+        self.keys, self.fed = list(keys), [list(p) for p in prompts]
+        rows = self._prompt_vectors(prompts)                       # per row (n_i,) ids or (n_i, d) embeddings
+        p = _shared_prefix(rows)
+        B, embeds = len(rows), self.embed_fn is not None
+        if p:
+            self.mask = torch.ones((1, p), dtype=torch.long, device=self.device)          # (1, p)
+            self.forward(**{"embeds" if embeds else "ids": rows[0][None, :p]})
+            self.cache.batch_repeat_interleave(B)                                         # (B, heads, p, hd)
+            self.mask = self.mask.expand(B, p)                                            # (B, p)
+        return self._feed([r[p:] for r in rows])
+
+    def _prompt_vectors(self, prompts) -> list:
+        if self.embed_fn is None:
+            return [torch.tensor(p, device=self.device) for p in prompts]
+        ids, att = left_pad(prompts, self.pad, self.device)                              # (B, L)
+        embeds = self.embed_fn(ids, att)                                                  # (B, L, d)
+        return [embeds[i, ids.shape[1] - len(p):] for i, p in enumerate(prompts)]       # (n_i, d) each
+
+    def _feed(self, tails) -> torch.Tensor:
+        """Append each row's new ids (or embeddings) behind its cache, left-padded to one width. -> (B, V)."""
+        n, first = max(len(t) for t in tails), tails[0]
+        new = first.new_zeros((len(tails), n) + tuple(first.shape[1:]))                 # (B, n) or (B, n, d)
+        if first.dim() == 1:
+            new.fill_(self.pad)
+        mask = torch.zeros((len(tails), n), dtype=torch.long, device=self.device)         # (B, n)
+        for i, t in enumerate(tails):
+            new[i, n - len(t):], mask[i, n - len(t):] = t, 1
+        self.mask = mask if self.mask is None else torch.cat([self.mask, mask], 1)         # (B, L + n)
+        return self.forward(**{"embeds" if new.dim() == 3 else "ids": new})
+
+    def resume(self, keys, contexts) -> torch.Tensor:
+        """A later turn: keep the rows of `keys` (in their order), squeeze out padding, feed what each cache lacks."""
+        rows = [self.keys.index(k) for k in keys]
+        if rows != list(range(len(self.keys))):
+            self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
+            self.mask, self.keys, self.fed = self.mask[rows], list(keys), [self.fed[i] for i in rows]
+        self._compact()
+        tails = []
+        for i, ctx in enumerate(contexts):
+            if ctx[:len(self.fed[i])] != self.fed[i] or len(ctx) == len(self.fed[i]):
+                raise ValueError(f"conversation {self.keys[i]!r}: its context does not extend what it was fed")
+            tails.append(torch.tensor(ctx[len(self.fed[i]):], device=self.device))
+            self.fed[i] = list(ctx)
+        return self._feed(tails)
+
+    def _compact(self):
+        """Move each row's cached tokens to the right end, in order, and drop the columns that hold only padding.
+        Only for caches of full-attention layers (a sliding window keeps its own positions): others keep it."""
+        from transformers.cache_utils import DynamicLayer
+        if bool(self.mask.all()) or not all(type(layer) is DynamicLayer for layer in self.cache.layers):
+            return                                                        # no padding, or a cache of another kind
+        width = int(self.mask.sum(1).max())                               # the longest row's cached tokens
+        order = torch.sort(self.mask, dim=1, stable=True).indices[:, -width:]             # (B, width) real last
+        for layer in self.cache.layers:
+            at = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, at), layer.values.gather(2, at)  # (B, heads, width, hd)
+        self.mask = self.mask.gather(1, order)                                             # (B, width)
+
+    def decode(self, logits, cfg: SampleConfig, eos: list) -> list:
+        """Sample up to cfg.max_new_tokens per row from the logits of its last fed token; a row stops at its first
+        end-of-turn id. -> per row (reply ids, their log-probs at temperature 1, ended with eos?)."""
+        B, ends = logits.shape[0], torch.tensor(eos, device=self.device)
+        replies, logps = [[] for _ in range(B)], [[] for _ in range(B)]
+        live = torch.ones(B, dtype=torch.bool, device=self.device)                       # (B,)
+        for t in range(cfg.max_new_tokens):
+            tok = sample_next(logits, cfg)                                                 # (B,)
+            lp = F.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]                  # (B,) log π(a_t)
+            for i, (a, la, on) in enumerate(zip(tok.tolist(), lp.tolist(), live.tolist())):
+                if on:
+                    replies[i].append(a)
+                    logps[i].append(la)
+            live = live & ~torch.isin(tok, ends)
+            if not live.any() or t == cfg.max_new_tokens - 1:
+                break
+            for i in live.nonzero()[:, 0].tolist():               # the token goes into the cache of a live row
+                self.fed[i].append(replies[i][-1])
+            self.mask = torch.cat([self.mask, live[:, None].long()], 1)                   # (B, L + 1)
+            logits = self.forward(ids=tok.masked_fill(~live, self.pad)[:, None])           # (B, V)
+        return [(r, lp, bool(r) and r[-1] in eos) for r, lp in zip(replies, logps)]
+
+
+def cache_argument(model) -> str:
+    """The name under which `model`'s forward takes a KV cache: `cache` in recent transformers 5.x releases,
+    `past_key_values` before them."""
+    from transformers import PreTrainedModel
+    wrapped = getattr(model, "peft", model)             # runtime.LoraStudent keeps its backbone off its modules
+    inner = next((m for m in wrapped.modules() if isinstance(m, PreTrainedModel)), wrapped)
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+
+
+def _shared_prefix(rows) -> int:
+    """How many leading positions every row shares (equal ids, or equal embedding vectors), leaving each row at
+    least one position of its own (its last one gives the logits of its first reply token)."""
+    n = min(len(r) for r in rows) - 1
+    if len(rows) == 1 or n <= 0:
+        return 0 if len(rows) > 1 else max(n, 0)
+    first = rows[0][:n]
+    same = torch.stack([(r[:n] == first).reshape(n, -1).all(-1) for r in rows[1:]]).all(0)   # (n,)
+    return int(same.long().cumprod(0).sum())
+
+
+@torch.no_grad()
+def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=None, conversations=None, keys=None):
+    """Sample one reply per context. Returns per row (new ids, their log-probs at temperature 1, finished?).
+
+    `conversations` (a `Conversations`) keeps each context's KV cache from an earlier call, under `keys` (one per
+    context): a later turn then feeds only what a context added since. Without it, every context is fed whole.
+    `embed_fn(ids, attention_mask) -> inputs_embeds` replaces the placeholder embeddings with latents (inject.py).
+    The log-probs are those of the raw logits; no loss reads them (GRPO's π_old is the detached re-scored policy,
+    ρ = 1): they are kept with the episode as a check that re-scoring reproduces sampling."""
+    conv = conversations if conversations is not None else Conversations(model, tokenizer, embed_fn)
+    keys = list(range(len(contexts))) if keys is None else list(keys)
+    logits = conv.resume(keys, contexts) if conv.cache is not None else conv.start(keys, contexts)   # (B, V)
+    return conv.decode(logits, cfg, eos_ids(model, tokenizer))
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end a reply: the tokenizer's eos (the chat template's end of turn) first, then every other id
+    of the model's generation config (Qwen3 lists <|im_end|> and <|endoftext|>)."""
+    config = getattr(model, "generation_config", None) or getattr(getattr(model, "peft", None),
+                                                                   "generation_config", None)
+    more = getattr(config, "eos_token_id", None)
+    more = [] if more is None else [more] if isinstance(more, int) else list(more)
+    return [tokenizer.eos_token_id] + [i for i in more if i != tokenizer.eos_token_id]
+
+
+def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tools=None, prompt_fn=None,
+            embed_fn=None, progress=None) -> list[Episode]:
+    """Roll out one episode per task (eq. 1), batched across tasks, turn by turn.
+
+    prompt_fn(tokenizer, messages) -> ids overrides the prompt (the teacher's latent prompt, inject.py);
+    embed_fn(ids, attention_mask, rows) then fills the placeholder span, where rows index `tasks`.
+    cfg.sort_by_length: batches of tasks of similar length (less left padding); episodes come back in task order."""
+    episodes = [None] * len(tasks)
+    order = sorted(range(len(tasks)), key=lambda i: len(tasks[i].text)) if cfg.sort_by_length else range(len(tasks))
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(tasks), cfg.batch_size):
+        which = order[start:start + cfg.batch_size]                          # indices into tasks
+        chunk = [tasks[j] for j in which]
+        envs = [make_env() for _ in chunk]
+        for env in envs:          # the tokenizer's own reply parser, where it has one (envs.parse_tool_calls)
+            if getattr(tokenizer, "response_template", None):
+                env.response_template = tokenizer.response_template
+        eps = [Episode(t) for t in chunk]
+        for ep, env in zip(eps, envs):
+            msgs = env.reset(ep.task)
+            ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else
+                   prompt_ids(tokenizer, msgs, tools, cfg.enable_thinking), sampled=False)
+            ep.prompt_len = len(ep.ids)
+        # each conversation keeps its KV cache from turn to turn; embed_fn is told which tasks the rows are
+        conv = Conversations(model, tokenizer, None if embed_fn is None else
+                             lambda ids, att, rows=which: embed_fn(ids, att, rows))
+        while not all(ep.done for ep in eps):
+            live = [i for i, ep in enumerate(eps) if not ep.done]
+            replies = generate_replies(model, tokenizer, [eps[i].ids for i in live], cfg, conversations=conv,
+                                       keys=live)
+            texts = [tokenizer.decode(new, skip_special_tokens=False).replace(tokenizer.eos_token, "")
+                     for new, _, _ in replies]
+            n_before = [len(envs[i].trace) for i in live]
+            results = _step_all([envs[i] for i in live], texts)
+            for k, (i, (new, lp, finished)) in enumerate(zip(live, replies)):
+                ep, env = eps[i], envs[i]
+                ep.add(new, sampled=True, logps=lp)
+                obs = _count_step(ep, env, results[k], n_before[k], len(new))
+                if ep.done or not finished:
+                    _finish(ep, env)
+                    continue
+                ep.add(observation_ids(tokenizer, obs, cfg.enable_thinking), sampled=False)
+                if len(ep.ids) + cfg.max_new_tokens > cfg.max_len:
+                    _finish(ep, env)
+        for j, ep in zip(which, eps):
+            episodes[j] = ep
+        if progress is not None:
+            progress.update(len(chunk))
+    model.train(was_training)
+    return episodes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Algorithm 1, step 4: the student and the teacher score the SAME sampled ids (eq. 8)
+# ----------------------------------------------------------------------------------------------------------------
+def pack(prefixes, conts, pad_id, device):
+    """Left-pad prefixes to a common length P and right-pad continuations to Tc, so that column P + t holds
+    continuation token t in every row. Returns ids (B, P+Tc), attention mask, position ids, P, left-pad sizes."""
+    P, Tc = max(len(p) for p in prefixes), max(len(c) for c in conts)
+    ids = torch.full((len(conts), P + Tc), pad_id, dtype=torch.long)            # (B, P+Tc)
+    att = torch.zeros_like(ids)                                                  # (B, P+Tc)
+    for i, (p, c) in enumerate(zip(prefixes, conts)):
+        ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
+        att[i, P - len(p):P + len(c)] = 1
+    pos = (att.cumsum(1) - 1).clamp(min=0)                                       # (B, P+Tc) true positions
+    pad = torch.tensor([P - len(p) for p in prefixes])                           # (B,)
+    return ids.to(device), att.to(device), pos.to(device), P, pad.to(device)
+
+
+def continuation(eps, device):
+    """The sampled part of each episode (everything after its prompt): ids list per row and ω (B, Tc)."""
+    conts = [e.ids[e.prompt_len:] for e in eps]
+    omega = torch.zeros((len(eps), max(len(c) for c in conts)), device=device)            # (B, Tc)
+    for i, e in enumerate(eps):
+        omega[i, :len(conts[i])] = torch.tensor(e.mask[e.prompt_len:], dtype=torch.float)
+    return conts, omega
+
+
+def continuation_logits(model, tokenizer, prefixes, eps, device):
+    """`model` scores each episode's sampled continuation behind `prefixes` (one id list per episode).
+    -> logits (B, Tc, V), continuation ids (B, Tc), ω (B, Tc). The continuation is never re-tokenized."""
+    conts, omega = continuation(eps, device)
+    ids, att, pos, P, _ = pack(prefixes, conts, tokenizer.pad_token_id, device)
+    Tc = omega.shape[1]
+    # only the last Tc+1 columns' logits are computed (HF logits_to_keep): the prefix is never a target. A scoring
+    # forward keeps no KV cache (use_cache=False): nothing reads it, and at 40k tokens it is gigabytes
+    logits = model(input_ids=ids, attention_mask=att, position_ids=pos, logits_to_keep=Tc + 1,
+                   use_cache=False).logits                                             # (B, Tc+1, V)
+    return logits[:, :Tc], ids[:, P:], omega     # column P-1+t (here t) predicts continuation token t
+
+
+def student_logits(student, tokenizer, eps, device):
+    """π_θ^S on the sampled continuation behind the student's own prompt (eq. 8): (B, Tc, V), ids (B, Tc), ω."""
+    return continuation_logits(student, tokenizer, [e.ids[:e.prompt_len] for e in eps], eps, device)
+
+
+def student_logprobs(student, tokenizer, eps, device, loss_chunk: int = 0):
+    """log π_θ(a_t) of each episode's own sampled ids behind the student's prompt: (B, Tc) fp32, zeros off ω, with
+    ids and ω (B, Tc); the NLL of RFT and GRPO's log π. loss_chunk > 0: from hidden states, the LM head applied that
+    many rows at a time (memory bounded by tokens, `runtime.lm_head_bypassed`); 0: from full logits."""
+    if not loss_chunk:
+        ls, ids, omega = student_logits(student, tokenizer, eps, device)                  # (B, Tc, V)
+        return losses.token_logprobs(ls, ids, omega), ids, omega
+    with runtime.lm_head_bypassed(student):
+        h, ids, omega = student_logits(student, tokenizer, eps, device)                   # (B, Tc, d)
+    return losses.token_logprobs_from_hidden(h, runtime.lm_head(student), ids, omega, loss_chunk), ids, omega
+
+
+def micro_batches(eps, size: int, token_budget: int = 0) -> list[slice]:
+    """The forward/backward passes of a batch, as consecutive slices of its episodes: at most `size` episodes each,
+    and with a token budget at most as many as fit in it, counted as a padded batch (rows × the longest episode; at
+    least one). Losses are normalised by the whole batch's counts, so any split gives the same gradient. Under
+    torchrun every rank runs as many as the busiest one (a sharded model's forward is a collective): the extra ones
+    are empty."""
+    if not token_budget:
+        out = [slice(i, i + size) for i in range(0, len(eps), size)]
+    else:
+        out, start, longest = [], 0, 0
+        for i, e in enumerate(eps):
+            longest = max(longest, len(e.ids))
+            if i > start and (longest * (i + 1 - start) > token_budget or i - start == size):   # e opens the next
+                out.append(slice(start, i))
+                start, longest = i, len(e.ids)
+        out.append(slice(start, len(eps)))
+    busiest = int(runtime.all_max(float(len(out))))
+    return out + [slice(0, 0)] * (busiest - len(out))
+
+
+def accumulate(eps, part_loss, micro_batch: int, token_budget: int = 0, rows=None) -> tuple[dict, bool]:
+    """The one forward/backward loop of every method's step (and of the cold start): the episodes `rows` of `eps`
+    (all by default) in micro-batches (`micro_batches`: at most micro_batch episodes, at most token_budget padded
+    tokens), part_loss(indices into eps) -> (loss, metrics) for each, one backward each. part_loss normalises by
+    whole-batch counts, so the parts add up to the batch's loss and any split gives the same gradient.
+
+    Under torchrun every rank runs as many passes as the busiest one (a sharded model's forward is a collective): an
+    extra pass re-scores one episode with weight 0. After a non-finite loss no part is back-propagated (the caller's
+    `optimizer_step` then drops the gradients). -> (each metric summed over the parts and ranks, finite everywhere?)"""
+    rows = list(range(len(eps))) if rows is None else list(rows)
+    totals, finite = {}, True
+    for part in micro_batches(pick(eps, rows), micro_batch, token_budget):
+        idx, weight = rows[part], 1.0
+        if not idx:                                                  # torchrun: an idle pass
+            idx, weight = rows[:1] or [0], 0.0
+        loss, metrics = part_loss(idx)
+        loss = weight * loss
+        finite &= bool(torch.isfinite(loss))
+        if finite:
+            loss.backward()
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + weight * v
+    keys = list(totals)                     # the same order on every rank (the same parts): one all-reduce
+    sums = runtime.all_sum(*(totals[k] for k in keys)) if keys else ()
+    return dict(zip(keys, sums if len(keys) > 1 else [sums])), runtime.all_true(finite)
+
+
+def pick(items, idx) -> list:
+    """items[i] for i in idx."""
+    return [items[i] for i in idx]
+
+
+def optimizer_step(opts, student, composer, clip: float, ok: bool = True) -> bool:
+    """Clip and step each optimizer. If the loss (ok=False) or any gradient is non-finite, drop all gradients
+    (also those of micro-batches that did finish) and return False."""
+    groups = [(opts[0], list(student.parameters()))]
+    if opts[1] is not None:
+        groups.append((opts[1], composer.trainable_parameters()))
+    ok = runtime.all_true(ok)
+    for _, params in groups:           # replicated parameters: gradients summed over ranks (no-op in one process)
+        runtime.sync_grads(params)
+    norms = [torch.nn.utils.clip_grad_norm_(params, clip) for _, params in groups]   # global norms under FSDP2
+    ok = ok and all(bool(torch.isfinite(n)) for n in norms)
+    for opt, _ in groups:
+        if ok:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A method as train.py runs it (--method): what it keeps across steps, one step, and its tasks
+# ----------------------------------------------------------------------------------------------------------------
+# Every step takes (args, run, state, student, opts, β, task_rng) and returns (β, metrics, generations spent).
+# `run` is train.py's: the tokenizer, the composer, the retriever, the tasks, the bank's episodes, `make_env` and
+# the sampling settings `sample`. Every method draws rollouts_per_step generations: LOPD and OPSD as one rollout of
+# that many tasks, GRPO and SDPO as G of each. Under torchrun every rank draws the same tasks and keeps its slice.
+@dataclass
+class Method:
+    setup: object              # (args, run) -> state: what the method keeps across steps
+    step: object               # (args, run, state, student, opts, β, task_rng) -> (β, metrics, generations)
+    uses_bank: bool = False    # its data includes the bank: the bank's rollouts count towards its generations
+    trains_composer: bool = False   # φ has an optimizer (LOPD, unless --freeze-composer)
+    per_task: str = ""         # the Args field that gives rollouts per task ("group"), or "" for one
+
+
+def draw_tasks(args, run, task_rng, per_task: int = 1) -> list:
+    """This step's tasks: rollouts_per_step / per_task of the training tasks (this rank's slice). --task-order fresh
+    draws them anew each step; epoch walks through shuffled epochs (the official code), so every task comes once
+    before any comes twice. Epoch e's order is a function of the seed and e alone, so a resumed run continues it."""
+    n = args.rollouts_per_step // per_task
+    if args.task_order == "fresh":
+        return runtime.shard(task_rng.sample(run["train"], n))
+    tasks, first = run["train"], run["step"] * n                       # positions first .. first + n − 1
+    epochs = range(first // len(tasks), (first + n - 1) // len(tasks) + 1)      # the one or two it reaches into
+    orders = {e: epoch_order(tasks, args.seed, e) for e in epochs}
+    return runtime.shard([orders[i // len(tasks)][i % len(tasks)] for i in range(first, first + n)])
+
+
+def epoch_order(tasks, seed: int, epoch: int) -> list:
+    """--task-order epoch: epoch `epoch`'s shuffle of the training tasks, a function of the seed and the epoch."""
+    return random.Random(f"{seed}/epoch/{epoch}").sample(tasks, len(tasks))
