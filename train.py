@@ -37,7 +37,8 @@ teacher), --retrieval other (the composer reads OTHER shops' experience), --retr
 difficulty dial: --conventions K (1-4), the tool world with K hidden conventions per shop (experiments.py dial).
 
 Real backbones: bf16 weights with the trained ones (student, composer) in fp32 under bf16 autocast
-(`runtime.precision`), SDPA attention, --grad-ckpt, micro-batches normalised by the iteration's token count;
+(`runtime.precision`), SDPA attention, a memory plan that sizes every forward/backward, the generation batch and
+gradient checkpointing from the free memory (`fit_machine`), micro-batches normalised by the iteration's tokens;
 --student-lora trains θ as a second adapter on the frozen backbone. A real model's chat template gets the tools as
 `tools=`, or in its system prompt if it ignores them (inject.chat_text); a tokenizer without a template is refused
 unless --chat-template FILE gives one. An offline pretrained chat model for CPU: `python -c "import toy;
