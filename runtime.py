@@ -196,9 +196,9 @@ def dist_setup(device: str = "auto", timeout_minutes: float = 360) -> tuple[int,
     return rank(), world(), backend
 
 
-def check_world(args, world: int):
-    """Every rank gets an equal slice of each batch (its micro-batch count, and so FSDP's collectives, match)."""
-    per_task = args.group if args.method in ("grpo", "sdpo") else 1
+def check_world(args, world: int, per_task: int = 1):
+    """Every rank gets an equal slice of each batch (its micro-batch count, and so FSDP's collectives, match);
+    per_task: rollouts per task of the method (GRPO's and SDPO's groups)."""
     tasks = args.rollouts_per_step // per_task
     if tasks % world:
         raise SystemExit(f"--rollouts-per-step {args.rollouts_per_step}: {tasks} tasks a step"

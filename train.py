@@ -292,7 +292,7 @@ def _main(argv=None):
     t0 = time.time()
     args = parse_args(argv)
     _, world, _ = runtime.dist_setup(args.device, args.dist_timeout)
-    runtime.check_world(args, world)
+    runtime.check_world(args, world, rollouts_per_task(args))
     run = prepare(args)
     student = None
     if args.steps > 0:
@@ -765,9 +765,10 @@ def joint_training(run):
 
 
 def drift_eval(args, composer, student, run) -> dict:
-    """reward/eval (the student alone) and, for LOPD, reward/teacher (base + composer) on the first --eval-tasks
-    held-out tasks. The other methods never change the composer, so their teacher row cannot drift."""
-    which = ("base + composer", "LOPD student") if args.method == "lopd" else ("LOPD student",)
+    """reward/eval (the student alone) and, for a method that trains the composer (LOPD), reward/teacher (base +
+    composer) on the first --eval-tasks held-out tasks. The others never change it: their teacher cannot drift."""
+    drifts = METHODS[args.method].trains_composer
+    which = ("base + composer", "LOPD student") if drifts else ("LOPD student",)
     rows = evaluate(args, composer, student, run["retriever"], run["tok"], run["test"][:args.eval_tasks], which=which)
     out = {"reward/eval": rows["LOPD student"]["reward"]}
     if "base + composer" in rows:
@@ -988,7 +989,7 @@ def _check(p, a: Args):
         p.error(f"--dtype must be auto, float32, bfloat16 or float16, not {a.dtype!r}")
     if a.method not in METHODS:
         p.error(f"--method must be one of {', '.join(METHODS)}, not {a.method!r}")
-    if a.method in ("grpo", "sdpo") and a.rollouts_per_step % a.group:
+    if rollouts_per_task(a) > 1 and a.rollouts_per_step % a.group:
         p.error(f"--rollouts-per-step {a.rollouts_per_step} must be a multiple of --group {a.group}")
     if a.method == "sdpo" and a.student_lora:
         p.error("--method sdpo keeps an EMA copy of a full student; it does not support --student-lora")
@@ -1023,6 +1024,12 @@ def _check(p, a: Args):
                                                                                   "rollouts_per_step", "gen_batch",
                                                                                   "top_m") else 0):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+
+
+def rollouts_per_task(args: Args) -> int:
+    """G for a method that rolls out groups (its `Method.per_task` names the Args field, "group"), else 1."""
+    field_name = METHODS[args.method].per_task
+    return getattr(args, field_name) if field_name else 1
 
 
 def check_same_world(args: Args):
