@@ -696,7 +696,7 @@ def sft_step_time(tok, batches, impl: str) -> float:
 
 
 def bench_pretrain(steps: int = 40):
-    """Issue 2's figure: what building the toy backbone costs. Demonstrations and tokenizer, one SFT step of the
+    """What building the toy backbone costs. Demonstrations and tokenizer, one SFT step of the
     default recipe (batch 32; SDPA vs eager attention), the 1,200-step build that implies, and the vanilla
     evaluation of the shipped backbone (200 held-out tasks, greedy and T 0.7), against the 2-minute target."""
     import os

@@ -66,7 +66,7 @@ import train
 # ----------------------------------------------------------------------------------------------------------------
 # The paper's ablation table at toy scale (Table 3 rows and Figure 3)
 # ----------------------------------------------------------------------------------------------------------------
-# Rows trained from the same θ̄ and bank (issue 8's controls beside Figure 3's ablations). A variant with its own
+# Rows trained from the same θ̄ and bank (the retrieval controls beside Figure 3's ablations). A variant with its own
 # --retrieval gets its own cold start with that retrieval, so its composer is trained for what it will read.
 VARIANTS = {"LOPD (m = 0.05)": {}, "LOPD (m = 0)": {"margin": 0.0}, "frozen composer": {"freeze_composer": True},
             "LOPD, other-variant retrieval": {"retrieval": "other"},
@@ -310,7 +310,7 @@ def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The difficulty dial: when does LOPD beat outcome RL? (issue 21; the paper's efficiency claim, Figure 4)
+# The difficulty dial: when does LOPD beat outcome RL? (the paper's efficiency claim, Figure 4)
 # ----------------------------------------------------------------------------------------------------------------
 # K hidden conventions per shop (train.py --conventions K; envs.WORLD_CONVENTIONS), each with its own shipped toy
 # backbone. Per K and seed: one base, bank and φ0 (train.prepare), then each method's joint stage from them. LOPD
@@ -592,7 +592,7 @@ def plot_dial(rows, path: str):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Does the student absorb its teacher? The official code's settings at toy scale, one at a time (issue 28)
+# Does the student absorb its teacher? The official code's settings at toy scale, one at a time
 # ----------------------------------------------------------------------------------------------------------------
 # Every row starts from the same θ̄ and bank per seed. A row whose change reaches the cold start (K, what retrieval
 # returns, the cold start's optimizers) trains its own φ0 in its folder from the seed's cached stages 1-3; the
