@@ -58,7 +58,9 @@ def bench_loss(B: int, T: int, V: int, M: int, repeats: int):
     mask = torch.ones(B, T)                                                   # (B, T)
 
     def kl():
-        losses.reverse_kl_topm(s, t, mask, top_m=M).backward()
+        sel = mask.bool()
+        losses.reverse_kl_topm(losses.supervised_logprobs(s, sel), losses.supervised_logprobs(t, sel),
+                               top_m=M).mean().backward()
 
     def ce():
         F.cross_entropy(s.reshape(-1, V), ids.reshape(-1)).backward()
@@ -172,7 +174,8 @@ def bench_step(model_dir: str, batch: int, repeats: int):
         with torch.no_grad():
             lt = tm("teacher forward", lambda: text_teacher_logits(base, tok, eps, exps))
         ls, ids, om = tm("student forward", lambda: engine.student_logits(student, tok, eps, "cpu"))
-        loss = tm("loss", lambda: losses.reverse_kl_topm(ls, lt, om))
+        loss = tm("loss", lambda: losses.reverse_kl_topm(losses.supervised_logprobs(ls, om),
+                                                          losses.supervised_logprobs(lt, om)).mean())
         tm("backward", loss.backward)
     totals = {k: sum(v.t.values()) / repeats for k, v in clock.items()}
     print(f"one iteration at {batch} rollouts, mean of {repeats} (seconds):")

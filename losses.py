@@ -123,25 +123,21 @@ def bucket_reverse_kl(logq_s, logq_t):
     return (logq_s.exp() * (logq_s - logq_t)).sum(-1)                   # (...)
 
 
-def reverse_kl_topm(student_logits, teacher_logits, mask, top_m=20, n_tokens=None):
-    """Eq. (10): Σ_{b,t} ω·KL(p̃S ‖ p̃T) / n_tokens, REVERSE KL (student first): Σ_v p̃S(v) log(p̃S(v)/p̃T(v)).
+def reverse_kl_topm(logp_s, logp_t, top_m=20):
+    """Eq. (10)'s term of each supervised token: KL(p̃S ‖ p̃T), REVERSE KL (student first), Σ_v p̃S(v) log(p̃S(v) /
+    p̃T(v)) over the teacher's top-M ids and one tail bucket (eq. 9). The one eq. 10 of the code: training averages
+    these terms (`token_terms`, then `lopd_objective` or its chunked form: over the batch's ω tokens, or per
+    trajectory), show.py draws them.
 
-    student_logits, teacher_logits (B, T, V) aligned with mask ω (B, T); -> scalar fp32.
-    n_tokens: divisor, default ω.sum() of this batch. A caller that splits a batch into micro-batches passes the
-    whole batch's ω.sum() to every micro-batch, so that the micro-batch values sum to the whole-batch value.
-    Logits must be finite at supervised positions; masked positions may hold anything (inf, NaN): they are never
-    read and get exactly zero gradient.
+    logp_s, logp_t (N, V) full-vocabulary log-probs of the N supervised tokens (`supervised_logprobs`: masked
+    positions never reach them) -> (N,) fp32.
     (If you prefer F.kl_div: kl_div(input, target, log_target=True) is KL(target ‖ input), so this is
     kl_div(logq_t, logq_s, log_target=True).)
     """
-    logp_s = supervised_logprobs(student_logits, mask)                  # (N, V)
-    logp_t = supervised_logprobs(teacher_logits, mask)                  # (N, V)
-    logq_s, logq_t = topm_tail(logp_s, logp_t, top_m)                   # (N, M+1) each
+    logq_s, logq_t = topm_tail(logp_s, logp_t, top_m)                   # (N, M+1) each, eq. (9)
     # No detach on either side, on purpose: θ only reaches p̃S and φ only reaches p̃T, so the gradient of this one
     # KL w.r.t. θ is ∇θ KL(S ‖ sg T) and w.r.t. φ is ∇φ KL(sg S ‖ T), exactly as §3.3 prescribes.
-    kl = bucket_reverse_kl(logq_s, logq_t)                              # (N,)
-    n = mask.sum() if n_tokens is None else n_tokens
-    return kl.sum() / n
+    return bucket_reverse_kl(logq_s, logq_t)                            # (N,)
 
 
 def privilege_delta(logp_t_tok, logp_s_tok):
@@ -231,8 +227,7 @@ def token_terms(logp_s, logp_t, a, top_m=20):
     """Eqs. (9)-(11) per supervised token, from full-vocabulary log-probs (N, V) of each side and the sampled ids a
     (N, 1): -> (each token's reverse KL(p̃S ‖ p̃T) over the teacher's top-M + tail, log πT(a), log πS(a)), (N,)
     each. `lopd_objective` and its chunked form average the first and take δ from the others; show.py draws them."""
-    logq_s, logq_t = topm_tail(logp_s, logp_t, top_m)                   # (N, M+1) each, eq. (9)
-    kl = bucket_reverse_kl(logq_s, logq_t)                              # (N,) eq. (10)'s terms
+    kl = reverse_kl_topm(logp_s, logp_t, top_m)                         # (N,) eq. (10)'s terms
     return kl, logp_t.gather(-1, a).squeeze(-1), logp_s.gather(-1, a).squeeze(-1)
 
 

@@ -81,9 +81,17 @@ def bf_Delta(delta, mask, rewards, per):
 
 # ---------- eqs. (9)-(10): top-M + tail reverse KL ----------
 
+def mean_kl(s, t, mask, top_m, n_tokens=None):
+    """L_distill from logits (B, T, V) and ω (B, T) as training builds it: eq. (10)'s token terms
+    (losses.reverse_kl_topm) of the supervised tokens, summed over the whole batch's ω count."""
+    sel = mask.bool()
+    kl = losses.reverse_kl_topm(losses.supervised_logprobs(s, sel), losses.supervised_logprobs(t, sel), top_m)
+    return kl.sum() / (sel.sum() if n_tokens is None else n_tokens)
+
+
 def test_reverse_kl_matches_brute_force():
     s, te, _, mask = make_batch()
-    got = losses.reverse_kl_topm(s, te, mask, top_m=M).item()
+    got = mean_kl(s, te, mask, top_m=M).item()
     want = bf_distill(s, te, mask, M)
     assert want > 0.1                                                   # a non-trivial value
     assert abs(got - want) < 1e-6
@@ -91,7 +99,7 @@ def test_reverse_kl_matches_brute_force():
 
 def test_direction_is_reverse():
     s, te, _, mask = make_batch(seed=3)
-    got = losses.reverse_kl_topm(s, te, mask, top_m=M).item()
+    got = mean_kl(s, te, mask, top_m=M).item()
     # the forward direction KL(p̃T ‖ p̃S) on the same buckets gives a different number
     sn, tn, mn = s.double().numpy(), te.double().numpy(), mask.numpy()
     fwd = [bf_kl(*reversed(bf_buckets(sn[b, t], tn[b, t], M))) for b in range(B) for t in range(T) if mn[b, t]]
@@ -100,12 +108,12 @@ def test_direction_is_reverse():
 
 def test_zero_for_identical_logits():
     s, _, _, mask = make_batch()
-    assert abs(losses.reverse_kl_topm(s, s.clone(), mask, top_m=M).item()) < 1e-6
+    assert abs(mean_kl(s, s.clone(), mask, top_m=M).item()) < 1e-6
 
 
 def test_m_equals_v_is_full_vocabulary_kl():
     s, te, _, mask = make_batch(seed=1)
-    got = losses.reverse_kl_topm(s, te, mask, top_m=V).item()
+    got = mean_kl(s, te, mask, top_m=V).item()
     sn, tn, mn = s.double().numpy(), te.double().numpy(), mask.numpy()
     full = [bf_kl(np.exp(bf_log_softmax(sn[b, t])), np.exp(bf_log_softmax(tn[b, t])))
             for b in range(B) for t in range(T) if mn[b, t]]
@@ -130,7 +138,7 @@ def test_tail_is_finite_when_top_m_holds_all_mass():
     te[0, 0, :M] = torch.arange(M, dtype=torch.float32)
     s = torch.randn(1, 1, V, requires_grad=True)
     t_req = te.clone().requires_grad_(True)
-    loss = losses.reverse_kl_topm(s, t_req, torch.ones(1, 1, dtype=torch.bool), top_m=M)
+    loss = mean_kl(s, t_req, torch.ones(1, 1, dtype=torch.bool), top_m=M)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(s.grad).all() and torch.isfinite(t_req.grad).all()
 
@@ -138,14 +146,14 @@ def test_tail_is_finite_when_top_m_holds_all_mass():
 def test_masked_tokens_contribute_nothing():
     s, te, _, mask = make_batch(seed=4)
     s1, t1 = s.clone().requires_grad_(True), te.clone().requires_grad_(True)
-    loss1 = losses.reverse_kl_topm(s1, t1, mask, top_m=M)
+    loss1 = mean_kl(s1, t1, mask, top_m=M)
     loss1.backward()
     for junk in (float("nan"), float("inf"), -float("inf"), 1e30):
         s2, t2 = s.clone(), te.clone()
         s2[~mask], t2[~mask] = junk, junk
         s2.requires_grad_(True)
         t2.requires_grad_(True)
-        loss2 = losses.reverse_kl_topm(s2, t2, mask, top_m=M)
+        loss2 = mean_kl(s2, t2, mask, top_m=M)
         loss2.backward()
         assert loss2.item() == loss1.item()
         assert torch.equal(s2.grad, s1.grad) and torch.equal(t2.grad, t1.grad)
@@ -154,9 +162,9 @@ def test_masked_tokens_contribute_nothing():
 
 def test_global_normalisation_over_micro_batches():
     s, te, ids, mask = make_batch(seed=5, b=4)
-    whole = losses.reverse_kl_topm(s, te, mask, top_m=M).item()
+    whole = mean_kl(s, te, mask, top_m=M).item()
     n = mask.sum()
-    parts = sum(losses.reverse_kl_topm(s[i:i + 2], te[i:i + 2], mask[i:i + 2], top_m=M, n_tokens=n).item()
+    parts = sum(mean_kl(s[i:i + 2], te[i:i + 2], mask[i:i + 2], top_m=M, n_tokens=n).item()
                 for i in (0, 2))
     assert abs(parts - whole) < 1e-6
     assert abs(whole - bf_distill(s, te, mask, M)) < 1e-6
@@ -175,7 +183,7 @@ def test_gradcheck_both_sides():
     s, te, _, mask = make_batch(seed=6, b=1, t=3, v=7, dtype=torch.float64)
     s.requires_grad_(True)
     te.requires_grad_(True)
-    f = lambda a, b: losses.reverse_kl_topm(a, b, mask, top_m=3)   # noqa: E731
+    f = lambda a, b: mean_kl(a, b, mask, top_m=3)   # noqa: E731
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                                            # tiny tensors: a thread pool only adds overhead
     try:
@@ -188,7 +196,7 @@ def test_gradients_go_to_student_and_teacher():
     s, te, _, mask = make_batch(seed=7)
     s.requires_grad_(True)
     te.requires_grad_(True)
-    losses.reverse_kl_topm(s, te, mask, top_m=M).backward()
+    mean_kl(s, te, mask, top_m=M).backward()
     assert s.grad.abs().sum() > 0 and te.grad.abs().sum() > 0
 
 
@@ -293,7 +301,7 @@ def test_lopd_objective_parts_and_gradients():
     assert s.grad.abs().sum() > 0 and te.grad.abs().sum() > 0 and c.grad.abs().sum() > 0
     # the student's gradient is the distillation gradient alone (δ is detached on the student side)
     s2 = s.detach().clone().requires_grad_(True)
-    losses.reverse_kl_topm(s2, te.detach(), mask, top_m=M).backward()
+    mean_kl(s2, te.detach(), mask, top_m=M).backward()
     assert torch.allclose(s.grad, s2.grad, atol=1e-7)
 
 
@@ -314,7 +322,7 @@ def test_privilege_against_a_reference_policy():
     assert abs(met["privilege/delta"] - want) < 1e-5 and abs(met["privilege/delta"] - plain["privilege/delta"]) > 1e-3
     loss.backward()
     s2 = s.detach().clone().requires_grad_(True)
-    losses.reverse_kl_topm(s2, te, mask, top_m=M).backward()
+    mean_kl(s2, te, mask, top_m=M).backward()
     assert torch.allclose(s.grad, s2.grad, atol=1e-7)
 
 
