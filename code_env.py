@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 
 import inject
+import runtime
 from envs import CONVENTIONS, SHOP_NAMES, Environment, StepResult, read_jsonl
 
 TOY_CODE_SYSTEM_PROMPT = "Write the Python program only."
@@ -731,10 +732,8 @@ def evalplus_expected(problems, cache_path: str | None, limits: SandboxLimits = 
         cache[p.task_id] = {"key": _evalplus_key(p.evalplus), **{k: _encode(v) if k in ("base", "plus") else v
                                                                  for k, v in expected.items()}}
     if todo and cache_path:
-        tmp = cache_path + ".tmp"
-        with open(tmp, "w") as f:
+        with runtime.atomic_open(cache_path) as f:
             json.dump(cache, f)
-        os.replace(tmp, cache_path)
 
 
 def _reference_outputs(p: CodeProblem, limits: SandboxLimits) -> dict:

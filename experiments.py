@@ -348,7 +348,7 @@ def dial_seed(args: train.Args) -> list[dict]:
     for method, change in DIAL_METHODS.items():
         rows += dial_method(dataclasses.replace(args, out=os.path.join(args.out, method), resume=True, **change),
                             run, method, curve0)
-    _write_json(done, rows)
+    runtime.write_json(done, rows)
     return rows
 
 
@@ -390,12 +390,6 @@ def _logged(path: str, stage: str) -> dict:
     return last
 
 
-def _write_json(path: str, rows):
-    with open(path + ".tmp", "w") as f:
-        json.dump(rows, f)
-    os.replace(path + ".tmp", path)
-
-
 def retrieval_split(args: train.Args) -> list[dict]:
     """How much of the teacher's reward at φ0 rests on retrieval finding the task's own shop: base + composer on
     every held-out task (the dial's "teacher" at step 0, from the same seed), split by how many of the task's J
@@ -418,7 +412,7 @@ def retrieval_split(args: train.Args) -> list[dict]:
         rows.append(_row(args, "base", f"share_refs_{g}", 0, 0, len(rewards) / len(group)))
         if rewards:
             rows.append(_row(args, "base", f"teacher_refs_{g}", 0, 0, float(np.mean(rewards))))
-    _write_json(done, rows)
+    runtime.write_json(done, rows)
     return rows
 
 
@@ -440,7 +434,7 @@ def convention_split(args: train.Args) -> list[dict]:
                        keep=keep)
         kept = [envs.conventions_kept(ep.task, ep.trace) for ep in keep[which[0]]]
         rows += [_row(args, method, f"kept_{c}", 0, 0, float(np.mean([k[c] for k in kept]))) for c in kept[0]]
-    _write_json(done, rows)
+    runtime.write_json(done, rows)
     return rows
 
 
@@ -819,11 +813,11 @@ def _row_run(a: train.Args, rargs: train.Args, change: dict) -> dict:
 def _absorb_result(a: train.Args, row: str, out: str, result: dict, kind: str = "absorb"):
     os.makedirs(out, exist_ok=True)
     result = {"row": row, "seed": a.seed, **result}
-    _write_json(os.path.join(out, f"{kind}.json"), result)
+    runtime.write_json(os.path.join(out, f"{kind}.json"), result)
     whole = os.path.join(a.out, f"{kind}.json")             # the seed's rows, rebuilt from every row's own file
     rows = [json.load(open(os.path.join(_row_dir(a, r), f"{kind}.json")))
             for r in [*ROWS[kind], *(k + LONG for k in ROWS[kind])] if _absorbed(a, r, kind)]
-    _write_json(whole, rows)
+    runtime.write_json(whole, rows)
     if os.path.exists(out + ".claim"):
         os.remove(out + ".claim")
 
@@ -847,7 +841,7 @@ def absorb_kept(args: train.Args, seeds: int = 3, row: str = "LOPD, toy defaults
             out += [dict(seed=a.seed, who=who, convention=c, kept=float(np.mean([k[c] for k in kept])))
                     for c in kept[0]]
             out.append(dict(seed=a.seed, who=who, convention="reward", kept=float(np.mean([ep.reward for ep in eps]))))
-    _write_json(os.path.join(args.out, "absorb_kept.json"), out)
+    runtime.write_json(os.path.join(args.out, "absorb_kept.json"), out)
     for who in dict.fromkeys(r["who"] for r in out):
         print(who, {c: _ms([r["kept"] for r in out if r["who"] == who and r["convention"] == c])
                     for c in dict.fromkeys(r["convention"] for r in out)})

@@ -40,13 +40,14 @@ Deviations from the paper and from the official code:
 import inspect
 import json
 import os
-import tempfile
 import warnings
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
+
+import runtime
 
 DEFAULT_INSTRUCTION = "Given a task, retrieve a solved trajectory of a similar task"
 ENTRY_FIELDS = {"task_id": str, "task": str, "trace": str, "reward": (int, float)}
@@ -115,27 +116,14 @@ def build_bank(candidates: Sequence[dict], threshold: float) -> list:
     return bank
 
 
-def _atomic_write(path: str, write: Callable, mode: str = "w") -> None:
-    """Call write(file) on a temp file beside `path`, then os.replace it into place."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save_bank(path: str, bank: Sequence[dict]) -> None:
     """Write the bank as JSONL, one entry a line, atomically."""
     for i, entry in enumerate(bank):
         reason = check_entry(entry)
         if reason:
             raise ValueError(f"bank entry {i}: {reason}")
-    _atomic_write(path, lambda f: f.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in bank))
+    with runtime.atomic_open(path) as f:
+        f.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in bank)
 
 
 def load_bank(path: str) -> list:
@@ -398,13 +386,14 @@ class Retriever:
         faiss = _faiss()
         os.makedirs(folder, exist_ok=True)
         save_bank(os.path.join(folder, "bank.jsonl"), self.bank)
-        _atomic_write(os.path.join(folder, "index.faiss"), lambda f: f.write(faiss.serialize_index(self.index)),
-                      mode="wb")
+        with runtime.atomic_open(os.path.join(folder, "index.faiss"), "wb") as f:
+            f.write(faiss.serialize_index(self.index))
         ids = list(self.query_cache)
         vecs = np.stack([self.query_cache[t] for t in ids]) if ids else np.zeros((0, self.dim), np.float32)
-        _atomic_write(os.path.join(folder, "query_cache.npz"),
-                      lambda f: np.savez(f, task_ids=np.array(ids, dtype=str), vectors=vecs), mode="wb")
-        _atomic_write(os.path.join(folder, "meta.json"), lambda f: json.dump(self.meta, f, indent=2))
+        with runtime.atomic_open(os.path.join(folder, "query_cache.npz"), "wb") as f:
+            np.savez(f, task_ids=np.array(ids, dtype=str), vectors=vecs)
+        with runtime.atomic_open(os.path.join(folder, "meta.json")) as f:
+            json.dump(self.meta, f, indent=2)
 
     @classmethod
     def load(cls, folder: str, embedder: Optional[Embedder] = None) -> "Retriever":

@@ -142,13 +142,20 @@ def cached(path: str) -> bool:
 
 
 @contextmanager
-def atomic_open(path: str):
-    """A text file written atomically: into a temp file in the same folder, renamed over `path` once complete (a
-    kill leaves the old file or the new one, never half of one)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        yield f
-    os.replace(tmp, path)
+def atomic_open(path: str, mode: str = "w"):
+    """A file written atomically, the project's one way: into a temp file in the same folder, renamed over `path`
+    once complete (a kill leaves the old file or the new one, never half of one; an error removes the temp file).
+    mode "w" or "wb"."""
+    import tempfile
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def write_json(path: str, obj):

@@ -290,8 +290,9 @@ def test_an_uneven_split_is_refused_naming_the_flag(backbone, tmp_path):
     for argv, flag in ((["--rollouts-per-step", "3"], "--rollouts-per-step 3"),
                        (["--method", "grpo", "--rollouts-per-step", "4", "--group", "4"], "--rollouts-per-step 4"),
                        (["--cold-batch", "5"], "--cold-batch 5")):
+        args = train.parse_args(small(backbone, tmp_path)[1:] + argv)
         with pytest.raises(SystemExit, match=flag + ".*2 processes"):
-            runtime.check_world(train.parse_args(small(backbone, tmp_path)[1:] + argv), 2)
+            runtime.check_world(args, 2, train.rollouts_per_task(args))        # as main() calls it
     runtime.check_world(train.parse_args(small(backbone, tmp_path)[1:]), 2)      # the smoke runs' settings pass
 
 
