@@ -51,7 +51,7 @@ from losses import _fp32, bucket_reverse_kl, supervised_logprobs, topm_tail
 class BaselineConfig:
     group: int = 4             # G rollouts per task (GRPO, SDPO; B.1)
     clip_eps: float = 0.2      # ε_lo = ε_hi (GRPO; B.1)
-    top_k: int = 20            # SDPO's top-K support (the same M = 20 as LOPD)
+    top_k: int = losses.TOP_M  # SDPO's top-K support (the same M as LOPD's)
     ema_rate: float = 0.05     # SDPO's teacher update rate (B.1)
     success: float = 1.0       # reward threshold of a "successful" trajectory (the bank's)
     context: str = "system"    # where the text goes: system | user | span (see `text_context_ids`)

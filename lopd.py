@@ -120,7 +120,7 @@ def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env,
 @dataclass
 class LOPDConfig:
     n_ret: int = 3             # J
-    top_m: int = 20            # M (eq. 9)
+    top_m: int = losses.TOP_M  # M (eq. 9)
     margin: float = 0.05       # m (eq. 13)
     anchor: float = 0.2        # λ (eq. 13)
     dual_lr: float = 0.5       # η_β (eq. 13)

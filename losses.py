@@ -56,6 +56,9 @@ import torch.nn.functional as F
 TAIL_LOG_MASS_MAX = -1e-7
 
 
+TOP_M = 20   # M, the teacher's top-M support of eq. (9) (B.2: 20); every default of M in the code is this one
+
+
 def _fp32(x):
     """Upcast to fp32 (bf16/fp16 -> fp32); float64 stays float64 so gradcheck can run in double."""
     return x if x.dtype == torch.float64 else x.float()
@@ -123,7 +126,7 @@ def bucket_reverse_kl(logq_s, logq_t):
     return (logq_s.exp() * (logq_s - logq_t)).sum(-1)                   # (...)
 
 
-def reverse_kl_topm(logp_s, logp_t, top_m=20):
+def reverse_kl_topm(logp_s, logp_t, top_m=TOP_M):
     """Eq. (10)'s term of each supervised token: KL(p̃S ‖ p̃T), REVERSE KL (student first), Σ_v p̃S(v) log(p̃S(v) /
     p̃T(v)) over the teacher's top-M ids and one tail bucket (eq. 9). The one eq. 10 of the code: training averages
     these terms (`token_terms`, then `lopd_objective` or its chunked form: over the batch's ω tokens, or per
@@ -194,7 +197,7 @@ def latent_anchor(c, c0, weight, n_traj=None):
 
 
 def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, margin, c, c0, anchor_weight,
-                   top_m=20, n_tokens=None, per="trajectory", n_traj=None, ref_logits=None, kl_per="token"):
+                   top_m=TOP_M, n_tokens=None, per="trajectory", n_traj=None, ref_logits=None, kl_per="token"):
     """Eq. (13): L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖², for one batch of student trajectories.
 
     student_logits, teacher_logits (B, T, V) and ids, mask ω (B, T) ALIGNED (logits[:, t] scores ids[:, t]);
@@ -223,7 +226,7 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     return _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj)
 
 
-def token_terms(logp_s, logp_t, a, top_m=20):
+def token_terms(logp_s, logp_t, a, top_m=TOP_M):
     """Eqs. (9)-(11) per supervised token, from full-vocabulary log-probs (N, V) of each side and the sampled ids a
     (N, 1): -> (each token's reverse KL(p̃S ‖ p̃T) over the teacher's top-M + tail, log πT(a), log πS(a)), (N,)
     each. `lopd_objective` and its chunked form average the first and take δ from the others; show.py draws them."""
@@ -276,7 +279,7 @@ def _chunk_terms(h_s, h_t, a, w_s, b_s, w_t, b_t, top_m, h_ref, w_ref, b_ref, we
 
 
 def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, beta, margin, c, c0, anchor_weight,
-                               top_m=20, n_tokens=None, per="trajectory", n_traj=None, h_ref=None, chunk=1024,
+                               top_m=TOP_M, n_tokens=None, per="trajectory", n_traj=None, h_ref=None, chunk=1024,
                                kl_per="token"):
     """Eq. (13) exactly as `lopd_objective`, from the final hidden states instead of logits.
 

@@ -32,7 +32,7 @@ OBSERVATION_CHARS = 400
 
 
 @torch.no_grad()
-def episode_terms(student, composer, tok, eps, latents, make_env, tools=None, top_m: int = 20,
+def episode_terms(student, composer, tok, eps, latents, make_env, tools=None, top_m: int = losses.TOP_M,
                   enable_thinking: bool = False) -> list[dict]:
     """Per episode, per continuation token: its id, ω, and (on ω tokens) the KL term of eq. (10), δ of eq. (11),
     p_S(a), p_T(a) and the teacher's top-5 ids with their probabilities. latents (B, J·K, d)."""

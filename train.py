@@ -70,6 +70,7 @@ import baselines
 import engine
 import envs
 import lopd
+import losses
 import retrieval
 import runtime
 from composer import Composer, ComposerConfig, cold_start_batch, cold_start_loss
@@ -110,7 +111,7 @@ grpo | opsd | sdpo (baselines, B.1: the same loop, rollouts and evaluation; base
     """K, latent tokens per experience (paper 32)"""
     composer_input: str = None
     """what the composer's encoder reads: task+reference (A.2, task-conditional) or reference (the experience alone)"""
-    top_m: int = 20
+    top_m: int = losses.TOP_M
     """M, teacher top-M support of the distillation KL (eq. 9; B.2: 20)"""
     margin: float = 0.05
     """m, the privileged margin (eq. 13; §4.1: 0.05)"""
