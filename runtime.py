@@ -578,15 +578,15 @@ class Costs:
     per_conversation: int   # of one conversation of --max-len tokens generating: its KV cache
 
 
-def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max_len: int, world: int = 1) -> Costs:
+def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max_len: int) -> Costs:
     """The terms of the plan for a backbone of `config` computing in `elem`-byte precision with `trained` trained
-    parameters (the student, sharded over `world` ranks, and the composer): 16 bytes each (fp32 weight, gradient,
+    parameters on this rank (its shard of the student, and the composer): 16 bytes each (fp32 weight, gradient,
     AdamW m and v); every supervised token goes through the student and the teacher, each rollout's J experiences
     through the encoder; the loss is C rows × ~6 fp32 (V,) tensors chunked, both sides' (T, V) logits in full; a
     generating conversation holds the KV cache of max_len tokens."""
     sides = {ck: 2 * activation_bytes_per_token(config, ck, elem) for ck in (False, True)}
     full_logits = 0 if loss_chunk else 2 * config.vocab_size * (elem + 8)        # logits, log-probs, a gradient
-    return Costs(resident=16 * trained // world,
+    return Costs(resident=16 * trained,
                  per_token={ck: b + full_logits for ck, b in sides.items()},
                  per_row={ck: n_ret * EXPERIENCE_TOKENS * b // 2 for ck, b in sides.items()},
                  fixed=loss_bytes_per_row(config) * loss_chunk,

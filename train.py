@@ -405,15 +405,16 @@ def memory_plan(args: Args, model, free: int, device_type: str) -> runtime.Memor
     """The plan of this run on `model` (real or on the meta device: bench.py --memory) with `free` bytes of a
     `device_type` device (cuda, cpu, ...)."""
     costs = runtime.step_costs(model.config, next(model.parameters()).element_size(), trained_parameters(args, model),
-                               args.n_ret, args.loss_chunk, args.max_len, runtime.world())
+                               args.n_ret, args.loss_chunk, args.max_len)
     given = {k: getattr(args, k) for k in ("grad_ckpt", "token_budget", "gen_batch")}
     cap = runtime.CPU_TOKENS if device_type == "cpu" else None    # a longer forward is no faster there
     return runtime.plan_memory(costs, free, args.max_len, given, cap=cap)
 
 
 def trained_parameters(args: Args, model) -> int:
-    """Parameters trained in the joint stage, counted on θ̄ before any is made: the student (a full copy, or a LoRA
-    of rank --student-lora-r; SDPO's EMA teacher counted with it), the composer's LoRA and QFormer."""
+    """Parameters trained in the joint stage on this rank, counted on θ̄ before any is made: the student (a full
+    copy, sharded over the ranks by FSDP2, or a LoRA of rank --student-lora-r; SDPO's EMA teacher counted with it),
+    the composer's LoRA and QFormer (replicated)."""
     from composer import QFormer
     cc = ComposerConfig(n_latents=args.latents)
     per_rank = sum(m.in_features + m.out_features for n, m in model.named_modules()
@@ -421,7 +422,8 @@ def trained_parameters(args: Args, model) -> int:
     with torch.device("meta"):
         d, heads = model.config.hidden_size, model.config.num_attention_heads
         qformer = sum(p.numel() for p in QFormer(d, heads, cc.n_latents, cc.n_layers, cc.ffn_mult, 1.0).parameters())
-    student = per_rank * args.student_lora_r if args.student_lora else sum(p.numel() for p in model.parameters())
+    student = per_rank * args.student_lora_r if args.student_lora else (sum(p.numel() for p in model.parameters())
+                                                                        // runtime.world())
     return student * (2 if args.method == "sdpo" else 1) + per_rank * cc.lora_r + qformer
 
 
