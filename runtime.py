@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -146,7 +147,6 @@ def atomic_open(path: str, mode: str = "w"):
     """A file written atomically, the project's one way: into a temp file in the same folder, renamed over `path`
     once complete (a kill leaves the old file or the new one, never half of one; an error removes the temp file).
     mode "w" or "wb"."""
-    import tempfile
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.",
                                suffix=".tmp")
     try:
@@ -636,11 +636,10 @@ def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | N
     budget = token_budget if token_budget is not None else int(min(tokens[ckpt], cap or tokens[ckpt]))
     if token_budget and token_budget > tokens[ckpt]:
         say(f"memory plan: --token-budget {token_budget} will not fit ({where}: {int(tokens[ckpt])} tokens do)")
-    per_conv = max(1, costs.per_conversation)
-    batch = gen_batch if gen_batch is not None else max(1, int((room + costs.fixed) // per_conv))
-    if gen_batch and gen_batch * per_conv > room + costs.fixed:
-        say(f"memory plan: --gen-batch {gen_batch} will not fit ({where}: "
-            f"{max(0, (room + costs.fixed) // per_conv)} conversations do)")
+    fit = int((room + costs.fixed) // max(1, costs.per_conversation))     # KV caches: the loss's chunk is freed
+    batch = gen_batch if gen_batch is not None else max(1, fit)
+    if gen_batch and gen_batch > fit:
+        say(f"memory plan: --gen-batch {gen_batch} will not fit ({where}: {max(0, fit)} conversations do)")
     chosen = tuple(k for k, v in (("grad_ckpt", grad_ckpt), ("token_budget", token_budget),
                                   ("gen_batch", gen_batch)) if v is None)
     return MemoryPlan(free, ckpt, budget, batch, longest, chosen)
