@@ -22,8 +22,8 @@ Deviations from the papers
 2. OPSD's pool is the bank's successes, and the environment's oracle trace where a task has none (B.1 asks
    stronger models to write them).
 3. On the toy backbone OPSD's and SDPO's teachers read their trajectory text in the framed span where LOPD's
-   latents go (`text_context_ids`, "span"): the toy learned to read a reference only there. Real models get the
-   B.1 system-message wording (OPSD) and a reprompt appended to the task (SDPO).
+   latents go (`engine.Chat.context_prompt`, "span"): the toy learned to read a reference only there. Real models
+   get the B.1 system-message wording (OPSD) and a reprompt appended to the task (SDPO).
 4. RFT spends no rollouts of its own: it re-reads the bank (its generations are the bank's).
 
 Notation: B trajectories, T tokens, V vocabulary, G rollouts per task (a group), K the student's top-K.
@@ -31,16 +31,14 @@ Notation: B trajectories, T tokens, V vocabulary, G rollouts per task (a group),
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import engine
-import inject
 import losses
 import runtime
 from engine import Method, draw_tasks
-from envs import ToolWorld
 from losses import _fp32, bucket_reverse_kl, supervised_logprobs, topm_tail
 
 
@@ -54,18 +52,18 @@ class BaselineConfig:
     top_k: int = losses.TOP_M  # SDPO's top-K support (the same M as LOPD's)
     ema_rate: float = 0.05     # SDPO's teacher update rate (B.1)
     success: float = 1.0       # reward threshold of a "successful" trajectory (the bank's)
-    context: str = "system"    # where the text goes: system | user | span (see `text_context_ids`)
+    context: str = "system"    # where the text goes: system | user | span (`engine.Chat.context_prompt`)
     micro_batch: int = 8
     clip: float = 1.0
     loss_chunk: int = 0        # rows per LM-head application (0: full logits); train.py --loss-chunk
     token_budget: int = 0      # padded tokens per forward/backward (0: micro_batch rollouts); engine.micro_batches
+    sample: engine.SampleConfig = field(default_factory=engine.SampleConfig)   # the student's rollouts (B.2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # RFT, the control: rejection fine-tuning on the bank's successes (losses.masked_nll), no teacher
 # ----------------------------------------------------------------------------------------------------------------
-def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: float = 1.0, loss_chunk: int = 0,
-             token_budget: int = 0):
+def rft_step(student, tokenizer, episodes, opt, cfg: BaselineConfig):
     """One step of rejection fine-tuning: the NLL of successful bank episodes' own ω tokens, normalised by the
     batch's token count, on the student's optimizer. What differs from `lopd_step`: no rollout, no retrieval,
     no teacher and no composer; the targets are tokens the base already produced. Returns metrics."""
@@ -73,13 +71,14 @@ def rft_step(student, tokenizer, episodes, opt, micro_batch: int = 8, clip: floa
     n_tokens = runtime.all_sum(sum(sum(e.mask) for e in episodes))
 
     def part_loss(idx):
-        logp, _, _ = engine.student_logprobs(student, tokenizer, engine.pick(episodes, idx), device, loss_chunk)
-        loss = -logp.sum() / n_tokens           # losses.masked_nll; micro-batch parts add up to the batch mean
+        logp, _, omega = engine.student_logprobs(student, tokenizer, engine.pick(episodes, idx), device,
+                                                 cfg.loss_chunk)                                # (b, Tc)
+        loss = losses.nll(logp, omega, n_tokens)      # the masked NLL; micro-batch parts add up to the batch mean
         return loss, {"loss/rft": loss.item()}
     student.train()
-    m, ok = engine.accumulate(episodes, part_loss, micro_batch, token_budget)
+    m, ok = engine.accumulate(episodes, part_loss, cfg.micro_batch, cfg.token_budget)
     student.eval()
-    ok = engine.optimizer_step((opt, None), student, None, clip, ok)
+    ok = engine.optimizer_step((opt, None), student, None, cfg.clip, ok)
     return {**m, "skipped": int(not ok), "tokens": n_tokens}
 
 
@@ -113,21 +112,21 @@ def ppo_clip_loss(logp, logp_old, advantages, mask, eps_lo=0.2, eps_hi=0.2, n_to
     return -(surrogate * mask).sum() / n, ((clipped * mask).sum() / mask.sum().clamp(min=1)).item()
 
 
-def grpo_step(student, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: engine.SampleConfig, make_env=ToolWorld,
-              tools=None):
+def grpo_step(student, chat: engine.Chat, tasks, opt, cfg: BaselineConfig):
     """GRPO: G rollouts per task, Â group-normalised, PPO-clip. No teacher, no context.
 
     One update per batch (as LOPD), so π_old is the policy that sampled: ρ = 1 at the update, the clip never
     binds, and π_old's log-probs need no extra forward (they are the detached current ones)."""
     group_tasks = [t for t in tasks for _ in range(cfg.group)]                               # rows of a group adjacent
     with runtime.gathered(student):
-        eps = engine.rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+        eps = engine.rollout(student, chat, group_tasks, cfg.sample)
     rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
     adv = group_advantages(rewards, cfg.group)                                       # (B,) groups never split
     device, n_tokens = next(student.parameters()).device, runtime.all_sum(sum(sum(e.mask) for e in eps))
 
     def part_loss(idx):
-        logp, _, omega = engine.student_logprobs(student, tokenizer, engine.pick(eps, idx), device, cfg.loss_chunk)
+        logp, _, omega = engine.student_logprobs(student, chat.tokenizer, engine.pick(eps, idx), device,
+                                                 cfg.loss_chunk)
         loss, clipped = ppo_clip_loss(logp, logp.detach(), adv[idx].to(device), omega, cfg.clip_eps, cfg.clip_eps,
                                       n_tokens)                                              # logp: (b, Tc)
         # the clipped fraction of the batch's ω tokens: each part's share adds up
@@ -156,61 +155,47 @@ OPSD_CONTEXT = (
 SDPO_CONTEXT = "\n\nA successful attempt at this task:\n{text}\n\nNow complete the task yourself."
 
 
-def text_context_ids(tokenizer, messages, text, template, where, framing, tools=None, enable_thinking=False):
-    """The teacher's prompt ids with a trajectory as TEXT (OPSD, SDPO), where LOPD's teacher has latents.
-
-    where="system": the template is appended to the system message; "user": to the first user message;
-    "span": the text's own ids fill the framed placeholder span of A.5, exactly where LOPD's latents go. The toy
-    backbone learned to read a reference only there (toy.py, "in-context reading"), so the toy uses "span"."""
-    if where == "span":
-        ref = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids, s = inject.latent_prompt_ids(tokenizer, messages, len(ref), framing, tools, enable_thinking)
-        return ids[:s] + ref + ids[s + len(ref):]
-    role = {"system": "system", "user": "user"}[where]
-    msgs = [dict(m) for m in messages]
-    i = next(k for k, m in enumerate(msgs) if m["role"] == role)
-    msgs[i]["content"] += ("\n\n" if role == "system" else "") + template.format(text=text)
-    return engine.prompt_ids(tokenizer, msgs, tools, enable_thinking)
+@dataclass
+class TextTeacher:
+    """A teacher that reads a trajectory as text (OPSD, SDPO): its model, the template around the text
+    (`engine.Chat.context_prompt` puts it where BaselineConfig.context says), and its loss against the student."""
+    model: object              # a module, or OPSD's composer.base_forward (the base with the composer's LoRA off)
+    template: str              # OPSD_CONTEXT or SDPO_CONTEXT, with {text}
+    loss_fn: object            # (student logits, teacher logits (b, Tc, V), ω (b, Tc), n_tokens) -> scalar
 
 
-def _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg: BaselineConfig, make_env, tools,
-                         enable_thinking, device):
+def _text_teacher_logits(teacher: TextTeacher, chat, eps, texts, where, device):
     """The teacher re-scores the student's ids behind its text context (one text per episode). -> (B, Tc, V)"""
-    framing = make_env().framing
-    prefixes = [text_context_ids(tokenizer, make_env().reset(e.task), x, template, cfg.context, framing, tools,
-                                 enable_thinking) for e, x in zip(eps, texts)]
+    prefixes = [chat.context_prompt(chat.messages(e.task), x, teacher.template, where) for e, x in zip(eps, texts)]
     with torch.no_grad():
-        return engine.continuation_logits(teacher, tokenizer, prefixes, eps, device)[0]          # (B, Tc, V)
+        return engine.continuation_logits(teacher.model, chat.tokenizer, prefixes, eps, device)[0]   # (B, Tc, V)
 
 
-def _distill_loss(student, teacher, tokenizer, eps, texts, template, loss_fn, cfg, make_env, tools, enable_thinking,
-                  device, n_tokens):
+def _distill_loss(student, teacher: TextTeacher, chat, eps, texts, cfg, device, n_tokens):
     """One micro-batch's loss_fn(p_S, p_T): the teacher behind its text, the student behind its own prompt, on the
     same ids. cfg.loss_chunk > 0: both forwards return hidden states and the loss applies the heads in chunks."""
     if not cfg.loss_chunk:
-        lt = _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg, make_env, tools, enable_thinking,
-                                  device)                                                    # (b, Tc, V)
-        ls, _, omega = engine.student_logits(student, tokenizer, eps, device)                  # (b, Tc, V)
-        return loss_fn(ls, lt, omega, n_tokens)
-    t_model = teacher if isinstance(teacher, torch.nn.Module) else teacher.__self__.peft   # OPSD: base_forward
+        lt = _text_teacher_logits(teacher, chat, eps, texts, cfg.context, device)           # (b, Tc, V)
+        ls, _, omega = engine.student_logits(student, chat.tokenizer, eps, device)            # (b, Tc, V)
+        return teacher.loss_fn(ls, lt, omega, n_tokens)
+    model = teacher.model
+    t_model = model if isinstance(model, torch.nn.Module) else model.__self__.peft         # OPSD: base_forward
     with runtime.lm_head_bypassed(student, t_model):
-        ht = _text_teacher_logits(teacher, tokenizer, eps, texts, template, cfg, make_env, tools, enable_thinking,
-                                  device)                                                    # (b, Tc, d)
-        hs, _, omega = engine.student_logits(student, tokenizer, eps, device)                  # (b, Tc, d)
-    return losses.rowwise_from_hidden(loss_fn, hs, ht, runtime.lm_head(student), runtime.lm_head(t_model), omega,
-                                      n_tokens, cfg.loss_chunk)
+        ht = _text_teacher_logits(teacher, chat, eps, texts, cfg.context, device)           # (b, Tc, d)
+        hs, _, omega = engine.student_logits(student, chat.tokenizer, eps, device)            # (b, Tc, d)
+    return losses.rowwise_from_hidden(teacher.loss_fn, hs, ht, runtime.lm_head(student), runtime.lm_head(t_model),
+                                      omega, n_tokens, cfg.loss_chunk)
 
 
-def _distill_step(student, teacher, tokenizer, eps, texts, template, loss_fn, opt, cfg, make_env, tools,
-                  enable_thinking):
+def _distill_step(student, teacher: TextTeacher, chat, eps, texts, opt, cfg):
     """Shared by OPSD and SDPO: rows with a text context are distilled, normalised by their token count."""
     device = next(student.parameters()).device
     rows = [i for i, x in enumerate(texts) if x is not None]
     n_tokens = runtime.all_sum(sum(sum(eps[i].mask) for i in rows))
 
     def part_loss(idx):
-        loss = _distill_loss(student, teacher, tokenizer, engine.pick(eps, idx), [texts[i] or "" for i in idx],
-                             template, loss_fn, cfg, make_env, tools, enable_thinking, device, n_tokens)
+        loss = _distill_loss(student, teacher, chat, engine.pick(eps, idx), [texts[i] or "" for i in idx], cfg,
+                             device, n_tokens)
         return loss, {"loss/distill": loss.item()}
     student.train()
     m, ok = engine.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget, rows=rows)
@@ -234,7 +219,7 @@ def forward_kl_full(student_logits, teacher_logits, mask, n_tokens=None):
     return kl.sum() / n
 
 
-def opsd_pool(bank, tasks, make_env=ToolWorld, success: float = 1.0) -> dict:
+def opsd_pool(bank, tasks, make_env, success: float = 1.0) -> dict:
     """B.1's shared pool of verified-successful trajectories: the bank's own (base rollouts, already counted as
     generations), and where a task has none, the environment's oracle trace if it offers one (the toy world does;
     B.1 asks stronger models here). -> {task_id: trace text}, and the number filled by the oracle."""
@@ -246,15 +231,13 @@ def opsd_pool(bank, tasks, make_env=ToolWorld, success: float = 1.0) -> dict:
     return pool, len(filled)
 
 
-def opsd_step(student, base, tokenizer, tasks, pool, opt, cfg: BaselineConfig, sample_cfg: engine.SampleConfig,
-              make_env=ToolWorld, tools=None):
+def opsd_step(student, base, chat: engine.Chat, tasks, pool, opt, cfg: BaselineConfig):
     """OPSD: the frozen base θ̄ sees a successful trajectory of the SAME task as text; forward KL, full vocabulary.
     pool: task_id -> trace text (`opsd_pool`); a task missing from it gives no teacher signal."""
     with runtime.gathered(student):
-        eps = engine.rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
+        eps = engine.rollout(student, chat, tasks, cfg.sample)
     texts = [pool.get(t.task_id) for t in tasks]
-    m = _distill_step(student, base, tokenizer, eps, texts, OPSD_CONTEXT,
-                      forward_kl_full, opt, cfg, make_env, tools, sample_cfg.enable_thinking)
+    m = _distill_step(student, TextTeacher(base, OPSD_CONTEXT, forward_kl_full), chat, eps, texts, opt, cfg)
     return {"reward/student": engine.summarize_all(eps)["reward"], **m}, eps
 
 
@@ -291,18 +274,18 @@ def sibling_contexts(eps, group: int, success: float = 1.0):
     return out
 
 
-def sdpo_step(student, ema_teacher, tokenizer, tasks, opt, cfg: BaselineConfig, sample_cfg: engine.SampleConfig,
-              make_env=ToolWorld, tools=None):
+def sdpo_step(student, ema_teacher, chat: engine.Chat, tasks, opt, cfg: BaselineConfig):
     """SDPO: G rollouts per task; each rollout's teacher is the EMA θ̄_ema behind a successful SIBLING's trace (never
     its own); reverse KL over the student's top-K + tail; then θ̄_ema ← (1 − rate)θ̄_ema + rate·θ.
     A rollout with no successful sibling gets no teacher signal."""
     group_tasks = [t for t in tasks for _ in range(cfg.group)]
     with runtime.gathered(student):
-        eps = engine.rollout(student, tokenizer, group_tasks, sample_cfg, make_env, tools)
+        eps = engine.rollout(student, chat, group_tasks, cfg.sample)
     texts = sibling_contexts(eps, cfg.group, cfg.success)
-    m = _distill_step(student, ema_teacher, tokenizer, eps, texts, SDPO_CONTEXT,
-                      lambda ls, lt, om, n: reverse_kl_student_topk(ls, lt, om, cfg.top_k, n), opt, cfg,
-                      make_env, tools, sample_cfg.enable_thinking)
+
+    def loss_fn(ls, lt, omega, n_tokens):
+        return reverse_kl_student_topk(ls, lt, omega, cfg.top_k, n_tokens)
+    m = _distill_step(student, TextTeacher(ema_teacher, SDPO_CONTEXT, loss_fn), chat, eps, texts, opt, cfg)
     ema_update(ema_teacher.parameters(), student.parameters(), cfg.ema_rate)   # shard by shard under FSDP2
     return {"reward/student": engine.summarize_all(eps)["reward"], **m}, eps
 
@@ -310,10 +293,12 @@ def sdpo_step(student, ema_teacher, tokenizer, tasks, opt, cfg: BaselineConfig, 
 # ----------------------------------------------------------------------------------------------------------------
 # The baselines as train.py runs them (--method): what each keeps across steps, and one step (engine.Method)
 # ----------------------------------------------------------------------------------------------------------------
-def baseline_config(args) -> BaselineConfig:
+def baseline_config(args, sample: engine.SampleConfig = None) -> BaselineConfig:
+    """The baselines' settings from train.py's Args, with the rollouts' sampling (train.sample_config)."""
     return BaselineConfig(group=args.group, clip_eps=args.clip_eps, top_k=args.top_m, ema_rate=args.ema_rate,
                           success=args.bank_threshold, context=args.text_context, micro_batch=args.micro_batch,
-                          clip=args.clip, loss_chunk=args.loss_chunk or 0, token_budget=args.token_budget or 0)
+                          clip=args.clip, loss_chunk=args.loss_chunk or 0, token_budget=args.token_budget or 0,
+                          sample=sample or engine.SampleConfig())
 
 
 def rft_setup(args, run) -> dict:
@@ -323,27 +308,25 @@ def rft_setup(args, run) -> dict:
 def rft_train_step(args, run, state, student, opts, beta, task_rng):
     """The control: the same optimizer and step count, no teacher, no new rollouts."""
     batch = runtime.shard(task_rng.choices(state["successes"], k=args.rollouts_per_step))
-    return beta, rft_step(student, run["tok"], batch, opts[0], args.micro_batch, args.clip, args.loss_chunk or 0,
-                          args.token_budget or 0), 0
+    return beta, rft_step(student, run["tok"], batch, opts[0], baseline_config(args)), 0
 
 
 def grpo_train_step(args, run, state, student, opts, beta, task_rng):
     tasks = draw_tasks(args, run, task_rng, args.group)
-    m, _ = grpo_step(student, run["tok"], tasks, opts[0], baseline_config(args), run["sample"], run["make_env"],
-                     run["tools"])
+    m, _ = grpo_step(student, run["chat"], tasks, opts[0], baseline_config(args, run["sample"]))
     return beta, m, args.rollouts_per_step // args.group * args.group
 
 
 def opsd_setup(args, run) -> dict:
-    pool, n_oracle = opsd_pool(run["retriever"].bank, run["train"], run["make_env"], args.bank_threshold)
+    pool, n_oracle = opsd_pool(run["retriever"].bank, run["train"], run["chat"].make_env, args.bank_threshold)
     run["log"]("opsd_pool", tasks=len(pool), from_oracle=n_oracle)
     return {"pool": pool}
 
 
 def opsd_train_step(args, run, state, student, opts, beta, task_rng):
     tasks = draw_tasks(args, run, task_rng)
-    m, _ = opsd_step(student, run["composer"].base_forward, run["tok"], tasks, state["pool"], opts[0],
-                     baseline_config(args), run["sample"], run["make_env"], run["tools"])
+    m, _ = opsd_step(student, run["composer"].base_forward, run["chat"], tasks, state["pool"], opts[0],
+                     baseline_config(args, run["sample"]))
     return beta, m, args.rollouts_per_step
 
 
@@ -357,14 +340,13 @@ def sdpo_setup(args, run) -> dict:
 
 def sdpo_train_step(args, run, state, student, opts, beta, task_rng):
     tasks = draw_tasks(args, run, task_rng, args.group)
-    m, _ = sdpo_step(student, state["ema"], run["tok"], tasks, opts[0], baseline_config(args), run["sample"],
-                     run["make_env"], run["tools"])
+    m, _ = sdpo_step(student, state["ema"], run["chat"], tasks, opts[0], baseline_config(args, run["sample"]))
     return beta, m, args.rollouts_per_step // args.group * args.group
 
 
 METHODS = {
-    "rft": Method(rft_setup, rft_train_step, uses_bank=True),
-    "grpo": Method(lambda args, run: {}, grpo_train_step, per_task="group"),
-    "opsd": Method(opsd_setup, opsd_train_step, uses_bank=True),
-    "sdpo": Method(sdpo_setup, sdpo_train_step, per_task="group"),
+    "rft": Method(rft_setup, rft_train_step, "RFT student", uses_bank=True),
+    "grpo": Method(lambda args, run: {}, grpo_train_step, "GRPO student", per_task="group"),
+    "opsd": Method(opsd_setup, opsd_train_step, "OPSD student", uses_bank=True),
+    "sdpo": Method(sdpo_setup, sdpo_train_step, "SDPO student", per_task="group", keeps_ema=True),
 }

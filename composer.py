@@ -57,7 +57,7 @@ Deviations from the paper and the official code
    the current task from the encoder input, so the encoder reads "Reference past trajectory: \n{m_j}" alone.
    Why: in the toy world the task names its shop, and a task-conditional composer learned each shop's conventions
    from that name during the cold start. Its latents then changed by 2-4% between a same-shop and an other-shop
-   reference, and the world check (README) could not tell it from a composer given no reference at all. Without
+   reference, and the world check (train.world_check) could not tell it from a composer given no reference. Without
    the task, whatever the latents carry comes from the experience. Real models keep A.2's format.
 6. The QFormer's weights are fp32; the official code holds them in bf16, where an AdamW step of lr 1e-5 leaves
    most entries unchanged (below half a bf16 ulp; tests/test_official_settings.py). `train.py --qformer-dtype
@@ -361,8 +361,8 @@ class Composer(nn.Module):
             raise ValueError("experiences must be one non-empty list per task, all of the same length J")
         template = ENCODER_TEMPLATE if self.cfg.task_conditional else REFERENCE_TEMPLATE
         texts = [template.format(task=x, experience=m) for x, ms in zip(tasks, experiences) for m in ms]
-        # each distinct text is encoded once (similar tasks retrieve the same experiences: ~17% of a toy cold-start
-        # batch); indexing copies E_j to every row that uses it, and its gradient sums over them, as before
+        # each distinct text is encoded once (similar tasks often retrieve the same experiences); indexing copies
+        # E_j to every row that uses it, and its gradient sums over them, as before
         unique = list(dict.fromkeys(texts))
         slot = {t: i for i, t in enumerate(unique)}
         where = torch.tensor([slot[t] for t in texts], device=self.qformer.queries.device)   # (B·J,)
@@ -408,17 +408,18 @@ class Composer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Cold start (A.2, eq. 14)
 # ----------------------------------------------------------------------------------------------------------------
-def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, latents, n_tokens=None, head=None,
-                    chunk: int = 1024):
+def cold_start_loss(composer: Composer, batch, latents, n_tokens=None, head=None, chunk: int = 1024):
     """eq. (14): L_init(φ) = −log π_θ̄(y* | s, c_φ), averaged over the ω tokens of the batch.
 
-    ids (B, T) right-padded latent-prompt conversations (placeholder span inside), attention_mask (B, T) from
-    lengths, omega (B, T) assistant-token mask, starts (B,) span starts, latents (B, J·K, d) = composer(...).
+    batch = (ids, attention_mask, omega, starts) from `cold_start_batch`: ids (B, T) right-padded latent-prompt
+    conversations (placeholder span inside), attention_mask (B, T) from lengths, omega (B, T) assistant-token mask,
+    starts (B,) span starts; latents (B, J·K, d) = composer(...).
     n_tokens: the divisor when this batch is one slice of a larger one (train.py under torchrun; default Σ ω).
     The base runs with the LoRA disabled; gradients reach ψ and χ through the latents only.
     head (weight, bias): the caller has bypassed the LM head (runtime.lm_head_bypassed, train.py --loss-chunk), so
     the forward returns hidden states and the NLL applies the head `chunk` rows at a time (memory bounded by tokens).
     """
+    ids, attention_mask, omega, starts = (x.to(latents.device) for x in batch)
     # logits are needed only from the position before the batch's first supervised token (the prompt, latents
     # included, is never a target)
     T, first = ids.shape[1], max(int(omega.argmax(1).min()), 1)
@@ -426,27 +427,25 @@ def cold_start_loss(composer: Composer, ids, attention_mask, omega, starts, late
     logits = composer.teacher_logits(ids, attention_mask, latents, starts, keep=T - first + 1)  # (B, T−first+1, V)
     if head is None:
         return losses.masked_nll(logits[:, :-1], ids[:, first:], omega[:, first:], n_tokens)   # logits t -> t+1
-    n = omega[:, first:].sum().clamp(min=1) if n_tokens is None else n_tokens                # as masked_nll
     logp = losses.token_logprobs_from_hidden(logits[:, :-1], head, ids[:, first:], omega[:, first:], chunk)
-    return -logp.sum() / n                                                                   # (B, T−first) summed
+    return losses.nll(logp, omega[:, first:], n_tokens)                                     # as masked_nll
 
 
-def cold_start_batch(tokenizer, messages_list, episodes, n_latents: int, framing=inject.AGENTIC_FRAMING,
-                     tools=None, enable_thinking=False):
-    """Right-padded tensors for `cold_start_loss`: each episode's prompt is swapped for its latent prompt.
+def cold_start_batch(chat, episodes, n_latents: int):
+    """Right-padded tensors for `cold_start_loss`: each episode's prompt is swapped for its latent prompt
+    (chat: engine.Chat, whose `latent_prompt` renders it from the episode's task).
 
-    messages_list: the first messages of each episode (e.g. `env.reset(task)`); episodes: `engine.Episode`s whose
-    ids after `prompt_len` (replies and observations) and ω are kept as they are, never re-tokenized.
-    Returns ids (B, T), attention_mask (B, T), omega (B, T) float, starts (B,).
+    episodes: `engine.Episode`s whose ids after `prompt_len` (replies and observations) and ω are kept as they are,
+    never re-tokenized. Returns ids (B, T), attention_mask (B, T), omega (B, T) float, starts (B,).
     """
     rows, omegas, starts = [], [], []
-    for msgs, ep in zip(messages_list, episodes):
-        prompt, s = inject.latent_prompt_ids(tokenizer, msgs, n_latents, framing, tools, enable_thinking)
+    for ep in episodes:
+        prompt, s = chat.latent_prompt(chat.messages(ep.task), n_latents)
         rows.append(prompt + list(ep.ids[ep.prompt_len:]))
         omegas.append([0] * len(prompt) + list(ep.mask[ep.prompt_len:]))
         starts.append(s)
     T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), inject.placeholder_id(tokenizer), dtype=torch.long)   # (B, T)
+    ids = torch.full((len(rows), T), inject.placeholder_id(chat.tokenizer), dtype=torch.long)   # (B, T)
     omega = torch.zeros((len(rows), T))                                                     # (B, T)
     for i, (r, o) in enumerate(zip(rows, omegas)):
         ids[i, :len(r)], omega[i, :len(r)] = torch.tensor(r), torch.tensor(o, dtype=torch.float)

@@ -3,6 +3,8 @@ loop and the optimizer step (paper §3.1, eq. 1 and eq. 8's "the same sampled id
 (Algorithm 1) and baselines.py build their losses on it, and a faster generator plugs in at `generate_replies`.
 
     prompt_ids / observation_ids   the chat template's own rendering of a prompt and of tool results
+    Chat                           a run's tokenizer, environment and thinking mode, made once; the student's,
+                                   the latent teacher's and the text teacher's prompts
     Episode / rollout              on-policy episodes from the task alone (eq. 1): the exact sampled ids, the
                                    assistant-token mask ω, the sampling-time log-probs, the reward
     Conversations / sample_next    generation: each conversation's KV cache kept across turns, the prompt prefix a
@@ -78,6 +80,60 @@ def observation_text(tokenizer, results, enable_thinking=False) -> str:
 
 def observation_ids(tokenizer, results, enable_thinking=False) -> list[int]:
     return tokenizer(observation_text(tokenizer, results, enable_thinking), add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A run's chat: the tokenizer, the environment and how its prompts read, in one object
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Chat:
+    """Everything a prompt is rendered from, made once per run (train.py `chat_of`): the tokenizer, the
+    environment factory (called for a fresh environment per episode), `thinking` (the chat template's Qwen3 thinking
+    mode), and what an instance of the environment says about its prompts: its tools' JSON schemas for the template
+    (None: not listed) and the framing around the teacher's latent block (A.5). The project's three prompts:
+
+        prompt(messages)                       the task alone: the student's (eq. 1)
+        latent_prompt(messages, n)             n placeholder ids where c_φ goes: the teacher's (eq. 17), and where
+        context_prompt(messages, text, ...)    a trajectory as text: OPSD's and SDPO's teachers (baselines.py)
+    """
+    tokenizer: object
+    make_env: object = ToolWorld           # () -> a fresh Environment
+    thinking: bool = False
+    tools: list | None = field(init=False, default=None)
+    framing: tuple = field(init=False, default=())
+
+    def __post_init__(self):
+        probe = self.make_env()            # read once: every environment of the run has the same prompts
+        self.tools, self.framing = probe.tools, probe.framing
+
+    def messages(self, task) -> list[dict]:
+        """The task's first chat messages (system, user), from a fresh environment."""
+        return self.make_env().reset(task)
+
+    def prompt(self, messages) -> list[int]:
+        return prompt_ids(self.tokenizer, messages, self.tools, self.thinking)
+
+    def observation(self, results) -> list[int]:
+        return observation_ids(self.tokenizer, results, self.thinking)
+
+    def latent_prompt(self, messages, n: int) -> tuple[list[int], int]:
+        """(ids, start): the prompt with n placeholder ids at ids[start:start + n] (inject.latent_prompt_ids)."""
+        return inject.latent_prompt_ids(self.tokenizer, messages, n, self.framing, self.tools, self.thinking)
+
+    def context_prompt(self, messages, text: str, template: str, where: str) -> list[int]:
+        """The prompt with a trajectory as TEXT, where LOPD's teacher has latents (OPSD, SDPO).
+
+        where="system": template.format(text=text) is appended to the system message; "user": to the first user
+        message; "span": the text's own ids fill the framed placeholder span of A.5, exactly where LOPD's latents
+        go. The toy backbone learned to read a reference only there (toy.py, "in-context reading")."""
+        if where == "span":
+            ref = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, s = self.latent_prompt(messages, len(ref))
+            return ids[:s] + ref + ids[s + len(ref):]
+        msgs = [dict(m) for m in messages]
+        i = next(k for k, m in enumerate(msgs) if m["role"] == {"system": "system", "user": "user"}[where])
+        msgs[i]["content"] += ("\n\n" if where == "system" else "") + template.format(text=text)
+        return self.prompt(msgs)
 
 
 def reply_ids(tokenizer, text: str) -> list[int]:
@@ -165,22 +221,22 @@ def _finish(ep: Episode, env: Environment):
     ep.done, ep.reward, ep.trace = True, env.reward(), text
 
 
-def scripted_episode(tokenizer, env: Environment, task, calls, tools=None, prompt_fn=None) -> Episode:
+def scripted_episode(chat: Chat, task, calls, prompt_fn=None) -> Episode:
     """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one.
     calls: one (name, arguments) per reply, or a list of them for one reply with several (parallel) calls.
-    prompt_fn(tokenizer, messages) -> ids overrides the prompt, as in `rollout`."""
-    ep = Episode(task)
+    prompt_fn(messages) -> ids overrides the prompt, as in `rollout`."""
+    ep, env = Episode(task), chat.make_env()
     msgs = env.reset(task)
-    ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else prompt_ids(tokenizer, msgs, tools), sampled=False)
+    ep.add(prompt_fn(msgs) if prompt_fn else chat.prompt(msgs), sampled=False)
     ep.prompt_len = len(ep.ids)
     replies = ["\n".join(format_call(n, a) for n, a in (c if isinstance(c, list) else [c])) for c in calls]
     for reply in replies + [DONE_TEXT]:
-        ids = reply_ids(tokenizer, reply)
+        ids = reply_ids(chat.tokenizer, reply)
         ep.add(ids, sampled=True)
         obs = _record_step(ep, env, reply, len(ids))
         if ep.done:
             break
-        ep.add(observation_ids(tokenizer, obs), sampled=False)
+        ep.add(chat.observation(obs), sampled=False)
     _finish(ep, env)
     return ep
 
@@ -198,7 +254,6 @@ class SampleConfig:
                                   # fit (train.py --max-len; B.2's 40,960 for real models, 768 for the toy)
     batch_size: int = 64          # episodes generated together (train.py --gen-batch, or the memory plan's)
     sort_by_length: bool = False  # batch tasks of similar length together (real models: less left padding)
-    enable_thinking: bool = False # chat template: Qwen3 thinking mode (prompts, observations, latent prompts)
 
 
 def left_pad(rows, pad_id, device):
@@ -389,29 +444,27 @@ def eos_ids(model, tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] + [i for i in more if i != tokenizer.eos_token_id]
 
 
-def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tools=None, prompt_fn=None,
-            embed_fn=None, progress=None) -> list[Episode]:
+def rollout(model, chat: Chat, tasks, cfg: SampleConfig, prompt_fn=None, embed_fn=None, progress=None) -> list[Episode]:
     """Roll out one episode per task (eq. 1), batched across tasks, turn by turn.
 
-    prompt_fn(tokenizer, messages) -> ids overrides the prompt (the teacher's latent prompt, inject.py);
+    prompt_fn(messages) -> ids overrides the prompt (the teacher's latent prompt, lopd.teacher_rollout);
     embed_fn(ids, attention_mask, rows) then fills the placeholder span, where rows index `tasks`.
     cfg.sort_by_length: batches of tasks of similar length (less left padding); episodes come back in task order."""
-    episodes = [None] * len(tasks)
+    tokenizer, episodes = chat.tokenizer, [None] * len(tasks)
     order = sorted(range(len(tasks)), key=lambda i: len(tasks[i].text)) if cfg.sort_by_length else range(len(tasks))
     was_training = model.training
     model.eval()
     for start in range(0, len(tasks), cfg.batch_size):
         which = order[start:start + cfg.batch_size]                          # indices into tasks
         chunk = [tasks[j] for j in which]
-        envs = [make_env() for _ in chunk]
+        envs = [chat.make_env() for _ in chunk]
         for env in envs:          # the tokenizer's own reply parser, where it has one (envs.parse_tool_calls)
             if getattr(tokenizer, "response_template", None):
                 env.response_template = tokenizer.response_template
         eps = [Episode(t) for t in chunk]
         for ep, env in zip(eps, envs):
             msgs = env.reset(ep.task)
-            ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else
-                   prompt_ids(tokenizer, msgs, tools, cfg.enable_thinking), sampled=False)
+            ep.add(prompt_fn(msgs) if prompt_fn else chat.prompt(msgs), sampled=False)
             ep.prompt_len = len(ep.ids)
         # each conversation keeps its KV cache from turn to turn; embed_fn is told which tasks the rows are
         conv = Conversations(model, tokenizer, None if embed_fn is None else
@@ -431,7 +484,7 @@ def rollout(model, tokenizer, tasks, cfg: SampleConfig, make_env=ToolWorld, tool
                 if ep.done or not finished:
                     _finish(ep, env)
                     continue
-                ep.add(observation_ids(tokenizer, obs, cfg.enable_thinking), sampled=False)
+                ep.add(chat.observation(obs), sampled=False)
                 if len(ep.ids) + cfg.max_new_tokens > cfg.max_len:
                     _finish(ep, env)
         for j, ep in zip(which, eps):
@@ -572,16 +625,19 @@ def optimizer_step(opts, student, composer, clip: float, ok: bool = True) -> boo
 # A method as train.py runs it (--method): what it keeps across steps, one step, and its tasks
 # ----------------------------------------------------------------------------------------------------------------
 # Every step takes (args, run, state, student, opts, β, task_rng) and returns (β, metrics, generations spent).
-# `run` is train.py's: the tokenizer, the composer, the retriever, the tasks, the bank's episodes, `make_env` and
-# the sampling settings `sample`. Every method draws rollouts_per_step generations: LOPD and OPSD as one rollout of
-# that many tasks, GRPO and SDPO as G of each. Under torchrun every rank draws the same tasks and keeps its slice.
+# `run` is train.py's: the tokenizer, the composer, the retriever, the tasks, the bank's episodes, the run's `chat`
+# (a `Chat`) and the sampling settings `sample`. Every method draws rollouts_per_step generations: LOPD and OPSD as
+# one rollout of that many tasks, GRPO and SDPO as G of each. Under torchrun every rank draws the same tasks and keeps
+# its slice.
 @dataclass
 class Method:
     setup: object              # (args, run) -> state: what the method keeps across steps
     step: object               # (args, run, state, student, opts, β, task_rng) -> (β, metrics, generations)
+    label: str                 # its student's row in the results ("LOPD student")
     uses_bank: bool = False    # its data includes the bank: the bank's rollouts count towards its generations
     trains_composer: bool = False   # φ has an optimizer (LOPD, unless --freeze-composer)
     per_task: str = ""         # the Args field that gives rollouts per task ("group"), or "" for one
+    keeps_ema: bool = False    # it keeps an EMA copy of the full student as its teacher (SDPO): memory counts it
 
 
 def draw_tasks(args, run, task_rng, per_task: int = 1) -> list:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 
@@ -54,8 +55,7 @@ def final_eval(args: train.Args, n_test: int = 0, temperature=None, controls: bo
     training run's results.md. -> (rows, run, tasks)."""
     run = train.load_run(args)
     tasks = run["test"][:n_test] if n_test else run["test"]
-    rows = train.name_student_row(args, train.evaluate(args, run["composer"], run["student"], run["retriever"],
-                                                       run["tok"], tasks, temperature, keep=keep))
+    rows = train.evaluate(args, run, run["student"], tasks, temperature, keep=keep)
     if controls:
         rows.update({k: v for k, v in train.world_check(args, run, tasks).items() if k not in rows})
     train.write_results(args.out, rows, table=train.environment(args).results,
@@ -102,11 +102,12 @@ def latent_similarity(latents, groups) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def teacher_shift(composer, tok, ep, lat_same, lat_other, make_env, tools=None, top: int = 8) -> list[str]:
+def teacher_shift(composer, chat, ep, lat_same, lat_other, top: int = 8) -> list[str]:
     """The reply tokens of episode `ep` whose teacher log-probability moves most between latents composed from
     same-variant references (lat_same, (n, d)) and from other variants' references (lat_other). Positive: the
     same-variant experience makes the teacher surer of the token the episode took. -> one line per token."""
-    same, other = (show.teacher_logprobs(composer, tok, [ep], lat[None], make_env, tools)[0]
+    tok = chat.tokenizer
+    same, other = (show.teacher_logprobs(composer, chat, [ep], lat[None])[0]
                    for lat in (lat_same, lat_other))                          # (Tc,) log π_T(a_t), 0 off ω each
     conts, omega = engine.continuation([ep], lat_same.device)
     move = same - other                                                       # (Tc,) only sampled tokens count
@@ -134,21 +135,20 @@ def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
     """§4.4, what the latents carry: `similarity_table` over the first n_tasks held-out tasks (latents of their
     retrieved references, and of other variants' references), then `teacher_shift` on the first task's greedy
     teacher episode (base + composer with same-variant references)."""
-    composer, tok, ret, make_env = run["composer"], run["tok"], run["retriever"], train.env_factory(args)
-    tools = make_env().tools
+    composer, ret, chat = run["composer"], run["retriever"], train.chat_of(args, run["tok"])
     part = tasks[:n_tasks]
     with torch.no_grad(), runtime.precision(composer.peft):
         latents = {mode: lopd.compose(composer, part, lopd.retrieve(ret, part, args.n_ret, mode))   # (N, J·K, d)
                    for mode in ("same", "other")}
         greedy = dataclasses.replace(train.sample_config(args), temperature=0.0)
-        ep = lopd.teacher_rollout(composer, tok, part[:1], latents["same"][:1], greedy, make_env, tools)[0]
+        ep = lopd.teacher_rollout(composer, chat, part[:1], latents["same"][:1], greedy)[0]
         print(f"\nWhat the latents carry: each task's latents minus their mean over {len(part)} held-out tasks, "
               "and the mean cosine between two tasks of the same group or of different groups (§4.4):\n")
         print(similarity_table(latents, part))
         print(f"Task {part[0].task_id}: {part[0].text}")
         print(f"The teacher's greedy episode (reward {ep.reward:.2f}): the tokens whose probability moves most "
               "between same-variant and other-variant references:")
-        print("\n".join(teacher_shift(composer, tok, ep, latents["same"][0], latents["other"][0], make_env, tools)))
+        print("\n".join(teacher_shift(composer, chat, ep, latents["same"][0], latents["other"][0])))
 
 
 def show_episodes(args: train.Args, n: int, path: str) -> str:
@@ -160,16 +160,14 @@ def show_episodes(args: train.Args, n: int, path: str) -> str:
         raise runtime.UserError(f"--run {args.out!r} has no checkpoint yet: train it first (python train.py --out "
                                 f"{args.out})")
     composer, tok, ret, student, tasks = run["composer"], run["tok"], run["retriever"], run["student"], run["test"][:n]
-    make_env = train.env_factory(args)
-    tools = make_env().tools
+    chat = train.chat_of(args, tok)
     runtime.seed_everything(args.seed + 1)                                  # the evaluation rows' sampling seed
     with torch.no_grad(), runtime.precision(composer.peft), runtime.gathered(student):
-        eps = engine.rollout(student, tok, tasks, train.sample_config(args), make_env, tools)
+        eps = engine.rollout(student, chat, tasks, train.sample_config(args))
         exps = {m: lopd.retrieve(ret, tasks, args.n_ret, m) for m in ("same", "other")}
         lat = {m: lopd.compose(composer, tasks, e) for m, e in exps.items()}         # (N, J·K, d) each
-        terms = show.episode_terms(student, composer, tok, eps, lat["same"], make_env, tools, args.top_m,
-                                   args.enable_thinking)
-        shift = show.teacher_shift_terms(composer, tok, eps, lat["same"], lat["other"], make_env, tools)
+        terms = show.episode_terms(student, composer, chat, eps, lat["same"], args.top_m)
+        shift = show.teacher_shift_terms(composer, chat, eps, lat["same"], lat["other"])
     same, other = show.reference_lines(exps["same"]), show.reference_lines(exps["other"])
     sections = [
         ("The student's episodes and its teacher",
@@ -201,7 +199,8 @@ def paper_value(benchmark: str) -> str:
 
 
 # B.3 (Table 5): the code benchmarks' sampling, thinking on. Real models use it; the toy keeps its run's settings.
-B3_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_new_tokens": 16384, "enable_thinking": True}
+B3_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_new_tokens": 16384}
+B3_THINKING = True
 
 
 def benchmark_sample_config(args, temperature=None):
@@ -222,15 +221,8 @@ def load_eval_student(args):
     ckpt = runtime.latest_checkpoint(args.out)
     if ckpt is None:
         return model, tok, "vanilla (the run has no checkpoint)"
-    path = os.path.join(ckpt, "student")
-    if args.student_lora:
-        from peft import PeftModel
-        adapter = path if os.path.isfile(os.path.join(path, "adapter_config.json")) else os.path.join(path, "student")
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    else:
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    return model, tok, f"{args.method.upper()} student ({os.path.basename(ckpt)})"
+    saved = runtime.saved_student(os.path.join(ckpt, "student"), dtype, model if args.student_lora else None)
+    return saved.to(device).eval(), tok, f"{train.student_row(args)} ({os.path.basename(ckpt)})"
 
 
 def benchmark_rows(problems, log: dict, source: str) -> list[dict]:
@@ -265,15 +257,16 @@ def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict
     (`benchmark_sample_config`). Prints the table and writes OUT/benchmarks.json."""
     model, tok, name = load_eval_student(args)
     cfg, rows = benchmark_sample_config(args, temperature), []
+    thinking = bool(args.thinking) if train.is_toy(args) else B3_THINKING
     for path in files:
         problems = code_env.load_problems(path)
         problems = problems[:n_test] if n_test else problems
         log = {}
-        make_env = lambda: code_env.CodeWorld(log=log)   # noqa: E731
+        chat = engine.Chat(tok, functools.partial(code_env.CodeWorld, log=log), thinking)   # log: per problem
         runtime.seed_everything(args.seed + 1)
         with runtime.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}",
                                             leave=False) as bar:
-            engine.rollout(model, tok, problems, cfg, make_env, None, progress=bar)
+            engine.rollout(model, chat, problems, cfg, progress=bar)
         rows += benchmark_rows(problems, log, os.path.basename(path))
     print(benchmark_table(rows, name))
     with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
@@ -326,7 +319,7 @@ def main(argv=None):
     print(train.markdown_table(rows, table=train.environment(args).results))
     print(f"written to {os.path.join(a.run, eval_name(len(tasks), a.temperature, a.world_check))}.md and .json")
     if a.conventions:
-        print(conventions_table(run["tok"], train.name_student_row(args, keep)))
+        print(conventions_table(run["tok"], keep))
     if a.inspect_latents:
         inspect_latents(args, run, tasks)
 

@@ -87,13 +87,13 @@ def ablation_seed(args: train.Args) -> dict:
     """One seed of the table: shared stages 1-4, then each variant's joint stage from the same θ̄ and φ0.
     Returns {row: {"student", "teacher", "generations"}} (the student alone and base + composer at the end)."""
     run = train.prepare(args)
-    rows = {"vanilla": {"student": train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"],
-                                            which=("vanilla",))["vanilla"]["reward"], "generations": 0}}
+    vanilla = train.evaluate(args, run, None, run["test"], which=("vanilla",))["vanilla"]["reward"]
+    rows = {"vanilla": {"student": vanilla, "generations": 0}}
     rows.update({k: {"teacher": v["reward"], "generations": len(run["episodes"])}
                  for k, v in train.world_check(args, run, run["test"]).items()})
     for name, change in VARIANTS.items():
-        # only LOPD itself is evaluated along the way (its curve is Figure 4's): the others' evaluations would add
-        # ~40% to the table's time, and its rows read the end only
+        # only LOPD itself is evaluated along the way (its curve is Figure 4's): the other rows read the end only,
+        # and evaluating them too would lengthen the table by much of its training time
         drift = args.eval_every if name == "LOPD (m = 0.05)" else 0
         vargs = dataclasses.replace(args, out=os.path.join(args.out, _slug(name)), resume=True, eval_every=drift,
                                     **change)
@@ -104,10 +104,10 @@ def ablation_seed(args: train.Args) -> dict:
             train.cold_start(vargs, None, run["tok"], run["retriever"], run["episodes"], run["train"],
                              log_of(vargs), composer=run["composer"])
         student = train.joint_training({**run, "args": vargs, "student": fresh_student(run), "log": log_of(vargs)})
-        end = train.evaluate(vargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
-                             which=("base + composer", "LOPD student"))
-        gens = len(run["episodes"]) + (0 if vargs.method == "rft" else vargs.steps * vargs.rollouts_per_step)
-        rows[name] = {"student": end["LOPD student"]["reward"], "teacher": end["base + composer"]["reward"],
+        end = train.evaluate(vargs, run, student, run["test"], which=("base + composer", "student"))
+        gens = _logged(os.path.join(vargs.out, "metrics.jsonl"), vargs.method)   # the bank's, where it reads it
+        gens = gens[max(gens)]["generations"]
+        rows[name] = {"student": end[train.student_row(vargs)]["reward"], "teacher": end["base + composer"]["reward"],
                       "generations": gens}
     return rows
 
@@ -214,8 +214,7 @@ def figure4_seed(args: train.Args) -> list[dict]:
     Returns CSV rows: method, seed, step, generations (with the bank where the method uses it), training
     generations (without), reward of the student alone on the first --eval-tasks held-out tasks."""
     run = train.prepare(args)
-    vanilla = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"][:args.eval_tasks],
-                       which=("vanilla",))["vanilla"]["reward"]
+    vanilla = train.evaluate(args, run, None, run["test"][:args.eval_tasks], which=("vanilla",))["vanilla"]["reward"]
     rows = []
     for method in FIGURE4_METHODS:
         margs = dataclasses.replace(args, method=method, out=method_dir(args.out, method), resume=True)
@@ -319,7 +318,8 @@ def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
 DIAL_METHODS = {"lopd": {}, "lopd-phi0": {"privilege_against": "phi0"}, "grpo": {"method": "grpo"},
                 "rft": {"method": "rft"}}
 # 40 iterations of 32 rollouts (1,280 generations; the other tables run 60), the student on 100 held-out tasks at
-# 0, 640 and 1,280 generations, the endpoint on all 200: about 8 minutes a seed and K on two cores.
+# 0, 640 and 1,280 generations, the endpoint on all 200 (docs/results.md, "The difficulty dial: when does LOPD beat
+# outcome RL?" gives its cost and its results).
 DIAL = {"steps": 40, "eval_every": 20, "eval_tasks": 100}
 DIAL_KS = (1, 2, 3, 4)
 
@@ -335,10 +335,8 @@ def dial_seed(args: train.Args) -> list[dict]:
     if os.path.isfile(done):
         return json.load(open(done))
     run = train.prepare(args)
-    start = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"],
-                           which=("vanilla", "base + composer"))
-    curve0 = train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"][:args.eval_tasks],
-                            which=("vanilla",))["vanilla"]["reward"]
+    start = train.evaluate(args, run, None, run["test"], which=("vanilla", "base + composer"))
+    curve0 = train.evaluate(args, run, None, run["test"][:args.eval_tasks], which=("vanilla",))["vanilla"]["reward"]
     rows = [_row(args, "base", "vanilla", 0, 0, start["vanilla"]["reward"]),
             _row(args, "base", "teacher", 0, 0, start["base + composer"]["reward"])]
     bank = _logged(os.path.join(args.out, "metrics.jsonl"), "bank")
@@ -361,10 +359,10 @@ def dial_method(margs: train.Args, run: dict, method: str, curve0: float) -> lis
     rows = [_row(margs, method, "student", 0, 0, curve0)]
     rows += [_row(margs, method, "student", k + 1, r["generations"], r["reward/eval"])
              for k, r in sorted(last.items()) if "reward/eval" in r]
-    which = ("LOPD student", "base + composer") if margs.method == "lopd" else ("LOPD student",)
-    end = train.evaluate(margs, run["composer"], student, run["retriever"], run["tok"], run["test"], which=which)
+    which = ("student", "base + composer") if train.METHODS[margs.method].trains_composer else ("student",)
+    end = train.evaluate(margs, run, student, run["test"], which=which)
     gens = last[max(last)]["generations"]
-    rows.append(_row(margs, method, "student_end", margs.steps, gens, end["LOPD student"]["reward"]))
+    rows.append(_row(margs, method, "student_end", margs.steps, gens, end[train.student_row(margs)]["reward"]))
     if "base + composer" in end:
         rows.append(_row(margs, method, "teacher", margs.steps, gens, end["base + composer"]["reward"]))
     if margs.method == "grpo":
@@ -401,8 +399,7 @@ def retrieval_split(args: train.Args) -> list[dict]:
         return json.load(open(done))
     run, keep = train.prepare(args), {}
     runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-    train.evaluate(args, run["composer"], None, run["retriever"], run["tok"], run["test"], which=("base + composer",),
-                   keep=keep)
+    train.evaluate(args, run, None, run["test"], which=("base + composer",), keep=keep)
     refs = lopd.retrieve(run["retriever"], run["test"], args.n_ret, args.retrieval)      # what that teacher read
     own = [sum(e.get("meta", {}).get("variant") == t.variant for e in es) for t, es in zip(run["test"], refs)]
     group = ["all" if n == args.n_ret else "none" if n == 0 else "some" for n in own]
@@ -426,13 +423,12 @@ def convention_split(args: train.Args) -> list[dict]:
     run, rows = train.prepare(args), []
     student = run["student"] or runtime.full_student(args, run["source"])
     for method in ("base", *DIAL_METHODS):
-        keep, which = {}, ("vanilla",) if method == "base" else ("LOPD student",)
+        keep, which = {}, ("vanilla",) if method == "base" else ("student",)
         if method != "base":
             runtime.load_student_weights(student, os.path.join(
                 runtime.latest_checkpoint(os.path.join(args.out, method)), "student"))
-        train.evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"], which=which,
-                       keep=keep)
-        kept = [envs.conventions_kept(ep.task, ep.trace) for ep in keep[which[0]]]
+        train.evaluate(args, run, student, run["test"], which=which, keep=keep)
+        kept = [envs.conventions_kept(ep.task, ep.trace) for ep in next(iter(keep.values()))]
         rows += [_row(args, method, f"kept_{c}", 0, 0, float(np.mean([k[c] for k in kept]))) for c in kept[0]]
     runtime.write_json(done, rows)
     return rows
@@ -771,8 +767,7 @@ def absorb_row(row: str, a: train.Args, kind: str = "absorb"):
     out = _row_dir(a, row)
     if change is None:
         run = train.prepare(a)
-        end = train.evaluate(a, run["composer"], None, run["retriever"], run["tok"], run["test"],
-                             which=("vanilla", "base + composer"))
+        end = train.evaluate(a, run, None, run["test"], which=("vanilla", "base + composer"))
         result = {"vanilla": end["vanilla"]["reward"], "teacher": end["base + composer"]["reward"]}
         return _absorb_result(a, row, out, result, kind)
     rargs = dataclasses.replace(a, out=out, resume=True, steps=2 * a.steps if long else a.steps, **change)
@@ -783,10 +778,10 @@ def absorb_row(row: str, a: train.Args, kind: str = "absorb"):
     t0 = time.time()
     student = train.joint_training({**run, "args": rargs, "log": log_of(rargs)})
     steps = _logged(os.path.join(out, "metrics.jsonl"), rargs.method)
-    lopd_like = rargs.method == "lopd"
-    end = train.evaluate(rargs, run["composer"], student, run["retriever"], run["tok"], run["test"],
-                         which=("LOPD student", "base + composer") if lopd_like else ("LOPD student",))
-    result = {"student": end["LOPD student"]["reward"], "generations": steps[max(steps)]["generations"],
+    lopd_like = rargs.method == "lopd"                         # its teacher moved, and it logged Δ and β
+    end = train.evaluate(rargs, run, student, run["test"], which=("student", "base + composer") if lopd_like else
+                         ("student",))
+    result = {"student": end[train.student_row(rargs)]["reward"], "generations": steps[max(steps)]["generations"],
               "seconds_per_step": float(np.mean([r["seconds"] for r in steps.values()])),
               "minutes": round((time.time() - t0) / 60, 1)}
     if lopd_like:                                           # its teacher at the end, Δ and β of the last step
@@ -835,7 +830,7 @@ def absorb_kept(args: train.Args, seeds: int = 3, row: str = "LOPD, toy defaults
         runtime.load_student_weights(student, os.path.join(ckpt, "student"))
         runtime.reset_composer(run["composer"], os.path.join(ckpt, "composer"))
         keep = {}
-        train.evaluate(a, run["composer"], student, run["retriever"], run["tok"], run["test"], keep=keep)
+        train.evaluate(a, run, student, run["test"], keep=keep)
         for who, eps in keep.items():
             kept = [envs.conventions_kept(ep.task, ep.trace) for ep in eps]
             out += [dict(seed=a.seed, who=who, convention=c, kept=float(np.mean([k[c] for k in kept])))

@@ -48,7 +48,6 @@ schema a line inside <tools></tools>, and the <tool_call>{"name": ..., "argument
 """
 from __future__ import annotations
 
-import functools
 import json
 
 import torch
@@ -174,21 +173,6 @@ def latent_prompt_ids(tokenizer, messages, n_latents: int, framing=AGENTIC_FRAMI
     return before + [placeholder_id(tokenizer)] * n_latents + after, len(before)
 
 
-def _prompt_only(tokenizer, messages, n_latents, framing, tools, enable_thinking):
-    return latent_prompt_ids(tokenizer, messages, n_latents, framing, tools, enable_thinking)[0]
-
-
-def latent_prompt_fn(n_latents: int, framing=AGENTIC_FRAMING, tools=None, enable_thinking=False):
-    """A `prompt_fn(tokenizer, messages) -> ids` for `engine.rollout` (the teacher's latent prompt).
-
-    The span start is not returned by a prompt_fn; get it from `latent_prompt_ids` on the same messages."""
-    return functools.partial(_prompt_only, n_latents=n_latents, framing=framing, tools=tools,
-                             enable_thinking=enable_thinking)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Masks and span positions
-# ----------------------------------------------------------------------------------------------------------------
 def length_mask(lengths, total: int, left: bool = True) -> torch.Tensor:
     """Attention mask from row LENGTHS (never from ids: the placeholders are pad ids). Left- or right-padded.
 

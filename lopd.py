@@ -6,13 +6,15 @@
       student_teacher_logits   LoRA off, beside p_S (eq. 8, A.4)
     anchor_cache               Algorithm 1's "cache c_φ0 per task"
     lopd_step                  one iteration: rollouts -> retrieve -> compose -> re-score -> eq. 13 -> AdamW -> β
-    micro_batch_objective      one pass: both models' scores and eq. 13, from full logits or (--loss-chunk) from
-                               hidden states; `engine.accumulate` runs it on every micro-batch
+    micro_batch_objective      one pass: both models' scores and eq. 13 (`losses.Eq13` holds its constants), from
+                               full logits or (--loss-chunk) from hidden states; `engine.accumulate` runs it on
+                               every micro-batch
+    lopd_setup, METHOD         LOPD as train.py runs it (--method lopd): the c_φ0 cache, then lopd_step each step
 
-The machinery every method shares (chat rendering, episodes, generation and rollouts, scoring, the micro-batch
-loop, the optimizer step) is engine.py; the baselines (RFT, GRPO, OPSD, SDPO) are baselines.py. The calls
-`runtime.all_sum`, `runtime.gathered` and their kind are data parallel under torchrun and the identity in one
-process: a first read can skip them (runtime.py).
+The machinery every method shares (the run's `engine.Chat`, which renders every prompt; episodes, generation and
+rollouts, scoring, the micro-batch loop, the optimizer step) is engine.py; the baselines (RFT, GRPO, OPSD, SDPO)
+are baselines.py. The calls `runtime.all_sum`, `runtime.gathered` and their kind are data parallel under torchrun
+and the identity in one process: a first read can skip them (runtime.py).
 
     python train.py --steps 5                   # runs lopd_step in the full pipeline
     python -m pytest tests/test_lopd.py -q
@@ -24,7 +26,7 @@ No deviation from the paper lives here; the engine's (generation, budgets) are e
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,7 +34,6 @@ import engine
 import inject
 import losses
 import runtime
-from envs import ToolWorld
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -79,27 +80,23 @@ def compose(composer, tasks, experiences, chunk: int = 32):
 
 
 @torch.no_grad()
-def teacher_rollout(composer, tokenizer, tasks, latents, cfg: engine.SampleConfig, make_env=ToolWorld, tools=None,
-                    progress=None):
+def teacher_rollout(composer, chat: engine.Chat, tasks, latents, cfg: engine.SampleConfig, progress=None):
     """The frozen base θ̄ acting behind its latent prompt ("base + composer"): LoRA off (A.4), latents injected."""
-    n, framing = latents.shape[1], make_env().framing
-    starts = [inject.latent_prompt_ids(tokenizer, make_env().reset(t), n, framing, tools, cfg.enable_thinking)[1]
-              for t in tasks]
-    prompt_fn = inject.latent_prompt_fn(n, framing, tools, cfg.enable_thinking)
+    n = latents.shape[1]
+    starts = [chat.latent_prompt(chat.messages(t), n)[1] for t in tasks]
     embed_fn = inject.make_embed_fn(composer.peft, latents, starts)
     with composer.adapter_disabled():
-        return engine.rollout(composer.peft, tokenizer, tasks, cfg, make_env, tools, prompt_fn, embed_fn, progress)
+        return engine.rollout(composer.peft, chat, tasks, cfg, lambda msgs: chat.latent_prompt(msgs, n)[0], embed_fn,
+                              progress)
 
 
-def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None, enable_thinking=False):
+def teacher_logits(composer, chat: engine.Chat, eps, latents):
     """π_θ̄,φ^T on the SAME continuation ids behind the latent prompt with c_φ injected, LoRA off (eqs. 7-8, A.4).
     Nothing is re-tokenized: the prompt changes, the continuation ids are the sampled ones. -> (B, Tc, V)."""
     device = latents.device
     conts, omega = engine.continuation(eps, device)
-    framing = make_env().framing
-    prompts = [inject.latent_prompt_ids(tokenizer, make_env().reset(e.task), latents.shape[1], framing, tools,
-                                        enable_thinking) for e in eps]
-    ids, att, pos, P, pad = engine.pack([p for p, _ in prompts], conts, tokenizer.pad_token_id, device)
+    prompts = [chat.latent_prompt(chat.messages(e.task), latents.shape[1]) for e in eps]
+    ids, att, pos, P, pad = engine.pack([p for p, _ in prompts], conts, chat.tokenizer.pad_token_id, device)
     starts = torch.tensor([s for _, s in prompts], device=device) + pad                  # (B,) after left padding
     Tc = omega.shape[1]
     # only the last Tc+1 columns: column P-1+t (here t) predicts continuation token t
@@ -107,11 +104,11 @@ def teacher_logits(composer, tokenizer, eps, latents, make_env, tools=None, enab
     return logits[:, :Tc]                                                                  # (B, Tc, V)
 
 
-def student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools=None, enable_thinking=False):
+def student_teacher_logits(student, composer, chat: engine.Chat, eps, latents):
     """Algorithm 1, step 4: both models score the SAME sampled continuation (never re-tokenized, eq. 8).
     Returns aligned student and teacher logits (B, Tc, V), continuation ids and ω (B, Tc)."""
-    ls, ids, omega = engine.student_logits(student, tokenizer, eps, latents.device)
-    return ls, teacher_logits(composer, tokenizer, eps, latents, make_env, tools, enable_thinking), ids, omega
+    ls, ids, omega = engine.student_logits(student, chat.tokenizer, eps, latents.device)
+    return ls, teacher_logits(composer, chat, eps, latents), ids, omega
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,6 +130,11 @@ class LOPDConfig:
     privilege_against: str = "student"   # δ's baseline: the student (eq. 11) | phi0, the teacher behind c_φ0
     loss_chunk: int = 0        # supervised rows per LM-head application of the loss; 0: full logits (the reference)
     token_budget: int = 0      # padded tokens per forward/backward (0: micro_batch rollouts each; `micro_batches`)
+    sample: engine.SampleConfig = field(default_factory=engine.SampleConfig)   # the student's rollouts (B.2)
+
+    def eq13(self, beta: float, n_tokens, n_traj) -> losses.Eq13:
+        """Eq. (13)'s constants at this step, normalised by the whole batch's counts."""
+        return losses.Eq13(beta, self.margin, self.anchor, self.top_m, self.delta_per, self.kl_per, n_tokens, n_traj)
 
 
 @torch.no_grad()
@@ -146,18 +148,18 @@ def anchor_cache(composer, retriever, tasks, n_ret: int, mode: str = "same", chu
     return cache
 
 
-def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, opts, cfg: LOPDConfig,
-              sample_cfg: engine.SampleConfig, make_env=ToolWorld, tools=None):
+def lopd_step(student, composer, chat: engine.Chat, tasks, retriever, c0_cache, beta, opts, cfg: LOPDConfig):
     """One iteration of Algorithm 1 on `tasks`. opts = (student optimizer, composer optimizer or None).
     Returns (β, metrics, episodes); a non-finite loss skips the update and β, and says so in the metrics."""
     # 1-2. on-policy student rollouts from the task alone (eq. 1); r_i from the verifier, A_i = 2 r_i − 1 later
     with runtime.gathered(student):
-        eps = engine.rollout(student, tokenizer, tasks, sample_cfg, make_env, tools)
+        eps = engine.rollout(student, chat, tasks, cfg.sample)
     rewards = torch.tensor([e.reward for e in eps])                                       # (B,)
     # 3. retrieve J experiences per task (eq. 16)
     exps = retrieve(retriever, tasks, cfg.n_ret, cfg.retrieval)
     # whole-batch normalisers (summed over ranks under torchrun: the loss is then this rank's share of the total)
     n_tokens, n_traj = runtime.all_sum(sum(sum(e.mask) for e in eps), len(eps))
+    eq = cfg.eq13(beta, n_tokens, n_traj)
 
     def part_loss(idx):
         """4-5. Both models score the same ids; eq. (13) at fixed β on the episodes `idx`. Each micro-batch carries
@@ -165,9 +167,9 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
         with torch.set_grad_enabled(not cfg.freeze_composer):
             latents = compose(composer, engine.pick(tasks, idx), engine.pick(exps, idx))     # (b, J·K, d) c_φ
         c0 = torch.stack([c0_cache[tasks[i].task_id] for i in idx]).to(latents)          # (b, J·K, d) sg[c_φ0]
-        return micro_batch_objective(student, composer, tokenizer, engine.pick(eps, idx), latents, c0, rewards[idx],
-                                     beta, cfg.margin * len(idx) / n_traj, n_tokens, n_traj, cfg, make_env, tools,
-                                     sample_cfg.enable_thinking)
+        share = replace(eq, margin=cfg.margin * len(idx) / n_traj)
+        return micro_batch_objective(student, composer, chat, engine.pick(eps, idx), (latents, c0), rewards[idx],
+                                     share, cfg)
     student.train()
     # every part adds up over micro-batches and ranks, "loss/total" included: it is the sum of the losses
     # backpropagated (eq. 13 of the whole batch)
@@ -183,41 +185,43 @@ def lopd_step(student, composer, tokenizer, tasks, retriever, c0_cache, beta, op
     return beta, metrics, eps
 
 
-def micro_batch_objective(student, composer, tokenizer, eps, latents, c0, rewards, beta, share, n_tokens, n_traj,
-                          cfg: LOPDConfig, make_env, tools, enable_thinking):
+def micro_batch_objective(student, composer, chat: engine.Chat, eps, latents, rewards, eq: losses.Eq13,
+                          cfg: LOPDConfig):
     """Algorithm 1, steps 4-5 for one micro-batch: both models score the SAME sampled ids (eq. 8), then eq. (13)
-    at fixed β, whose one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor). -> (loss, metrics).
+    at fixed β, whose one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor). latents = (c_φ, c_φ0),
+    (b, J·K, d) each; eq: β, this micro-batch's share of m, λ, M and the whole batch's counts. -> (loss, metrics).
     cfg.loss_chunk > 0: the forwards return hidden states and the loss applies the LM heads a chunk of rows at a
     time (memory bounded by the chunk, not by the conversation; `runtime.lm_head_bypassed`). 0: full logits and
     the readable `losses.lopd_objective`; the two agree in value and gradient (tests/test_losses.py)."""
+    c, c0 = latents
     chunked = runtime.lm_head_bypassed(student, composer.peft) if cfg.loss_chunk else contextlib.nullcontext()
     with chunked:
         # 4. the teacher re-scores exactly the student's ids behind c_φ; the student behind its own prompt
-        ls, lt, ids, omega = student_teacher_logits(student, composer, tokenizer, eps, latents, make_env, tools,
-                                                    enable_thinking)          # (b, Tc, V), or (b, Tc, d) chunked
+        ls, lt, ids, omega = student_teacher_logits(student, composer, chat, eps, c)   # (b, Tc, V), or (b, Tc, d)
         ref = None                                                             # eq. (11): δ against the student
         if cfg.privilege_against == "phi0":       # option: the teacher behind φ0's latents (losses.py, deviation 6)
             with torch.no_grad():
-                ref = teacher_logits(composer, tokenizer, eps, c0, make_env, tools, enable_thinking)
-    # 5. eq. (13)
-    rest = (ids, omega, rewards.to(ls.device), beta, share, None if cfg.freeze_composer else latents, c0, cfg.anchor,
-            cfg.top_m, n_tokens, cfg.delta_per, n_traj)
+                ref = teacher_logits(composer, chat, eps, c0)
+    # 5. eq. (13); a frozen composer has no anchor term
+    anchor = None if cfg.freeze_composer else (c, c0)
+    rewards = rewards.to(ls.device)
     if not cfg.loss_chunk:
-        return losses.lopd_objective(ls, lt, *rest, ref, kl_per=cfg.kl_per)
+        return losses.lopd_objective(ls, lt, ids, omega, rewards, latents=anchor, eq=eq, ref_logits=ref)
     heads = (runtime.lm_head(student), runtime.lm_head(composer.peft), runtime.lm_head(composer.peft))
-    return losses.lopd_objective_from_hidden(ls, lt, heads, *rest, h_ref=ref, chunk=cfg.loss_chunk, kl_per=cfg.kl_per)
+    return losses.lopd_objective_from_hidden(ls, lt, heads, ids, omega, rewards, latents=anchor, eq=eq, h_ref=ref,
+                                             chunk=cfg.loss_chunk)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # LOPD as train.py runs it (--method lopd): its setup, "cache c_φ0 per task", and one step
 # ----------------------------------------------------------------------------------------------------------------
-def lopd_config(args) -> LOPDConfig:
-    """Algorithm 1's settings from train.py's Args."""
+def lopd_config(args, sample: engine.SampleConfig) -> LOPDConfig:
+    """Algorithm 1's settings from train.py's Args, with the rollouts' sampling (train.sample_config)."""
     return LOPDConfig(n_ret=args.n_ret, top_m=args.top_m, margin=args.margin, anchor=args.anchor,
                       dual_lr=args.dual_lr, delta_per=args.delta_per, kl_per=args.kl_per, micro_batch=args.micro_batch,
                       privilege_against=args.privilege_against, loss_chunk=args.loss_chunk or 0,
                       token_budget=args.token_budget or 0, clip=args.clip, freeze_composer=args.freeze_composer,
-                      retrieval=args.retrieval)
+                      retrieval=args.retrieval, sample=sample)
 
 
 def lopd_setup(args, run) -> dict:
@@ -230,9 +234,9 @@ def lopd_setup(args, run) -> dict:
 def lopd_train_step(args, run, state, student, opts, beta, task_rng):
     """One iteration of Algorithm 1 on this step's tasks (`lopd_step`)."""
     tasks = engine.draw_tasks(args, run, task_rng)
-    beta, m, _ = lopd_step(student, run["composer"], run["tok"], tasks, run["retriever"], state["c0"], beta, opts,
-                           lopd_config(args), run["sample"], run["make_env"], run["tools"])
+    beta, m, _ = lopd_step(student, run["composer"], run["chat"], tasks, run["retriever"], state["c0"], beta, opts,
+                           lopd_config(args, run["sample"]))
     return beta, m, args.rollouts_per_step
 
 
-METHOD = engine.Method(lopd_setup, lopd_train_step, uses_bank=True, trains_composer=True)
+METHOD = engine.Method(lopd_setup, lopd_train_step, "LOPD student", uses_bank=True, trains_composer=True)

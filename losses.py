@@ -49,6 +49,8 @@ Deviations from the paper (and choices it leaves open):
      student while Δ (against the student) stayed above m, so β stayed 0; against φ0, a teacher that loses what
      its cold start knew has Δ < 0 and β pushes back. docs/results.md reports what it did.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -196,20 +198,32 @@ def latent_anchor(c, c0, weight, n_traj=None):
     return weight * per_traj.sum() / n
 
 
-def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, margin, c, c0, anchor_weight,
-                   top_m=TOP_M, n_tokens=None, per="trajectory", n_traj=None, ref_logits=None, kl_per="token"):
+@dataclass(frozen=True)
+class Eq13:
+    """The constants of eq. (13) at one step and how its terms are normalised (β carries no gradient).
+    n_tokens / n_traj: the whole batch's ω tokens / trajectories when it is split into micro-batches (None: this
+    batch's). A caller that splits a batch gives each micro-batch its share of m (lopd.lopd_step: m·b/B), so that
+    the parts' losses sum to the whole batch's eq. (13)."""
+    beta: float = 0.0              # β, the dual variable
+    margin: float = 0.05           # m, the privileged margin
+    anchor: float = 0.2            # λ, the latent anchor's weight
+    top_m: int = TOP_M             # M, the teacher's top-M support (eq. 9)
+    delta_per: str = "trajectory"  # Δ (eq. 12): each trajectory's mean, then the mean | over the batch's ω tokens
+    kl_per: str = "token"          # L_distill: over the whole batch's ω tokens (deviation 3) | per trajectory (eq. 10)
+    n_tokens: object = None        # the whole batch's Σ ω (int or scalar tensor)
+    n_traj: object = None          # the whole batch's trajectories
+
+
+def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, latents=None, eq: Eq13 = Eq13(),
+                   ref_logits=None):
     """Eq. (13): L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖², for one batch of student trajectories.
 
     student_logits, teacher_logits (B, T, V) and ids, mask ω (B, T) ALIGNED (logits[:, t] scores ids[:, t]);
-    rewards (B,) in [0, 1]; beta, margin, anchor_weight floats (β is a constant here: no gradient);
-    c, c0 (B, J·K, d) latents (c=None drops the anchor, e.g. for a frozen composer).
-    n_tokens / n_traj: whole-batch token / trajectory counts when micro-batching (defaults: this batch's).
+    rewards (B,) in [0, 1]; latents (c, c0): the composer's c_φ and the cached c_φ0, (B, J·K, d) each (None drops
+    the anchor, e.g. for a frozen composer); eq: β, m, λ, M and the normalisers (`Eq13`).
     ref_logits (B, T, V): what δ measures the teacher against. None is the paper's eq. (11), the student; the
     option `--privilege-against phi0` passes the teacher behind φ0's cached latents, so that Δ is the teacher's
     outcome-weighted gain over its cold start (a remedy for a teacher that drifts towards its student; deviation 6).
-    kl_per: L_distill over the whole batch's ω tokens ("token", deviation 3) or per trajectory ("trajectory").
-    The constant β·m carries no gradient. A caller that splits a batch into micro-batches passes each one its
-    share of m (lopd.lopd_step: m·b/B), so that the returned losses sum to the whole batch's eq. (13).
     Returns (loss scalar, metrics: "loss/distill", "privilege/delta" (Δ), "loss/anchor" (λ-weighted), "loss/total").
     """
     sel = mask.bool()                                                   # (B, T)
@@ -218,12 +232,12 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, beta, mar
     a = ids[sel].unsqueeze(-1)                                          # (N, 1)
     # eqs. (9)-(10): reverse KL over the teacher's top-M + tail, normalised by the whole batch's token count;
     # eq. (11)'s log-probs at the sampled ids, gathered from the same log-probs (no extra forward)
-    kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, top_m)     # (N,) each
-    n = sel.sum() if n_tokens is None else n_tokens
-    distill = kl.sum() / n if kl_per == "token" else (kl * trajectory_weights(sel, n_traj)).sum()    # scalar
+    kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, eq.top_m)  # (N,) each
+    n = sel.sum() if eq.n_tokens is None else eq.n_tokens
+    distill = kl.sum() / n if eq.kl_per == "token" else (kl * trajectory_weights(sel, eq.n_traj)).sum()   # scalar
     logp_ref_a = logp_s_a if ref_logits is None else supervised_logprobs(ref_logits, sel).gather(-1, a).squeeze(-1)
     delta = privilege_delta(logp_t_a, logp_ref_a)                       # (N,) eq. (11)
-    return _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj)
+    return _lagrangian(distill, delta, sel, rewards, latents, eq)
 
 
 def token_terms(logp_s, logp_t, a, top_m=TOP_M):
@@ -244,14 +258,14 @@ def trajectory_weights(sel, n_traj=None):
     return 1.0 / (count * n)                                            # (N,)
 
 
-def _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj):
+def _lagrangian(distill, delta, sel, rewards, latents, eq: Eq13):
     """Eqs. (12)-(13) from L_distill (scalar) and δ at the N supervised tokens (N,): -> (loss, metrics)."""
     # eq. (12): outcome-weighted privilege Δ
-    norm = n_traj if per == "trajectory" else n_tokens
-    Delta = outcome_weighted_privilege(_unflatten(delta, sel), sel, rewards, per, norm)  # scalar
-    anchor = distill.new_zeros(()) if c is None else latent_anchor(c, c0, anchor_weight, n_traj)  # scalar
+    norm = eq.n_traj if eq.delta_per == "trajectory" else eq.n_tokens
+    Delta = outcome_weighted_privilege(_unflatten(delta, sel), sel, rewards, eq.delta_per, norm)   # scalar
+    anchor = distill.new_zeros(()) if latents is None else latent_anchor(*latents, eq.anchor, eq.n_traj)  # scalar
     # eq. (13): the Lagrangian at fixed β
-    loss = distill + beta * (margin - Delta) + anchor
+    loss = distill + eq.beta * (eq.margin - Delta) + anchor
     metrics = {"loss/distill": distill.item(), "privilege/delta": Delta.item(),
                "loss/anchor": anchor.item(), "loss/total": loss.item()}
     return loss, metrics
@@ -265,10 +279,11 @@ def _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight
 # heads are applied to C supervised rows at a time, the chunk's KL and sampled-token log-probs are taken, and the
 # chunk is recomputed in the backward (torch.utils.checkpoint): the peak holds a few (C, V) tensors whatever N is.
 # Same values and gradients for θ, φ and the heads (tests/test_losses.py checks them against `lopd_objective`).
-def _chunk_terms(h_s, h_t, a, w_s, b_s, w_t, b_t, top_m, h_ref, w_ref, b_ref, weight=None):
-    """One chunk of C supervised rows: h_* (C, d) hidden states, a (C, 1) sampled ids, w_* (V, d) heads ->
-    (Σ over the chunk of KL(p̃S ‖ p̃T), each times its `weight` (C,) if given, log πT(a) (C,), log π_ref(a) (C,):
-    the student's unless h_ref is given)."""
+def _chunk_terms(h_s, h_t, a, heads, top_m, h_ref=None, weight=None):
+    """One chunk of C supervised rows: h_* (C, d) hidden states, a (C, 1) sampled ids, heads as in
+    `lopd_objective_from_hidden` -> (Σ over the chunk of KL(p̃S ‖ p̃T), each times its `weight` (C,) if given,
+    log πT(a) (C,), log π_ref(a) (C,): the student's unless h_ref is given)."""
+    (w_s, b_s), (w_t, b_t), (w_ref, b_ref) = heads
     logp_s = F.log_softmax(_fp32(F.linear(h_s, w_s, b_s)), dim=-1)      # (C, V) fp32
     logp_t = F.log_softmax(_fp32(F.linear(h_t, w_t, b_t)), dim=-1)      # (C, V) fp32
     kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, top_m)     # (C,) each, eqs. (9)-(11)
@@ -278,9 +293,8 @@ def _chunk_terms(h_s, h_t, a, w_s, b_s, w_t, b_t, top_m, h_ref, w_ref, b_ref, we
     return kl.sum(), logp_t_a, logp_s_a                                 # scalar, (C,), (C,)
 
 
-def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, beta, margin, c, c0, anchor_weight,
-                               top_m=TOP_M, n_tokens=None, per="trajectory", n_traj=None, h_ref=None, chunk=1024,
-                               kl_per="token"):
+def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, latents=None, eq: Eq13 = Eq13(), *,
+                               h_ref=None, chunk=1024):
     """Eq. (13) exactly as `lopd_objective`, from the final hidden states instead of logits.
 
     h_s, h_t (B, T, d) ALIGNED with ids and mask ω (B, T) (h[:, t] is what the LM head turns into the distribution
@@ -289,25 +303,23 @@ def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, beta, margin
     the reference side of δ (None: the student, eq. 11). chunk: supervised rows per LM-head application.
     Returns (loss, metrics) as `lopd_objective`."""
     from torch.utils.checkpoint import checkpoint
-    (w_s, b_s), (w_t, b_t), (w_ref, b_ref) = heads
     sel = mask.bool()                                                   # (B, T)
     hs, ht = h_s[sel], h_t[sel]                                         # (N, d) each
     hr = None if h_ref is None else h_ref[sel]                          # (N, d)
     a = ids[sel].unsqueeze(-1)                                          # (N, 1)
-    wk = None if kl_per == "token" else trajectory_weights(sel, n_traj)    # (N,) eq. (10) per trajectory
+    wk = None if eq.kl_per == "token" else trajectory_weights(sel, eq.n_traj)   # (N,) eq. (10) per trajectory
     kl, lt, lr = _fp32(hs.new_zeros(())), [], []
     for i in range(0, hs.shape[0], chunk):
         part = slice(i, i + chunk)
-        k, t, r = checkpoint(_chunk_terms, hs[part], ht[part], a[part], w_s, b_s, w_t, b_t, top_m,
-                             None if hr is None else hr[part], w_ref, b_ref, None if wk is None else wk[part],
-                             use_reentrant=False)
+        k, t, r = checkpoint(_chunk_terms, hs[part], ht[part], a[part], heads, eq.top_m,
+                             None if hr is None else hr[part], None if wk is None else wk[part], use_reentrant=False)
         kl, lt, lr = kl + k, lt + [t], lr + [r]
-    n = sel.sum() if n_tokens is None else n_tokens
+    n = sel.sum() if eq.n_tokens is None else eq.n_tokens
     distill = kl / n if wk is None else kl                              # eq. (10), scalar
     logp_t_a = torch.cat(lt) if lt else kl.new_zeros(0)                 # (N,)
     logp_r_a = torch.cat(lr) if lr else kl.new_zeros(0)                 # (N,)
     delta = privilege_delta(logp_t_a, logp_r_a)                         # (N,) eq. (11)
-    return _lagrangian(distill, delta, sel, rewards, beta, margin, c, c0, anchor_weight, n_tokens, per, n_traj)
+    return _lagrangian(distill, delta, sel, rewards, latents, eq)
 
 
 def masked_nll(logits, ids, mask, n_tokens=None):
@@ -317,8 +329,14 @@ def masked_nll(logits, ids, mask, n_tokens=None):
     logits (B, T, V) and ids, mask ω (B, T) ALIGNED (callers shift a causal LM's logits once) -> scalar fp32.
     n_tokens: the whole batch's supervised-token count when micro-batching (default: this batch's Σ ω).
     """
+    return nll(token_logprobs(logits, ids, mask), mask, n_tokens)
+
+
+def nll(logp, mask, n_tokens=None):
+    """The masked NLL from the ids' log-probs logp (B, T) (zeros off ω: `token_logprobs` or its hidden-state form
+    `token_logprobs_from_hidden`), mask ω (B, T) -> −Σ logp / N, N = n_tokens or this batch's Σ ω."""
     n = mask.sum().clamp(min=1) if n_tokens is None else n_tokens
-    return -token_logprobs(logits, ids, mask).sum() / n
+    return -logp.sum() / n
 
 
 def token_logprobs_from_hidden(h, head, ids, mask, chunk=1024):

@@ -420,13 +420,25 @@ class LoraStudent(torch.nn.Module):
         set_peft_model_state_dict(self.peft, load_peft_weights(os.path.join(path, "student")), "student")
 
 
+def saved_student(path: str, dtype, base=None):
+    """The student a checkpoint saved at `path` (CKPT/student), as a model: a full HF folder read in `dtype`, or,
+    given the frozen `base` (--student-lora), the base with the saved LoRA adapter on it. eval.py evaluates it;
+    `load_student_weights` copies a full one into a live student (a live LoRA student loads its adapter itself)."""
+    if base is None:
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    from peft import PeftModel
+    nested = os.path.join(path, "student")                      # save_pretrained of a named adapter nests it
+    adapter = path if os.path.isfile(os.path.join(path, "adapter_config.json")) else nested
+    return PeftModel.from_pretrained(base, adapter)
+
+
 def load_student_weights(student, path: str):
     """Put the student saved at `path` (an HF folder, or a LoRA adapter folder) into the live `student`."""
     if isinstance(student, LoraStudent):
         return student.load(path)
     from torch.distributed.fsdp import FSDPModule
-    from transformers import AutoModelForCausalLM
-    saved = AutoModelForCausalLM.from_pretrained(path, dtype=student.dtype)
+    saved = saved_student(path, student.dtype)
     if isinstance(student, FSDPModule):       # torchrun: each rank keeps its shard of the full weights
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         return set_model_state_dict(student, saved.state_dict(), options=StateDictOptions(full_state_dict=True))

@@ -32,12 +32,11 @@ OBSERVATION_CHARS = 400
 
 
 @torch.no_grad()
-def episode_terms(student, composer, tok, eps, latents, make_env, tools=None, top_m: int = losses.TOP_M,
-                  enable_thinking: bool = False) -> list[dict]:
+def episode_terms(student, composer, chat, eps, latents, top_m: int = losses.TOP_M) -> list[dict]:
     """Per episode, per continuation token: its id, ω, and (on ω tokens) the KL term of eq. (10), δ of eq. (11),
-    p_S(a), p_T(a) and the teacher's top-5 ids with their probabilities. latents (B, J·K, d)."""
-    ls, lt, ids, omega = lopd.student_teacher_logits(student, composer, tok, eps, latents, make_env, tools,
-                                                     enable_thinking)          # (B, Tc, V) each, ids and ω (B, Tc)
+    p_S(a), p_T(a) and the teacher's top-5 ids with their probabilities. chat: the run's engine.Chat; latents
+    (B, J·K, d)."""
+    ls, lt, ids, omega = lopd.student_teacher_logits(student, composer, chat, eps, latents)   # (B, Tc, V), (B, Tc)
     sel = omega.bool()                                                          # (B, Tc)
     logp_s, logp_t = losses.supervised_logprobs(ls, sel), losses.supervised_logprobs(lt, sel)   # (N, V) each
     kl, lt_a, ls_a = losses.token_terms(logp_s, logp_t, ids[sel].unsqueeze(-1), top_m)          # (N,) each
@@ -61,9 +60,9 @@ def episode_terms(student, composer, tok, eps, latents, make_env, tools=None, to
 
 
 @torch.no_grad()
-def teacher_logprobs(composer, tok, eps, latents, make_env, tools=None):
+def teacher_logprobs(composer, chat, eps, latents):
     """log p_T(a_t) of each episode's own sampled tokens behind `latents` (B, J·K, d): (B, Tc), 0 on observations."""
-    lp = lopd.teacher_logits(composer, tok, eps, latents, make_env, tools).float().log_softmax(-1)   # (B, Tc, V)
+    lp = lopd.teacher_logits(composer, chat, eps, latents).float().log_softmax(-1)                 # (B, Tc, V)
     conts, omega = engine.continuation(eps, latents.device)                                           # ω (B, Tc)
     ids = torch.zeros(omega.shape, dtype=torch.long, device=latents.device)                        # (B, Tc)
     for b, c in enumerate(conts):
@@ -71,11 +70,10 @@ def teacher_logprobs(composer, tok, eps, latents, make_env, tools=None):
     return lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * omega                                     # (B, Tc)
 
 
-def teacher_shift_terms(composer, tok, eps, lat_same, lat_other, make_env, tools=None) -> list[list[float]]:
+def teacher_shift_terms(composer, chat, eps, lat_same, lat_other) -> list[list[float]]:
     """Per episode, per continuation token: log p_T(a) behind same-shop latents minus behind other-shop latents
     (0 on observations). lat_* (B, J·K, d)."""
-    move = (teacher_logprobs(composer, tok, eps, lat_same, make_env, tools) -
-            teacher_logprobs(composer, tok, eps, lat_other, make_env, tools))                      # (B, Tc)
+    move = teacher_logprobs(composer, chat, eps, lat_same) - teacher_logprobs(composer, chat, eps, lat_other)  # (B, Tc)
     return [move[b, :len(ep.ids) - ep.prompt_len].tolist() for b, ep in enumerate(eps)]
 
 

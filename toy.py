@@ -21,34 +21,28 @@ procedure but not the shops' conventions, which the task text never states (envs
 2. it ends with `commit()` with probability 0.5 (`COMMIT`) in every shop: staged shops then lose everything half
    the time, and elsewhere the commit aborts the session and rolls its changes back;
 3. "vip" (two changes) is under-demonstrated (half as many demonstrations as the other schemas).
-So the base is at chance on exactly what a successful trajectory of the same shop shows, and the demonstrations
-themselves score about 0.35. In the difficulty dial's worlds (envs.WORLD_CONVENTIONS, `--conventions K`) it takes
-every convention of that world at chance (`TICKET`, `NOTIFY`): its demonstrations score 0.51, 0.35, 0.18 and 0.095
-for K = 1, 2, 3, 4. Each K has its own backbone (assets/toy-backbone-kK; K = 2 is assets/toy-backbone), built by the
-same recipe. The coins are fair on purpose: sampling at temperature 0.7 sharpens a 0.3 habit to
-~0.2 and sank vanilla to 0.19 in an earlier world.
+So the base is at chance on exactly what a successful trajectory of the same shop shows. In the difficulty dial's
+worlds (envs.WORLD_CONVENTIONS, `--conventions K`) it takes every convention of that world at chance (`TICKET`,
+`NOTIFY`). Each K has its own backbone (assets/toy-backbone-kK; K = 2 is assets/toy-backbone), built by the same
+recipe. The coins are fair on purpose: sampling at temperature 0.7 sharpens a rarer habit further still.
 
 In-context reading. A pretrained LLM follows a reference example placed in its prompt; a model trained from
 scratch does not, unless it has seen some. So 40% of the demonstrations carry the toy framing around the
 observation-lite trace of a solved task of the same shop, as token ids in the span where latents go, and there
-the demonstrator follows that shop's conventions (`reading_check`, printed by `python toy.py`; 200 held-out tasks at
-T 0.7: a same-shop trace as text in the span scores 0.755, another shop's 0.215; vanilla 0.355). The base thus
-learns to read a reference there, as Qwen3 can; the composer must then learn to write latents it reads (cold
-start, eq. 14). Without this, the frozen base ignores whatever fills the span and the teacher gains little from
-experience.
+the demonstrator follows that shop's conventions (`reading_check`, printed by `python toy.py`, measures it). The
+base thus learns to read a reference there, as Qwen3 can; the composer must then learn to write latents it reads
+(cold start, eq. 14). Without this, the frozen base ignores whatever fills the span and the teacher gains little
+from experience.
 
 The code world (`python toy.py --world code`, code_env.make_code_problem) follows the same recipe: a demonstrator that
 knows each family's one-line program but writes the judges' output conventions ("Answer: " prefix, last line
 "END") at chance, and 40% of demonstrations with a same-judge solved program in the span, followed. Shipped in
-assets/toy-code-backbone (142 s to build on two cores); on 200 held-out problems at T 0.7: vanilla pass@1 0.26, with
-a same-judge program as text in the span 0.935, with another judge's 0.025.
+assets/toy-code-backbone.
 
-Why the tool backbone takes 1,200 steps (about 7 minutes on two cores: 0.32 s a step of 32 demonstrations of ~216
-tokens). Copying ids into calls appears after ~250 steps; reading a reference appears last. Decaying the rate from
-step 250 to 400, the base scored 0.145 vanilla, 0.125 with a same-shop reference and 0.155 with another shop's (100
-tasks: it did not read); on a 900-step schedule it read one (0.48 against 0.22); at 1,200 steps 0.755 against 0.215.
-With 70% reference demonstrations it read at 600 steps (0.56 against 0.08) but its vanilla fell to 0.23. A
-two-minute build (~330 steps) would give a base whose teacher cannot use experience, so the backbone is shipped.
+The tool backbone trains for 1,200 steps because reading a reference is the last thing it learns: shorter schedules
+gave a base whose teacher could not use experience, so the backbone is shipped, as a pretrained model is
+downloaded. What each backbone scores, how long it takes to build and the schedules that failed:
+docs/toy-world.md, "The toy backbone" and "Pretraining misses its target: 7 minutes, not 2".
 
 Deviation from the paper: none in method; this backbone is our substitute for a pretrained model, and the
 reference demonstrations stand in for the in-context ability pretraining gives.
@@ -57,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -73,7 +68,7 @@ from code_env import (JUDGES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, co
                       make_code_splits)
 from envs import (CHANGE_TOOLS, CONVENTION_TOOLS, DONE_TEXT, RULES, ToolWorld, format_call, lite_trace, make_splits,
                   make_task, oracle_calls, shops, world_of)
-from engine import Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
+from engine import Chat, Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE with Qwen2/3's pre-tokenizer (digits split one by one) and ChatML tokens
@@ -203,13 +198,19 @@ def reference_trace(task, rng: random.Random) -> str:
     return lite_trace(env.trace)
 
 
-def reference_prompt_fn(ref_ids):
-    """prompt_fn for a demonstration whose framed span holds a reference's token ids (the text a latent block
-    stands for): the toy's in-context reading (see the module docstring)."""
-    def fn(tokenizer, messages):
+def reference_prompt_fn(tokenizer, ref_ids):
+    """prompt_fn(messages) -> ids for a demonstration whose framed span holds a reference's token ids (the text a
+    latent block stands for): the toy's in-context reading (see the module docstring)."""
+    def fn(messages):
         ids, s = inject.latent_prompt_ids(tokenizer, messages, len(ref_ids), inject.TOY_FRAMING)
         return ids[:s] + ref_ids + ids[s + len(ref_ids):]
     return fn
+
+
+def toy_chat(tokenizer, make_env=None) -> Chat:
+    """The toy backbone's chat: the short toy prompts and no tool schemas (it learned its tools from
+    demonstrations), thinking off; the tool world unless `make_env` is given."""
+    return Chat(tokenizer, make_env or functools.partial(ToolWorld, tools=None))
 
 
 def demo_tasks(n: int, seed: int, conventions: int = 2):
@@ -237,14 +238,14 @@ def corpus_texts(tasks, seed: int):
 def demo_episodes(tokenizer, tasks, seed: int, reference_share: float = 0.4):
     """Encoded demonstrations. A share of them carry a reference: the toy framing around the trace of a solved
     task of the same shop, and then the demonstrator follows the shop's conventions (the oracle procedure)."""
-    rng, env = random.Random(seed), ToolWorld()
+    rng, chat = random.Random(seed), toy_chat(tokenizer)
     eps = []
     for t in tasks:
         if rng.random() < reference_share:
             ref = tokenizer(reference_trace(t, rng), add_special_tokens=False)["input_ids"]
-            eps.append(scripted_episode(tokenizer, env, t, oracle_calls(t), prompt_fn=reference_prompt_fn(ref)))
+            eps.append(scripted_episode(chat, t, oracle_calls(t), prompt_fn=reference_prompt_fn(tokenizer, ref)))
         else:
-            eps.append(scripted_episode(tokenizer, env, t, demo_calls(t, rng)))
+            eps.append(scripted_episode(chat, t, demo_calls(t, rng)))
     return eps
 
 
@@ -274,7 +275,7 @@ def code_episode(tokenizer, problem, program: str, prompt_fn=None) -> Episode:
     """A single-turn demonstration: the prompt, then the program as the reply (not run: SFT needs no reward)."""
     ep = Episode(problem)
     msgs = CodeWorld(system_prompt=TOY_CODE_SYSTEM_PROMPT).reset(problem)
-    ep.add(prompt_fn(tokenizer, msgs) if prompt_fn else prompt_ids(tokenizer, msgs), sampled=False)
+    ep.add(prompt_fn(msgs) if prompt_fn else prompt_ids(tokenizer, msgs), sampled=False)
     ep.prompt_len = len(ep.ids)
     ep.add(reply_ids(tokenizer, program), sampled=True)
     ep.done, ep.steps = True, 1
@@ -298,7 +299,7 @@ def code_demo_episodes(tokenizer, problems, seed: int, reference_share: float = 
     for p in problems:
         if rng.random() < reference_share:
             ref = tokenizer(code_reference(p, rng), add_special_tokens=False)["input_ids"]
-            eps.append(code_episode(tokenizer, p, code_oracle(p), reference_prompt_fn(ref)))
+            eps.append(code_episode(tokenizer, p, code_oracle(p), reference_prompt_fn(tokenizer, ref)))
         else:
             eps.append(code_episode(tokenizer, p, code_demo_program(p, rng)))
     return eps
@@ -334,10 +335,11 @@ def reading_check(model, tokenizer, tasks, make_env, seed: int = 0, temperature:
     for name, same in (("same variant", True), ("other variant", False)):
         refs = reading_references(tokenizer, tasks, same, seed)
 
-        def prompt_fn(tok, messages, refs=refs):     # the user turn is the task text (env.reset)
-            return reference_prompt_fn(refs[messages[-1]["content"]])(tok, messages)
+        def prompt_fn(messages, refs=refs):          # the user turn is the task text (env.reset)
+            return reference_prompt_fn(tokenizer, refs[messages[-1]["content"]])(messages)
         torch.manual_seed(seed)
-        eps = rollout(model, tokenizer, tasks, SampleConfig(temperature=temperature), make_env, prompt_fn=prompt_fn)
+        eps = rollout(model, toy_chat(tokenizer, make_env), tasks, SampleConfig(temperature=temperature),
+                      prompt_fn=prompt_fn)
         out[name] = summarize(eps)["reward"]
     return out
 
@@ -439,7 +441,7 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
 # Build or reuse the backbone folder
 # ----------------------------------------------------------------------------------------------------------------
 # The backbone `python train.py` uses: built by `python toy.py --out assets/toy-backbone` (seed 0, the defaults
-# below) and committed, 1.9 MB, so that a fresh checkout skips the ~7 minutes of pretraining on two cores, as a
+# below) and committed, so that a fresh checkout skips its pretraining (docs/toy-world.md, "The toy backbone"), as a
 # run on Qwen3-4B skips pretraining. Like a pretrained model it does not change with train.py --seed.
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy-backbone")
 
@@ -603,11 +605,11 @@ def main(argv=None):
         make_env = lambda: CodeWorld(system_prompt=TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)  # noqa: E731
     else:
         test = make_splits(args.seed, n_train=1000, n_test=args.n_eval, conventions=args.conventions)[1]
-        make_env = ToolWorld
+        make_env = functools.partial(ToolWorld, tools=None)
     for temp in (0.0, 0.7):
         torch.manual_seed(args.seed)
         t0 = time.time()
-        m = summarize(rollout(model, tok, test, SampleConfig(temperature=temp), make_env))
+        m = summarize(rollout(model, toy_chat(tok, make_env), test, SampleConfig(temperature=temp)))
         print(f"vanilla T={temp}: " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()) + f"  ({time.time() - t0:.1f}s)")
     t0 = time.time()
     r = reading_check(model, tok, test, make_env, args.seed)

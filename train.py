@@ -1,6 +1,6 @@
 """The LOPD pipeline, from a backbone to a trained student, top to bottom (paper §4.1, A.2, B.2, Algorithm 1).
 
-    python train.py                              # toy world, toy backbone, CPU, about 6 minutes on two cores
+    python train.py                              # toy world, toy backbone, CPU: minutes on a laptop
     python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
     python train.py --method grpo                # a baseline on the same loop (rft | grpo | opsd | sdpo)
     python train.py --env code                   # the toy code world (code_env.py); --env FILE.py:CLASS for yours
@@ -78,180 +78,145 @@ from runtime import UserError, say
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
+def arg(default, help: str):
+    """An `Args` field: its default, and its --help text (`parse_args` reads it from the field's metadata)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Args:
     """Every setting of a run. Fields left at None take the paper default, or the toy default for the toy model."""
     # -- the run: which backbone, world, method and folder
-    model: str = ""
-    """HF causal-LM id or local folder; empty = build (or reuse) the offline toy backbone in OUT/backbone"""
-    env: str = "tools"
-    """tools: the tool-use world (multi-turn; envs.py) | code: single-turn programs verified in a sandbox (the toy
-code world, or --tasks in our, TACO, LiveCodeBench or EvalPlus layout; code_env.py) | FILE.py:CLASS: your own
-subclass of envs.Environment (docs/adding-an-environment.md)"""
-    tasks: str = ""
-    """folder with train.jsonl and test.jsonl (envs.py task format); empty = generate the toy world's splits"""
-    out: str = "runs/toy"
-    """run folder: every stage's output, checkpoints, metrics.jsonl"""
-    seed: int = 0
-    """seeds random, numpy and torch (and the toy world's tasks)"""
-    method: str = "lopd"
-    """lopd (Algorithm 1) | rft (control: NLL on the bank's successes, no teacher, same optimizer and steps) |
-grpo | opsd | sdpo (baselines, B.1: the same loop, rollouts and evaluation; baselines.py says what differs)"""
-    conventions: int = 2
-    """hidden conventions per shop of the generated tool world, 1-4 (the difficulty dial, experiments.py dial;
-2 = the world of every other table; envs.WORLD_CONVENTIONS); the toy backbone is the one built for that world"""
-    n_train: int = 1000
-    """generated training tasks (toy world)"""
-    n_test: int = 200
-    """generated held-out tasks (toy world; the paper's EnvScaler test split has 200)"""
+    model: str = arg("", "HF causal-LM id or local folder; empty = build (or reuse) the offline toy backbone in "
+                         "OUT/backbone")
+    env: str = arg("tools", "tools: the tool-use world (multi-turn; envs.py) | code: single-turn programs verified in "
+                            "a sandbox (the toy code world, or --tasks in our, TACO, LiveCodeBench or EvalPlus layout;"
+                            " code_env.py) | FILE.py:CLASS: your own subclass of envs.Environment "
+                            "(docs/adding-an-environment.md)")
+    tasks: str = arg("", "folder with train.jsonl and test.jsonl (envs.py task format); empty = generate the toy "
+                         "world's splits")
+    out: str = arg("runs/toy", "run folder: every stage's output, checkpoints, metrics.jsonl")
+    seed: int = arg(0, "seeds random, numpy and torch (and the toy world's tasks)")
+    method: str = arg("lopd", "lopd (Algorithm 1) | rft (control: NLL on the bank's successes, no teacher, same "
+                              "optimizer and steps) | grpo | opsd | sdpo (baselines, B.1: the same loop, rollouts and "
+                              "evaluation; baselines.py says what differs)")
+    conventions: int = arg(2, "hidden conventions per shop of the generated tool world, 1-4 (the difficulty dial, "
+                              "experiments.py dial; 2 = the world of every other table; envs.WORLD_CONVENTIONS); the "
+                              "toy backbone is the one built for that world")
+    n_train: int = arg(1000, "generated training tasks (toy world)")
+    n_test: int = arg(200, "generated held-out tasks (toy world; the paper's EnvScaler test split has 200)")
     # -- the paper's hyperparameters (B.1, B.2; the toy's own values are in TOY_DEFAULTS)
-    n_ret: int = 3
-    """J, experiences retrieved per task (B.2: 3)"""
-    latents: int = None
-    """K, latent tokens per experience (paper 32)"""
-    composer_input: str = None
-    """what the composer's encoder reads: task+reference (A.2, task-conditional) or reference (the experience alone)"""
-    top_m: int = losses.TOP_M
-    """M, teacher top-M support of the distillation KL (eq. 9; B.2: 20)"""
-    margin: float = 0.05
-    """m, the privileged margin (eq. 13; §4.1: 0.05)"""
-    anchor: float = 0.2
-    """λ, weight of the latent anchor ||c_φ − sg c_φ0||² (B.2: 0.2)"""
-    dual_lr: float = 0.5
-    """η_β, step size of the dual variable β (B.2: 0.5)"""
-    delta_per: str = "trajectory"
-    """Δ normalisation: trajectory (eq. 12) | token"""
-    kl_per: str = "token"
-    """L_distill's normalisation: token (Σ KL over the whole batch's ω tokens / their count: the official student
-phase) | trajectory (eq. 10 as written: each trajectory's mean, then the mean over trajectories)"""
-    privilege_against: str = "student"
-    """what δ (eq. 11) measures the teacher against: student (the paper) | phi0 (the teacher behind its cold-start
-latents: a remedy for a teacher that drifts towards its student; losses.py, deviation 6)"""
-    steps: int = None
-    """joint LOPD iterations"""
-    rollouts_per_step: int = 32
-    """student rollouts per LOPD iteration (B.1: 32)"""
-    lr: float = None
-    """student learning rate (paper 1e-5)"""
-    composer_lr: float = None
-    """composer learning rate during joint training (paper 1e-5)"""
-    clip: float = 1.0
-    """gradient clipping during joint training (B.1: 1.0)"""
-    task_order: str = "fresh"
-    """which training tasks a step rolls out: fresh (rollouts-per-step tasks drawn anew each step) | epoch (the
-official code: shuffled epochs, every task once before any twice)"""
-    qformer_dtype: str = "float32"
-    """the QFormer χ's weights in the joint stage: float32 | bfloat16 (the official code's; an AdamW step of 1e-5
-leaves most bf16 entries unchanged). The cold start keeps float32"""
-    temperature: float = 0.7
-    """sampling temperature for rollouts (B.2: 0.7)"""
-    top_p: float = 0.95
-    """nucleus sampling (B.2: 0.95)"""
-    top_k: int = 20
-    """top-k sampling (B.2: 20)"""
-    max_new_tokens: int = None
-    """token budget of one reply"""
-    max_env_steps: int = None
-    """environment steps per episode (paper 30)"""
-    max_len: int = None
-    """the conversation's token budget (prompt, replies, observations): an episode ends when its next reply might
-not fit. Paper 40,960 (B.2's total budget for tool use, Qwen3's context; lowered to the model's context length
-where that is shorter); a code episode is one reply, so it never binds there"""
+    n_ret: int = arg(3, "J, experiences retrieved per task (B.2: 3)")
+    latents: int = arg(None, "K, latent tokens per experience (paper 32)")
+    composer_input: str = arg(None, "what the composer's encoder reads: task+reference (A.2, task-conditional) or "
+                                    "reference (the experience alone)")
+    top_m: int = arg(losses.TOP_M, "M, teacher top-M support of the distillation KL (eq. 9; B.2: 20)")
+    margin: float = arg(0.05, "m, the privileged margin (eq. 13; §4.1: 0.05)")
+    anchor: float = arg(0.2, "λ, weight of the latent anchor ||c_φ − sg c_φ0||² (B.2: 0.2)")
+    dual_lr: float = arg(0.5, "η_β, step size of the dual variable β (B.2: 0.5)")
+    delta_per: str = arg("trajectory", "Δ normalisation: trajectory (eq. 12) | token")
+    kl_per: str = arg("token", "L_distill's normalisation: token (Σ KL over the whole batch's ω tokens / their count: "
+                               "the official student phase) | trajectory (eq. 10 as written: each trajectory's mean, "
+                               "then the mean over trajectories)")
+    steps: int = arg(None, "joint LOPD iterations")
+    rollouts_per_step: int = arg(32, "student rollouts per LOPD iteration (B.1: 32)")
+    lr: float = arg(None, "student learning rate (paper 1e-5)")
+    composer_lr: float = arg(None, "composer learning rate during joint training (paper 1e-5)")
+    clip: float = arg(1.0, "gradient clipping during joint training (B.1: 1.0)")
+    temperature: float = arg(0.7, "sampling temperature for rollouts (B.2: 0.7)")
+    top_p: float = arg(0.95, "nucleus sampling (B.2: 0.95)")
+    top_k: int = arg(20, "top-k sampling (B.2: 20)")
+    max_new_tokens: int = arg(None, "token budget of one reply")
+    max_env_steps: int = arg(None, "environment steps per episode (paper 30)")
+    max_len: int = arg(None, "the conversation's token budget (prompt, replies, observations): an episode ends when "
+                             "its next reply might not fit. Paper 40,960 (B.2's total budget for tool use, Qwen3's "
+                             "context; lowered to the model's context length where that is shorter); a code episode is"
+                             " one reply, so it never binds there")
     # -- the pipeline's stages: bank, retrieval, cold start, evaluation, controls
-    bank_rollouts: int = 2
-    """base-model rollouts per training task when building the experience bank"""
-    bank_threshold: float = 1.0
-    """reward a rollout needs to enter the bank (A.3: successful rollouts only)"""
-    embedder: str = "minilm"
-    """retrieval encoder f_ret: minilm (offline, shipped in a PyPI package) | backbone | any HF encoder id or folder
-(paper: Qwen3-Embedding-8B)"""
-    retrieval: str = "same"
-    """what the composer reads: same (Ret(x), the method, never the task's own entries) | self (the same search,
-the task's own successes allowed: the official allow_self_retrieval) | controls: other (other variants' entries
-only), shop (the task's own variant's only: an oracle retriever), none (no reference; the task too only where
---composer-input has it)"""
-    cold_steps: int = None
-    """cold-start steps of the composer (eq. 14)"""
-    cold_lr: float = None
-    """cold-start learning rate (paper 1e-5)"""
-    cold_batch: int = 8
-    """cold-start batch size (A.2: 8)"""
-    cold_clip: float = 3.0
-    """cold-start gradient clipping (A.2: 3.0): of ψ and χ together, or of the LoRA ψ alone with --cold-optim split"""
-    cold_optim: str = "joint"
-    """joint (one AdamW for ψ and χ, one clip) | split (the official code: an AdamW each, the LoRA ψ clipped at
---cold-clip, the QFormer χ at --cold-qformer-clip)"""
-    cold_qformer_clip: float = 30.0
-    """the QFormer's cold-start clip with --cold-optim split (the official qformer_grad_clip: 30)"""
-    freeze_composer: bool = False
-    """keep the composer at its cold start φ0 during joint training (Figure 3 ablation)"""
-    eval_every: int = None
-    """every N iterations, evaluate the student and the teacher (reward/teacher: base + composer, to watch it
-drift) on 50 held-out tasks (0 = only at the end)"""
-    eval_tasks: int = 50
-    """held-out tasks of each --eval-every evaluation (the final evaluation uses all of them)"""
-    enable_thinking: bool = False
-    """Qwen3 thinking mode in the chat template. On by itself for a real model whose template has the switch (B.2:
-thinking on); --no-thinking turns it off there"""
-    no_thinking: bool = False
-    """keep a real model's thinking mode off (the toy backbone never thinks)"""
-    chat_template: str = ""
-    """a Jinja chat-template file for a tokenizer that has none (a base checkpoint); replaces the tokenizer's"""
+    bank_rollouts: int = arg(2, "base-model rollouts per training task when building the experience bank")
+    bank_threshold: float = arg(1.0, "reward a rollout needs to enter the bank (A.3: successful rollouts only)")
+    embedder: str = arg("minilm", "retrieval encoder f_ret: minilm (offline, shipped in a PyPI package) | backbone | "
+                                  "any HF encoder id or folder (paper: Qwen3-Embedding-8B)")
+    retrieval: str = arg("same", "what the composer reads: same (Ret(x), the method, never the task's own entries) | "
+                                 "self (the same search, the task's own successes allowed: the official "
+                                 "allow_self_retrieval) | controls: other (other variants' entries only), shop (the "
+                                 "task's own variant's only: an oracle retriever), none (no reference; the task too "
+                                 "only where --composer-input has it)")
+    cold_steps: int = arg(None, "cold-start steps of the composer (eq. 14)")
+    cold_lr: float = arg(None, "cold-start learning rate (paper 1e-5)")
+    cold_batch: int = arg(8, "cold-start batch size (A.2: 8)")
+    cold_clip: float = arg(3.0, "cold-start gradient clipping (A.2: 3.0): of ψ and χ together, or of the LoRA ψ alone "
+                                "with --cold-optim split")
+    freeze_composer: bool = arg(False, "keep the composer at its cold start φ0 during joint training (Figure 3 "
+                                       "ablation)")
+    eval_every: int = arg(None, "every N iterations, evaluate the student and the teacher (reward/teacher: base + "
+                                "composer, to watch it drift) on 50 held-out tasks (0 = only at the end)")
+    eval_tasks: int = arg(50, "held-out tasks of each --eval-every evaluation (the final evaluation uses all of them)")
+    thinking: bool | None = arg(None, "Qwen3 thinking mode in the chat template: --thinking / --no-thinking. "
+                                      "Default: on for a real model whose template has the switch (B.2: thinking "
+                                      "on), off for the toy backbone (its budgets are sized for short replies)")
+    chat_template: str = arg("", "a Jinja chat-template file for a tokenizer that has none (a base checkpoint); "
+                                 "replaces the tokenizer's")
     # -- baselines (baselines.py)
-    group: int = 4
-    """G, rollouts per task for grpo and sdpo (B.1: 4); rollouts-per-step / G tasks a step"""
-    clip_eps: float = 0.2
-    """GRPO's PPO clip ε (B.1: 0.2)"""
-    ema_rate: float = 0.05
-    """SDPO's EMA teacher update rate (B.1: 0.05)"""
-    text_context: str = None
-    """where OPSD's and SDPO's teachers read their trajectory text: system | user | span (the framed span where
-LOPD's latents go; the toy backbone reads a reference only there)"""
+    group: int = arg(4, "G, rollouts per task for grpo and sdpo (B.1: 4); rollouts-per-step / G tasks a step")
+    clip_eps: float = arg(0.2, "GRPO's PPO clip ε (B.1: 0.2)")
+    ema_rate: float = arg(0.05, "SDPO's EMA teacher update rate (B.1: 0.05)")
+    text_context: str = arg(None, "where OPSD's and SDPO's teachers read their trajectory text: system | user | span "
+                                  "(the framed span where LOPD's latents go; the toy backbone reads a reference only "
+                                  "there)")
+    # -- settings that exist for one experiment each (experiments.py dial: privilege_against; experiments.py
+    #    official, the official code's choices one at a time: the other four)
+    privilege_against: str = arg("student", "what δ (eq. 11) measures the teacher against: student (the paper) | phi0 "
+                                            "(the teacher behind its cold-start latents: a remedy for a teacher that "
+                                            "drifts towards its student; losses.py, deviation 6)")
+    task_order: str = arg("fresh", "which training tasks a step rolls out: fresh (rollouts-per-step tasks drawn anew "
+                                   "each step) | epoch (the official code: shuffled epochs, every task once before any"
+                                   " twice)")
+    qformer_dtype: str = arg("float32", "the QFormer χ's weights in the joint stage: float32 | bfloat16 (the official "
+                                        "code's; an AdamW step of 1e-5 leaves most bf16 entries unchanged). The cold "
+                                        "start keeps float32")
+    cold_optim: str = arg("joint", "joint (one AdamW for ψ and χ, one clip) | split (the official code: an AdamW each,"
+                                   " the LoRA ψ clipped at --cold-clip, the QFormer χ at --cold-qformer-clip)")
+    cold_qformer_clip: float = arg(30.0, "the QFormer's cold-start clip with --cold-optim split (the official "
+                                         "qformer_grad_clip: 30)")
     # -- engineering (runtime.py): device, runtime.precision, memory, checkpoints
-    device: str = "auto"
-    """auto | cpu | cuda | mps"""
-    dtype: str = "auto"
-    """auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16"""
-    memory: float = 0
-    """GB the memory plan may fill (0 = what the device has free once the backbone is loaded: CUDA's free memory,
-or the host's available RAM within any ulimit -v; runtime.plan_memory). The plan chooses --token-budget,
---gen-batch and --grad-ckpt where they are not given, prints them in one line, and stops before any work when one
---max-len conversation cannot train"""
-    micro_batch: int = 8
-    """at most this many rollouts per forward/backward inside an iteration (normalised by the iteration's token
-count)"""
-    token_budget: int = None
-    """at most this many padded tokens per forward/backward (rows × the longest episode of a micro-batch; at least
-one episode) in the joint stage, the baselines and the cold start (engine.micro_batches). Default: what the memory
-plan fits; 0 = no limit but --micro-batch (the toy's)"""
-    kv_budget: float = None
-    """GB of KV cache that generation may fill: it batches as many conversations of --max-len tokens as fit;
-default: the memory plan's --gen-batch"""
-    gen_batch: int = None
-    """episodes generated together: their KV caches grow with it times the conversation (Qwen3-4B in bf16: ~147 KB
-a token). Default: as many as the memory plan fits (the toy: 64)"""
-    loss_chunk: int = None
-    """supervised rows per LM-head application of the LOPD loss: the forwards return hidden states and the loss
-applies the heads in chunks, recomputed in the backward, so memory is bounded by the chunk, not by the conversation
-(losses.lopd_objective_from_hidden). 0 = full (tokens × vocabulary) logits, the readable reference (the toy's)"""
-    grad_ckpt: bool | None = None
-    """gradient checkpointing in the student's and the teacher's backbones (memory for compute); --no-grad-ckpt
-keeps it off. Default: on only if the memory plan needs it for one --max-len conversation (the toy: off)"""
-    student_lora: bool = False
-    """train the student as a second LoRA adapter on the frozen backbone (one copy of the weights for teacher,
-composer encoder and student) instead of a full copy"""
-    student_lora_r: int = 64
-    """rank of the LoRA student (--student-lora)"""
-    dist_timeout: float = 360
-    """minutes a collective waits for the slowest rank under torchrun: ranks roll out and evaluate unequal episodes
-for hours at the paper's budgets, and NCCL's default watchdog (10 minutes) would end the job"""
-    save_every: int = 10
-    """write a checkpoint every N iterations"""
-    resume: bool = False
-    """continue from OUT/ckpt if present"""
-    tensorboard: str = ""
-    """also write every metric of metrics.jsonl as TensorBoard scalars under this folder (a sub-folder per run:
-experiments.py's runs land in one TensorBoard); needs pip install tensorboard. metrics.jsonl stays the source"""
+    device: str = arg("auto", "auto | cpu | cuda | mps")
+    dtype: str = arg("auto", "auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16")
+    memory: float = arg(0, "GB the memory plan may fill (0 = what the device has free once the backbone is loaded: "
+                           "CUDA's free memory, or the host's available RAM within any ulimit -v; "
+                           "runtime.plan_memory). The plan chooses --token-budget, --gen-batch and --grad-ckpt where "
+                           "they are not given, prints them in one line, and stops before any work when one --max-len "
+                           "conversation cannot train")
+    micro_batch: int = arg(8, "at most this many rollouts per forward/backward inside an iteration (normalised by the "
+                              "iteration's token count)")
+    token_budget: int = arg(None, "at most this many padded tokens per forward/backward (rows × the longest episode of"
+                                  " a micro-batch; at least one episode) in the joint stage, the baselines and the "
+                                  "cold start (engine.micro_batches). Default: what the memory plan fits; 0 = no limit"
+                                  " but --micro-batch (the toy's)")
+    kv_budget: float = arg(None, "GB of KV cache that generation may fill: it batches as many conversations of "
+                                 "--max-len tokens as fit; default: the memory plan's --gen-batch")
+    gen_batch: int = arg(None, "episodes generated together: their KV caches grow with it times the conversation "
+                               "(Qwen3-4B in bf16: ~147 KB a token). Default: as many as the memory plan fits (the "
+                               "toy: 64)")
+    loss_chunk: int = arg(None, "supervised rows per LM-head application of the LOPD loss: the forwards return hidden "
+                                "states and the loss applies the heads in chunks, recomputed in the backward, so "
+                                "memory is bounded by the chunk, not by the conversation "
+                                "(losses.lopd_objective_from_hidden). 0 = full (tokens × vocabulary) logits, the "
+                                "readable reference (the toy's)")
+    grad_ckpt: bool | None = arg(None, "gradient checkpointing in the student's and the teacher's backbones (memory "
+                                       "for compute); --no-grad-ckpt keeps it off. Default: on only if the memory plan"
+                                       " needs it for one --max-len conversation (the toy: off)")
+    student_lora: bool = arg(False, "train the student as a second LoRA adapter on the frozen backbone (one copy of "
+                                    "the weights for teacher, composer encoder and student) instead of a full copy")
+    student_lora_r: int = arg(64, "rank of the LoRA student (--student-lora)")
+    dist_timeout: float = arg(360, "minutes a collective waits for the slowest rank under torchrun: ranks roll out and"
+                                   " evaluate unequal episodes for hours at the paper's budgets, and NCCL's default "
+                                   "watchdog (10 minutes) would end the job")
+    save_every: int = arg(10, "write a checkpoint every N iterations")
+    resume: bool = arg(False, "continue from OUT/ckpt if present")
+    tensorboard: str = arg("", "also write every metric of metrics.jsonl as TensorBoard scalars under this folder (a "
+                               "sub-folder per run: experiments.py's runs land in one TensorBoard); needs pip install "
+                               "tensorboard. metrics.jsonl stays the source")
 
 
 # Where the toy world needs its own value, and why. Real models take PAPER_DEFAULTS.
@@ -298,7 +263,7 @@ def _main(argv=None):
     student = None
     if args.steps > 0:
         student = joint_training(run)
-    rows = name_student_row(args, evaluate(args, run["composer"], student, run["retriever"], run["tok"], run["test"]))
+    rows = evaluate(args, run, student, run["test"])
     if runtime.rank() == 0:
         table = environment(args).results
         write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, table=table)
@@ -357,9 +322,10 @@ def load_backbone(args: Args, device, dtype):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
         say(f"tokenizer has no pad token: using eos {tok.eos_token!r} as pad (and as the latent placeholder)")
-    if thinks_by_default(args, tok) and not args.enable_thinking:
-        args.enable_thinking = True
-        say("thinking mode on (B.2; the template has enable_thinking): --no-thinking turns it off")
+    if args.thinking is None:
+        args.thinking = thinks_by_default(args, tok)
+        if args.thinking:
+            say("thinking mode on (B.2; the template has enable_thinking): --no-thinking turns it off")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     model.requires_grad_(False).eval()
     return model, tok
@@ -368,7 +334,7 @@ def load_backbone(args: Args, device, dtype):
 def thinks_by_default(args: Args, tok) -> bool:
     """B.2 runs Qwen3 with thinking on: a real model whose chat template reads `enable_thinking` thinks unless
     --no-thinking. The toy backbone never does (its budgets are sized for short replies)."""
-    return not is_toy(args) and not args.no_thinking and "enable_thinking" in (tok.chat_template or "")
+    return not is_toy(args) and "enable_thinking" in (tok.chat_template or "")
 
 
 def fit_context(args: Args, model):
@@ -424,7 +390,7 @@ def trained_parameters(args: Args, model) -> int:
         qformer = sum(p.numel() for p in QFormer(d, heads, cc.n_latents, cc.n_layers, cc.ffn_mult, 1.0).parameters())
     student = per_rank * args.student_lora_r if args.student_lora else (sum(p.numel() for p in model.parameters())
                                                                         // runtime.world())
-    return student * (2 if args.method == "sdpo" else 1) + per_rank * cc.lora_r + qformer
+    return student * (2 if METHODS[args.method].keeps_ema else 1) + per_rank * cc.lora_r + qformer
 
 
 def replan(args: Args):
@@ -491,12 +457,18 @@ def env_factory(args: Args):
     return lambda: cls.for_run(args, toy)
 
 
+def chat_of(args: Args, tok) -> engine.Chat:
+    """The run's chat (engine.Chat): the tokenizer, the environment factory and the thinking mode that every
+    prompt, observation and latent prompt of the run is rendered with."""
+    return engine.Chat(tok, env_factory(args), bool(args.thinking))
+
+
 def sample_config(args: Args, temperature=None) -> engine.SampleConfig:
     # a run written before --max-len existed (no max_len in its args.json) had the fixed budget of 768 tokens
     max_len = engine.SampleConfig.max_len if args.max_len is None else args.max_len
     return engine.SampleConfig(temperature=args.temperature if temperature is None else temperature,
                              top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                             max_len=max_len, enable_thinking=args.enable_thinking,
+                             max_len=max_len,
                              batch_size=args.gen_batch or engine.SampleConfig.batch_size,
                              sort_by_length=not is_toy(args))
 
@@ -539,8 +511,7 @@ def base_rollouts(args, model, tok, train, log):
     t0 = time.time()
     tasks = runtime.shard([t for t in train for _ in range(args.bank_rollouts)])    # this rank's slice (all: 1 process)
     with tqdm(total=len(tasks), desc="base rollouts", leave=False, disable=runtime.rank() != 0) as bar:
-        make_env = env_factory(args)
-        eps = engine.rollout(model, tok, tasks, sample_config(args), make_env, make_env().tools, progress=bar)
+        eps = engine.rollout(model, chat_of(args, tok), tasks, sample_config(args), progress=bar)
     if runtime.world() > 1:                                      # every rank's slice, in order, on every rank
         eps = [episode_from_record(r, by_id[r["task_id"]]) for r in runtime.gather([episode_record(e) for e in eps])]
     if runtime.rank() == 0:
@@ -639,7 +610,7 @@ def schema_balanced_sampler(bank, rng: random.Random):
     return lambda n: [rng.choice(groups[rng.choice(keys)]) for _ in range(n)]
 
 
-def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entries, make_env) -> float:
+def cold_start_step(args, composer, chat, retriever, episodes, tasks_by_id, entries) -> float:
     """One eq. (14) loss, back-propagated: each entry's own successful episode, behind latents composed from J OTHER
     entries. --token-budget splits the batch into forward/backward passes (`engine.accumulate`), each normalised by
     the whole batch's ω count (summed over ranks under torchrun). -> the loss's value, summed over ranks."""
@@ -647,26 +618,22 @@ def cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id, entri
     n_tokens = runtime.all_sum(sum(sum(ep.mask) for ep in eps))                     # the global batch's ω count
 
     def part_loss(idx):
-        loss = cold_start_part(args, composer, tok, retriever, engine.pick(entries, idx), engine.pick(eps, idx),
-                               tasks_by_id, make_env, n_tokens)
+        part = engine.pick(entries, idx)
+        tasks = [tasks_by_id[e["task_id"]] for e in part]
+        latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, args.n_ret, args.retrieval))
+        loss = cold_start_part(args, composer, chat, engine.pick(eps, idx), latents, n_tokens)
         return loss, {"loss/init": loss.item()}
     m, _ = engine.accumulate(eps, part_loss, max(1, len(eps)), args.token_budget or 0)   # one part, or the budget's
     return m["loss/init"]
 
 
-def cold_start_part(args, composer, tok, retriever, entries, eps, tasks_by_id, make_env, n_tokens):
-    """Eq. (14) on some entries of the batch: latents from J retrieved entries, the entries' own episodes behind them."""
-    tasks = [tasks_by_id[e["task_id"]] for e in entries]
-    latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, args.n_ret, args.retrieval))  # (B, J·K, d)
-    ids, att, omega, starts = cold_start_batch(tok, [make_env().reset(t) for t in tasks], eps,
-                                               latents.shape[1], make_env().framing, make_env().tools,
-                                               args.enable_thinking)
-    dev = latents.device
+def cold_start_part(args, composer, chat, eps, latents, n_tokens):
+    """Eq. (14) on some episodes of the batch, behind latents (B, J·K, d) composed from J retrieved entries each."""
+    batch = cold_start_batch(chat, eps, latents.shape[1])          # ids, attention mask, ω (B, T), span starts (B,)
     if not args.loss_chunk:
-        return cold_start_loss(composer, ids.to(dev), att.to(dev), omega.to(dev), starts.to(dev), latents, n_tokens)
+        return cold_start_loss(composer, batch, latents, n_tokens)
     with runtime.lm_head_bypassed(composer.peft):        # memory bounded by tokens: the NLL applies the head itself
-        return cold_start_loss(composer, ids.to(dev), att.to(dev), omega.to(dev), starts.to(dev), latents, n_tokens,
-                               runtime.lm_head(composer.peft), args.loss_chunk)
+        return cold_start_loss(composer, batch, latents, n_tokens, runtime.lm_head(composer.peft), args.loss_chunk)
 
 
 def cold_start(args, model, tok, retriever, episodes, train, log, composer=None) -> Composer:
@@ -688,14 +655,14 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
     groups = cold_start_groups(args, composer)              # [(parameters, clip)]: one group, or ψ and χ
     opts = [torch.optim.AdamW(params, lr=args.cold_lr) for params, _ in groups]
     draw = schema_balanced_sampler(retriever.bank, random.Random(args.seed))
-    tasks_by_id = {t.task_id: t for t in train}
+    tasks_by_id, chat = {t.task_id: t for t in train}, chat_of(args, tok)
     t0 = time.time()
     for step in tqdm(range(args.cold_steps), desc="cold start", leave=False, disable=runtime.rank() != 0):
         # every rank draws the same batch (the sampler is seeded alike) and computes its slice's share of the loss
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        loss = cold_start_step(args, composer, tok, retriever, episodes, tasks_by_id,
-                               runtime.shard(draw(args.cold_batch)), env_factory(args))   # back-propagated
+        loss = cold_start_step(args, composer, chat, retriever, episodes, tasks_by_id,
+                               runtime.shard(draw(args.cold_batch)))                 # back-propagated
         runtime.sync_grads(composer.trainable_parameters())     # summed over ranks (no-op in one process)
         for (params, clip), opt in zip(groups, opts):
             torch.nn.utils.clip_grad_norm_(params, clip)
@@ -736,8 +703,7 @@ def joint_training(run):
     step). Returns the trained student θ."""
     args, composer, student, log = run["args"], run["composer"], run["student"], run["log"]
     method = METHODS[args.method]
-    run.update(make_env=env_factory(args), sample=sample_config(args))
-    run["tools"] = run["make_env"]().tools
+    run.update(chat=chat_of(args, run["tok"]), sample=sample_config(args))
     state = method.setup(args, run)
     if student is None:                  # θ = θ̄ in fp32, made now (under torchrun, sharded before it is materialised)
         student = runtime.full_student(args, run["source"])
@@ -760,20 +726,19 @@ def joint_training(run):
         runtime.assert_same(beta, "β")          # Δ was summed over ranks, so the dual step agrees everywhere
         gens += spent
         if args.eval_every and (step + 1) % args.eval_every == 0:
-            m.update(drift_eval(args, composer, student, run))
+            m.update(drift_eval(args, student, run))
         log(args.method, step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             runtime.save_checkpoint(args, student, composer, opts, beta, step + 1, gens, task_rng, state.get("ema"))
     return student
 
 
-def drift_eval(args, composer, student, run) -> dict:
+def drift_eval(args, student, run) -> dict:
     """reward/eval (the student alone) and, for a method that trains the composer (LOPD), reward/teacher (base +
     composer) on the first --eval-tasks held-out tasks. The others never change it: their teacher cannot drift."""
-    drifts = METHODS[args.method].trains_composer
-    which = ("base + composer", "LOPD student") if drifts else ("LOPD student",)
-    rows = evaluate(args, composer, student, run["retriever"], run["tok"], run["test"][:args.eval_tasks], which=which)
-    out = {"reward/eval": rows["LOPD student"]["reward"]}
+    which = ("base + composer", "student") if METHODS[args.method].trains_composer else ("student",)
+    rows = evaluate(args, run, student, run["test"][:args.eval_tasks], which=which)
+    out = {"reward/eval": rows[student_row(args)]["reward"]}
     if "base + composer" in rows:
         out["reward/teacher"] = rows["base + composer"]["reward"]
     return out
@@ -803,48 +768,56 @@ def _bar(n, desc):
     return tqdm(total=n, desc=desc, leave=False, disable=runtime.rank() != 0)   # torchrun: rank 0's bar only
 
 
-def eval_vanilla(composer, tok, tasks, cfg, make_env, tools=None):
+def eval_vanilla(composer, chat, tasks, cfg):
     """θ̄ on the task alone. The composer's LoRA lives in the same backbone, so it is switched off (A.4)."""
     with composer.adapter_disabled(), _bar(len(tasks), "eval vanilla") as bar:
-        return engine.rollout(composer.peft, tok, tasks, cfg, make_env, tools, progress=bar)
+        return engine.rollout(composer.peft, chat, tasks, cfg, progress=bar)
 
 
-def eval_teacher(composer, retriever, tok, tasks, cfg, make_env, n_ret, tools=None, mode="same"):
+def eval_teacher(composer, retriever, chat, tasks, cfg, n_ret, mode="same"):
     """θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own. mode: lopd.retrieve's (same | other | none)."""
     with torch.no_grad():
         latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, n_ret, mode))    # (B, J·K, d)
     with _bar(len(tasks), "eval base + composer") as bar:
-        return lopd.teacher_rollout(composer, tok, tasks, latents, cfg, make_env, tools, progress=bar)
+        return lopd.teacher_rollout(composer, chat, tasks, latents, cfg, progress=bar)
 
 
-def eval_student(student, tok, tasks, cfg, make_env, tools=None):
+def eval_student(student, chat, tasks, cfg):
     """θ alone, from the task (the deployed policy)."""
     with _bar(len(tasks), "eval student") as bar:
-        return engine.rollout(student, tok, tasks, cfg, make_env, tools, progress=bar)
+        return engine.rollout(student, chat, tasks, cfg, progress=bar)
 
 
-def evaluate(args, composer, student, retriever, tok, tasks, temperature=None,
-             which=("vanilla", "base + composer", "LOPD student"), keep: dict | None = None) -> dict:
+ROWS = ("vanilla", "base + composer", "student")     # `evaluate`'s rows; the student's is named by its method
+
+
+def student_row(args) -> str:
+    """The name of the trained student's row: its method's label ("LOPD student", "GRPO student", ...)."""
+    return METHODS[args.method].label
+
+
+def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict | None = None) -> dict:
     """The rows of Table 3 on held-out tasks, each from the same seed; the training RNG streams are restored.
-    `keep`, if given, receives each row's episodes (eval.py --conventions reads them; this rank's under torchrun,
-    where each rank evaluates a slice of the tasks and the rows are means over all of them)."""
-    cfg, make_env, rows = sample_config(args, temperature), env_factory(args), {}
+    run: `prepare`'s (composer, retriever, tokenizer). which: some of ROWS; the student's row is named
+    `student_row(args)`. `keep`, if given, receives each row's episodes (eval.py --conventions reads them; this
+    rank's under torchrun, where each rank evaluates a slice of the tasks and the rows are means over all of them)."""
+    composer, cfg, chat, rows = run["composer"], sample_config(args, temperature), chat_of(args, run["tok"]), {}
     tasks = runtime.shard(tasks)
-    tools = make_env().tools
     saved = runtime.rng_state(random.Random())
-    for name, run in (("vanilla", lambda: eval_vanilla(composer, tok, tasks, cfg, make_env, tools)),
-                      ("base + composer", lambda: eval_teacher(composer, retriever, tok, tasks, cfg, make_env,
-                                                               args.n_ret, tools, mode=args.retrieval)),
-                      ("LOPD student", lambda: eval_student(student, tok, tasks, cfg, make_env, tools))):
-        if name not in which or (name == "LOPD student" and student is None):
+    for name, go in (("vanilla", lambda: eval_vanilla(composer, chat, tasks, cfg)),
+                     ("base + composer", lambda: eval_teacher(composer, run["retriever"], chat, tasks, cfg,
+                                                              args.n_ret, mode=args.retrieval)),
+                     ("student", lambda: eval_student(student, chat, tasks, cfg))):
+        if name not in which or (name == "student" and student is None):
             continue
         runtime.seed_everything(args.seed + 1)
-        whole = runtime.gathered(student) if name == "LOPD student" else contextlib.nullcontext()   # FSDP2: weights
+        whole = runtime.gathered(student) if name == "student" else contextlib.nullcontext()   # FSDP2: weights
         with runtime.precision(composer.peft), whole:
-            eps = run() if tasks else []      # torchrun: a rank may get no held-out task
-        rows[name] = engine.summarize_all(eps)
+            eps = go() if tasks else []       # torchrun: a rank may get no held-out task
+        label = student_row(args) if name == "student" else name
+        rows[label] = engine.summarize_all(eps)
         if keep is not None:
-            keep[name] = eps
+            keep[label] = eps
     runtime.set_rng_state(saved, random.Random())
     return rows
 
@@ -856,15 +829,7 @@ def world_check(args, run, tasks) -> dict:
     for mode, name in (("same", "base + composer"), ("other", "base + composer, other-variant reference"),
                        ("none", "base + composer, no reference")):
         margs = dataclasses.replace(args, retrieval=mode)
-        rows[name] = evaluate(margs, run["composer"], None, run["retriever"], run["tok"], tasks,
-                              which=("base + composer",))["base + composer"]
-    return rows
-
-
-def name_student_row(args, rows: dict) -> dict:
-    """A baseline's student is reported under its method's name ("GRPO student"), not as the LOPD student."""
-    if args.method != "lopd" and "LOPD student" in rows:
-        rows[f"{args.method.upper()} student"] = rows.pop("LOPD student")
+        rows[name] = evaluate(margs, run, None, tasks, which=("base + composer",))["base + composer"]
     return rows
 
 
@@ -932,17 +897,18 @@ def write_results(out: str, rows: dict, extra: dict | None = None, table: str = 
 # The command line, and a finished run read back (eval.py, experiments.py)
 # ----------------------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> Args:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    doc = _field_docs()
+    """The command line as `Args`: a flag per field (its metadata's help), every default resolved (TOY_DEFAULTS or
+    PAPER_DEFAULTS, and the world's own) before anything reads them."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in dataclasses.fields(Args):
-        flag = "--" + f.name.replace("_", "-")
+        flag, doc = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", help=doc[f.name])
+            p.add_argument(flag, action="store_true", help=doc)
         elif f.type == "bool | None":                          # --x / --no-x, default None: decided later
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc[f.name])
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
-            p.add_argument(flag, type=typ, default=f.default, help=doc[f.name] + f" (default: {f.default})")
+            p.add_argument(flag, type=typ, default=f.default, help=doc + f" (default: {f.default})")
     args = Args(**vars(p.parse_args(argv)))
     try:
         cls = environment(args)
@@ -976,15 +942,6 @@ def is_toy(args: Args) -> bool:
     return not args.model or os.path.isfile(os.path.join(args.model, "toy_backbone.json"))
 
 
-def _field_docs():
-    """Each Args field's docstring (the string under it), used as its --help text."""
-    import ast
-    import inspect
-    body = ast.parse(inspect.getsource(Args)).body[0].body
-    return {a.target.id: b.value.value for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)}
-
-
 def _check(p, a: Args):
     if a.device not in ("auto", "cpu", "cuda", "mps"):
         p.error(f"--device must be auto, cpu, cuda or mps, not {a.device!r}")
@@ -994,8 +951,8 @@ def _check(p, a: Args):
         p.error(f"--method must be one of {', '.join(METHODS)}, not {a.method!r}")
     if rollouts_per_task(a) > 1 and a.rollouts_per_step % a.group:
         p.error(f"--rollouts-per-step {a.rollouts_per_step} must be a multiple of --group {a.group}")
-    if a.method == "sdpo" and a.student_lora:
-        p.error("--method sdpo keeps an EMA copy of a full student; it does not support --student-lora")
+    if METHODS[a.method].keeps_ema and a.student_lora:
+        p.error(f"--method {a.method} keeps an EMA copy of a full student; it does not support --student-lora")
     if a.text_context not in ("system", "user", "span"):
         p.error(f"--text-context must be system, user or span, not {a.text_context!r}")
     if a.composer_input not in ("task+reference", "reference"):
@@ -1054,6 +1011,9 @@ def load_args(out: str) -> Args:
     if not os.path.isfile(path):
         raise ValueError(f"{out!r}: no args.json there; is it a folder written by train.py?")
     saved = json.load(open(path))
+    if "enable_thinking" in saved:                 # a run written before --thinking / --no-thinking were one flag
+        was = saved.pop("enable_thinking") and not saved.pop("no_thinking", False)
+        saved.setdefault("thinking", was)
     known = {f.name for f in dataclasses.fields(Args)}
     if set(saved) - known:
         print(f"{path}: ignoring settings this version does not have: {', '.join(sorted(set(saved) - known))}")

@@ -128,7 +128,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(folders):
         if ckpt:
             runtime.checkpointing(model)
         assert all((layer.forward.__func__ is runtime._checkpointed_forward) == ckpt for layer in model.model.layers)
-        eps = [engine.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t)) for t in tasks]
+        eps = [engine.scripted_episode(toy.toy_chat(tok), t, envs.oracle_calls(t)) for t in tasks]   # no tools
         logits, ids, omega = engine.student_logits(model, tok, eps, "cpu")
         loss = -(torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0] * omega).sum() / omega.sum()
         loss.backward()

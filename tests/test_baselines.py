@@ -157,7 +157,7 @@ def test_opsd_pool_prefers_the_bank_then_the_oracle():
     train, _ = envs.make_splits(seed=0, n_train=4, n_test=1)
     bank = [{"task_id": train[0].task_id, "trace": "from the bank", "reward": 1.0},
             {"task_id": train[1].task_id, "trace": "a failure", "reward": 0.5}]
-    pool, n_oracle = baselines.opsd_pool(bank, train)
+    pool, n_oracle = baselines.opsd_pool(bank, train, envs.ToolWorld)
     assert pool[train[0].task_id] == "from the bank" and n_oracle == 3
     env = envs.ToolWorld()
     env.reset(train[1])
@@ -176,9 +176,9 @@ def _run_method(world, method, monkeypatch):
     calls = {"rollout": [], "scored": [], "loss": []}
     real_rollout, real_scoring = engine.rollout, engine.continuation_logits
 
-    def rollout(model, tok, tasks_, cfg, *a, **kw):
+    def rollout(model, chat, tasks_, cfg, *a, **kw):
         calls["rollout"].append((model, [t.task_id for t in tasks_], cfg))
-        return real_rollout(model, tok, tasks_, cfg, *a, **kw)
+        return real_rollout(model, chat, tasks_, cfg, *a, **kw)
 
     def scoring(model, tok, prefixes, eps, device):
         calls["scored"].append((model, [list(p) for p in prefixes], [list(e.ids[e.prompt_len:]) for e in eps]))
@@ -191,21 +191,23 @@ def _run_method(world, method, monkeypatch):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **kw: calls["loss"].append(_n) or _r(*a, **kw))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
-    bcfg = baselines.BaselineConfig(group=2, context="span", micro_batch=8, success=0.0)   # every sibling counts
+    bcfg = baselines.BaselineConfig(group=2, context="span", micro_batch=8, success=0.0,   # every sibling counts
+                                    sample=SAMPLE)
+    chat = world["chat"]
     torch.manual_seed(0)
     if method == "lopd":
         c0 = lopd.anchor_cache(comp, world["retriever"], tasks, 2)
-        lopd.lopd_step(student, comp, world["tok"], tasks * 2, world["retriever"], {**c0}, 0.0, (opt, None),
-                       lopd.LOPDConfig(n_ret=2, freeze_composer=True), SAMPLE)
+        lopd.lopd_step(student, comp, chat, tasks * 2, world["retriever"], {**c0}, 0.0, (opt, None),
+                       lopd.LOPDConfig(n_ret=2, freeze_composer=True, sample=SAMPLE))
     elif method == "grpo":
-        baselines.grpo_step(student, world["tok"], tasks, opt, bcfg, SAMPLE)
+        baselines.grpo_step(student, chat, tasks, opt, bcfg)
     elif method == "opsd":
-        pool, _ = baselines.opsd_pool([], tasks * 2)
-        baselines.opsd_step(student, comp.base_forward, world["tok"], tasks * 2, pool, opt, bcfg, SAMPLE)
+        pool, _ = baselines.opsd_pool([], tasks * 2, envs.ToolWorld)
+        baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool, opt, bcfg)
     else:
         import copy
         ema = copy.deepcopy(student).requires_grad_(False)
-        baselines.sdpo_step(student, ema, world["tok"], tasks, opt, bcfg, SAMPLE)
+        baselines.sdpo_step(student, ema, chat, tasks, opt, bcfg)
     return student, calls
 
 
@@ -235,14 +237,14 @@ def test_every_method_shares_rollout_and_student_scoring(world, monkeypatch, met
 
 
 def test_text_context_span_puts_the_text_where_the_latents_go(world):
-    tok, task = world["tok"], world["train"][0]
+    tok, chat, task = world["tok"], world["chat"], world["train"][0]     # chat: the tool world's TOY framing
     msgs = envs.ToolWorld().reset(task)
     text = "1. find_customer(account=\"x\") -> c1"
-    ids = baselines.text_context_ids(tok, msgs, text, baselines.OPSD_CONTEXT, "span", envs.ToolWorld().framing)
+    ids = chat.context_prompt(msgs, text, baselines.OPSD_CONTEXT, "span")
     ref = tok(text, add_special_tokens=False)["input_ids"]
     lat, s = lopd.inject.latent_prompt_ids(tok, msgs, len(ref), envs.ToolWorld().framing)
     assert ids[:s] == lat[:s] and ids[s:s + len(ref)] == ref and ids[s + len(ref):] == lat[s + len(ref):]
-    sys_ids = baselines.text_context_ids(tok, msgs, text, baselines.OPSD_CONTEXT, "system", envs.ToolWorld().framing)
+    sys_ids = chat.context_prompt(msgs, text, baselines.OPSD_CONTEXT, "system")
     rendered = tok.decode(sys_ids)
     assert "reference plan for the upcoming task" in rendered and text in rendered
     assert rendered.index(text) < rendered.index(task.text)                 # in the system turn, before the task
@@ -262,19 +264,21 @@ def test_every_baseline_gives_the_same_step_with_the_chunked_loss(world, method)
         step = opt.step
         opt.step = lambda: (grads.update({n: p.grad.clone() for n, p in student.named_parameters()
                                           if p.grad is not None}), step())
-        bcfg = baselines.BaselineConfig(group=2, context="span", micro_batch=8, success=0.0, loss_chunk=chunk)
+        bcfg = baselines.BaselineConfig(group=2, context="span", micro_batch=8, success=0.0, loss_chunk=chunk,
+                                        sample=SAMPLE)                  # RFT: micro-batch 8, clip 1.0
+        chat = world["chat"]
         torch.manual_seed(0)
         if method == "rft":
-            eps = engine.rollout(student, world["tok"], tasks, SAMPLE)
-            m = baselines.rft_step(student, world["tok"], eps, opt, 8, 1.0, chunk)
+            eps = engine.rollout(student, chat, tasks, SAMPLE)
+            m = baselines.rft_step(student, world["tok"], eps, opt, bcfg)
         elif method == "grpo":
-            m, _ = baselines.grpo_step(student, world["tok"], tasks, opt, bcfg, SAMPLE)
+            m, _ = baselines.grpo_step(student, chat, tasks, opt, bcfg)
         elif method == "opsd":
-            pool, _ = baselines.opsd_pool([], tasks * 2)
-            m, _ = baselines.opsd_step(student, comp.base_forward, world["tok"], tasks * 2, pool, opt, bcfg, SAMPLE)
+            pool, _ = baselines.opsd_pool([], tasks * 2, envs.ToolWorld)
+            m, _ = baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool, opt, bcfg)
         else:
             ema = copy.deepcopy(student).requires_grad_(False)
-            m, _ = baselines.sdpo_step(student, ema, world["tok"], tasks, opt, bcfg, SAMPLE)
+            m, _ = baselines.sdpo_step(student, ema, chat, tasks, opt, bcfg)
         results.append((m, grads))
     (m0, g0), (m3, g3) = results
     loss_key = {"rft": "loss/rft", "grpo": "loss/grpo"}.get(method, "loss/distill")

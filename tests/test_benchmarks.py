@@ -265,6 +265,6 @@ def test_eval_loads_a_lora_student_and_uses_b3_sampling_for_real_models(tmp_path
     assert name == "LOPD student (step-3)"
     real = train.dataclasses.replace(args, model=str(tmp_path / "not-a-toy"))
     cfg = ev.benchmark_sample_config(real)
-    assert (cfg.max_new_tokens, cfg.enable_thinking, cfg.temperature, cfg.top_k) == (16384, True, 0.7, 20)
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.top_k) == (16384, 0.7, 20) and ev.B3_THINKING is True
     assert ev.benchmark_sample_config(real, temperature=0.0).temperature == 0.0
     assert ev.benchmark_sample_config(args).max_new_tokens == args.max_new_tokens     # the toy keeps its own

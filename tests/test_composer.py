@@ -5,6 +5,7 @@ Run: python -m pytest tests/test_composer.py -q
 Offline: a toy byte-level BPE tokenizer and tiny random Qwen3 models (fp32, eval mode).
 """
 import copy
+import functools
 import os
 import random
 import sys
@@ -46,7 +47,7 @@ def build(tok, seed=0, perturb=True):
 def episodes(tok):
     rng = random.Random(0)
     tasks = [make_task(rng, f"t{i}") for i in range(5)]
-    eps = [scripted_episode(tok, ToolWorld(), t, oracle_calls(t)) for t in tasks]
+    eps = [scripted_episode(toy.toy_chat(tok), t, oracle_calls(t)) for t in tasks]
     return tasks, eps
 
 
@@ -191,15 +192,15 @@ def test_adapter_disabled_is_bit_exact_base(tok):
 
 def cold_batch(tok, comp, episodes, J=2):
     tasks, eps = episodes
-    msgs = [ToolWorld().reset(t) for t in tasks]
+    chat = toy.toy_chat(tok, functools.partial(ToolWorld, framing=SHORT, tools=None))   # the SHORT framing
     exps = [[eps[(i + j + 1) % len(eps)].trace for j in range(J)] for i in range(len(tasks))]
-    ids, att, omega, starts = C.cold_start_batch(tok, msgs, eps, J * CFG.n_latents, framing=SHORT)
-    return [t.text for t in tasks], exps, ids, att, omega, starts
+    batch = C.cold_start_batch(chat, eps, J * CFG.n_latents)                  # ids, att, omega, starts
+    return [t.text for t in tasks], exps, batch
 
 
 def test_cold_start_batch_layout(tok, episodes):
     comp, _ = build(tok)
-    _, _, ids, att, omega, starts = cold_batch(tok, comp, episodes)
+    _, _, (ids, att, omega, starts) = cold_batch(tok, comp, episodes)
     _, eps = episodes
     for b, ep in enumerate(eps):
         n = int(att[b].sum())
@@ -211,11 +212,11 @@ def test_cold_start_batch_layout(tok, episodes):
 
 def test_gradients_reach_only_lora_and_qformer(tok, episodes):
     comp, _ = build(tok, perturb=False)                                          # LoRA B = 0 as at init
-    texts, exps, ids, att, omega, starts = cold_batch(tok, comp, episodes)
+    texts, exps, batch = cold_batch(tok, comp, episodes)
     opt = torch.optim.AdamW(comp.trainable_parameters(), lr=1e-2)
     for step in range(2):
         opt.zero_grad(set_to_none=True)
-        C.cold_start_loss(comp, ids, att, omega, starts, comp(texts, exps)).backward()
+        C.cold_start_loss(comp, batch, comp(texts, exps)).backward()
         frozen = [(n, p) for n, p in comp.peft.named_parameters() if "lora_" not in n]
         assert frozen and all(not p.requires_grad and p.grad is None for _, p in frozen)
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in comp.qformer.parameters())
@@ -231,10 +232,11 @@ def test_gradients_reach_only_lora_and_qformer(tok, episodes):
 
 def test_cold_start_loss_matches_brute_force(tok, episodes):
     comp, ref = build(tok)
-    texts, exps, ids, att, omega, starts = cold_batch(tok, comp, episodes)
+    texts, exps, batch = cold_batch(tok, comp, episodes)
+    ids, att, omega, starts = batch
     with torch.no_grad():
         lat = comp(texts, exps)                                                 # (B, J·K, d)
-        got = C.cold_start_loss(comp, ids, att, omega, starts, lat)
+        got = C.cold_start_loss(comp, batch, lat)
         emb = ref.get_input_embeddings()(ids).clone()                           # (B, T, d)
         for b, s in enumerate(starts.tolist()):
             emb[b, s:s + lat.shape[1]] = lat[b]
@@ -302,17 +304,16 @@ def test_the_chunked_cold_start_loss_equals_the_full_logits_one(tok, episodes):
     same value and the same gradients for ψ and χ."""
     import runtime
     comp, _ = build(tok)
-    texts, exps, ids, att, omega, starts = cold_batch(tok, comp, episodes)
+    texts, exps, batch = cold_batch(tok, comp, episodes)
     got = []
     for chunk in (0, 3):
         for p in comp.trainable_parameters():
             p.grad = None
         if chunk:
             with runtime.lm_head_bypassed(comp.peft):
-                loss = C.cold_start_loss(comp, ids, att, omega, starts, comp(texts, exps), None,
-                                         runtime.lm_head(comp.peft), chunk)
+                loss = C.cold_start_loss(comp, batch, comp(texts, exps), None, runtime.lm_head(comp.peft), chunk)
         else:
-            loss = C.cold_start_loss(comp, ids, att, omega, starts, comp(texts, exps))
+            loss = C.cold_start_loss(comp, batch, comp(texts, exps))
         loss.backward()
         got.append((loss.item(), [p.grad.clone() for p in comp.trainable_parameters() if p.grad is not None]))
     (l0, g0), (l3, g3) = got

@@ -194,7 +194,7 @@ def test_each_shipped_backbone_reads_a_same_shop_reference(k):
     tasks = envs.make_splits(0, 1000, 60, conventions=k)[1]
     torch.manual_seed(0)
     cfg = engine.SampleConfig(temperature=0.7)
-    vanilla = engine.summarize(engine.rollout(model, tok, tasks, cfg, ToolWorld))["reward"]
+    vanilla = engine.summarize(engine.rollout(model, toy.toy_chat(tok), tasks, cfg))["reward"]
     r = toy.reading_check(model, tok, tasks, ToolWorld, seed=0)
     same, other = r["same variant"], r["other variant"]
     assert same - vanilla > 0.2 and same - other > 0.3 and other < vanilla + 0.1, (vanilla, same, other)

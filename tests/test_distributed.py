@@ -118,9 +118,9 @@ def equivalence(backbone, out):
     base = AutoModelForCausalLM.from_pretrained(backbone).eval()
     tasks, _ = envs.make_splits(seed=0, n_train=2 * B + 4, n_test=1)
     tasks, bank_tasks = tasks[:2 * B], tasks[2 * B:]
-    fixed = []                                                 # scripted episodes with the rewards above
+    chat, fixed = toy.toy_chat(tok), []                        # scripted episodes with the rewards above
     for task, r in zip(tasks, REWARDS):
-        ep = engine.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task)[:1])
+        ep = engine.scripted_episode(chat, task, envs.oracle_calls(task)[:1])
         ep.reward, ep.mask = r, [m if i % 3 or not m else 0 for i, m in enumerate(ep.mask)]   # uneven ω counts
         fixed.append(ep)
     entries = [retrieval.make_entry(t.task_id, t.text, f"trace {i}", 1.0, {"episode": i})
@@ -151,18 +151,15 @@ def equivalence(backbone, out):
     try:
         opts = (torch.optim.SGD(student.parameters(), lr=1.0), torch.optim.SGD(comp.trainable_parameters(), lr=1.0))
         cfg = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9)
-        beta, m, _ = lopd.lopd_step(student, comp, tok, runtime.shard(tasks), ret, c0, 0.3, opts, cfg,
-                                    engine.SampleConfig(), envs.ToolWorld, None)
+        beta, m, _ = lopd.lopd_step(student, comp, chat, runtime.shard(tasks), ret, c0, 0.3, opts, cfg)
         # the chunked loss (hidden states out, LM heads applied by the loss) on the FSDP2 student, a second step
         chunked = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9, loss_chunk=2)
         opts = (torch.optim.SGD(student.parameters(), lr=1e-3), torch.optim.SGD(comp.trainable_parameters(), lr=1e-3))
-        beta, m_chunked, _ = lopd.lopd_step(student, comp, tok, runtime.shard(tasks), ret, c0, beta, opts, chunked,
-                                            engine.SampleConfig(), envs.ToolWorld, None)
+        beta, m_chunked, _ = lopd.lopd_step(student, comp, chat, runtime.shard(tasks), ret, c0, beta, opts, chunked)
         assert (runtime.full_optimizer_state(opts[0]) is None) == (runtime.rank() != 0)   # rank 0 keeps the copy
         opt = torch.optim.SGD(grpo_student.parameters(), lr=1.0)
         bcfg = baselines.BaselineConfig(group=2, micro_batch=1, clip=1e9)
-        g_m, _ = baselines.grpo_step(grpo_student, tok, runtime.shard(tasks[:2]), opt, bcfg, engine.SampleConfig(),
-                                envs.ToolWorld, None)
+        g_m, _ = baselines.grpo_step(grpo_student, chat, runtime.shard(tasks[:2]), opt, bcfg)
     finally:
         engine.rollout = saved
     def change(model):

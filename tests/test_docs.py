@@ -108,6 +108,9 @@ OUTSIDE = re.compile(r"DESIGN\.md|lopd-paper[\w-]*\.md|(?:^|[^\w/]|\.\./|/work/)
 ROOTED = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs|tests|assets|\.ci|paper)/[\w.*<>{}/-]*)")
 LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")             # a markdown link or image: [text](target)
 CITED = re.compile(r',\s*"([^"\n]+)"')                        # `docs/design.md, "Correctness traps"`
+# A README section cited by name: `README "Two commands"`, `README.md, "Status"`, `README's "Reading order"` (the
+# start of a heading is enough: "Reading order" names "Reading order: the paper's math in the code").
+README_CITED = re.compile(r"\bREADME(?:\.md)?(?:'s)?(?:,\s*|\s+)\"([^\"\n]+)\"")
 
 
 def text_files() -> list[str]:
@@ -171,6 +174,9 @@ def dangling(text: str, folder: str = "", markdown: bool = True) -> list[tuple[i
     if markdown:
         found += dangling_links(text, folder)
         text = LINK.sub(lambda m: " " * len(m.group()), text)           # a link's text is checked as its target
+    for m in README_CITED.finditer(text):
+        if not any(a.startswith(slug(m.group(1))) for a in anchors(os.path.join(ROOT, "README.md"))):
+            found.append((line_of(text, m.start()), f"README.md has no heading {m.group(1)!r}"))
     for m in ROOTED.finditer(text):
         path = m.group(1).rstrip(".")                                   # a sentence may end right after a path
         base = os.path.join(ROOT, folder) if path.startswith("../") else ROOT
@@ -205,15 +211,18 @@ def test_every_reference_points_inside_the_repository():
 def test_the_reference_check_can_fail():
     fabricated = ("Why: DESIGN.md §3, and [the note](docs/nope.md).\n"
                   "See `tests/test_nope.py`, [a heading](docs/design.md#no-such-heading) and\n"
-                  '(docs/design.md, "No such section"); the paper is at ../shared/paper/.\n')
+                  '(docs/design.md, "No such section"); the paper is at ../shared/paper/.\n'
+                  'README "The code verifier" says so.\n')
     assert dangling(fabricated) == [
         (1, "no such file: docs/nope.md"), (1, "outside the repository: DESIGN.md"),
         (2, "docs/design.md has no heading 'no-such-heading'"), (2, "no such file: tests/test_nope.py"),
-        (3, "docs/design.md has no heading 'No such section'"), (3, "outside the repository: ../shared/")]
+        (3, "docs/design.md has no heading 'No such section'"), (3, "outside the repository: ../shared/"),
+        (4, "README.md has no heading 'The code verifier'")]
     # what is not a reference to check: web addresses, anchors, outputs, placeholders, a cluster's shared disk
     fine = ("[web](https://x.org/y.md) [up](#roles-and-memory) [run](runs/toy/results.md) `runs/x/OUT.md`\n"
             "`docs/FILE.md`, `assets/toy-backbone-kK`, tests/fixtures/*.jsonl, --out /shared/runs/q8,\n"
-            '[design](docs/design.md#correctness-traps), docs/design.md, "Correctness traps".\n')
+            '[design](docs/design.md#correctness-traps), docs/design.md, "Correctness traps".\n'
+            'README "Two commands", README\'s "Reading order", README.md, "Status".\n')
     assert dangling(fine) == []
 
 

@@ -165,20 +165,24 @@ def test_lite_trace_format():
 
 
 def test_the_learner_reads_only_what_the_environment_interface_declares():
-    """lopd.py, baselines.py and train.py read an environment only through envs.Environment's names: every
-    `env.X` they use is declared there (so a new world knows what to provide), and none is probed with getattr."""
+    """engine.py (Chat, rollout), lopd.py, baselines.py and train.py read an environment only through
+    envs.Environment's names: every `env.X` they use is declared there (so a new world knows what to provide), and
+    none is probed with getattr (lopd.py reaches an environment only through engine.Chat)."""
     import os
     import re
 
     import envs
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    reads = r"(?:\benv|make_env\(\)|envs_\[0\]|env_factory\(args\)\(\))\.(\w+)"
+    reads = r"(?:\benv|\bprobe|make_env\(\)|envs_\[0\]|env_factory\(args\)\(\))\.(\w+)"   # probe: Chat's
     declared = set(dir(envs.Environment)) | {"trace"}                     # trace: set by __init__
-    for name in ("lopd.py", "baselines.py", "train.py"):
+    seen = set()
+    for name in ("engine.py", "lopd.py", "baselines.py", "train.py"):
         text = open(os.path.join(root, name), encoding="utf-8").read()
         used = set(re.findall(reads, text))
-        assert used and not used - declared, (name, used - declared)
-        assert not re.search(r"(?:getattr|hasattr)\((?:env|make_env\(\))\b", text), name
+        assert not used - declared, (name, used - declared)
+        assert not re.search(r"(?:getattr|hasattr)\((?:env|probe|make_env\(\))\b", text), name
+        seen |= used
+    assert {"reset", "step", "reward", "tools", "framing"} <= seen          # the pattern finds the reads
     assert set(re.findall(reads, "env.reset(t); make_env().no_such_hook")) - declared == {"no_such_hook"}
 
 

@@ -4,6 +4,7 @@ Run: python -m pytest tests/test_inject.py -q
 Offline: a toy byte-level BPE tokenizer and a tiny random Qwen3 (fp32, eval mode), built in a module fixture.
 """
 import copy
+import functools
 import os
 import random
 import sys
@@ -100,8 +101,9 @@ def test_latent_prompt_ids_span(tok):
     assert text.startswith("\n\n\u2014 end of reference example") and "[cedar] Cancel Ana's pear order." in text
     assert tok.decode(ids[:start]).endswith("do NOT assume any step is already complete.\n\n")
     assert ids[-3:] == tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-    fn = inject.latent_prompt_fn(6)
-    assert fn(tok, msgs("[cedar] Cancel Ana's pear order.")) == ids
+    # the run's Chat renders the same latent prompt (A.5's framing, no tools listed, thinking off)
+    chat = engine.Chat(tok, functools.partial(ToolWorld, framing=inject.AGENTIC_FRAMING, tools=None))
+    assert chat.latent_prompt(msgs("[cedar] Cancel Ana's pear order."), 6) == (ids, start)
 
 
 def test_latent_user_content_joining():
@@ -171,15 +173,16 @@ def test_rollout_with_latent_prompt(tok, model):
     lat = torch.stack([model.get_input_embeddings().weight[c].detach() for c in chosen])  # (N, n, d)
     by_text = {t.text: i for i, t in enumerate(tasks)}
 
-    def token_prompt(tokenizer, messages):
+    def token_prompt(messages):
         i = by_text[messages[1]["content"]]
         ids, s = spans[i]
         return ids[:s] + chosen[i].tolist() + ids[s + n:]
 
     cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=6, batch_size=2)   # two chunks: rows are global
-    a = engine.rollout(model, tok, tasks, cfg, prompt_fn=inject.latent_prompt_fn(n, framing=SHORT),
-                     embed_fn=inject.make_embed_fn(model, lat, [s for _, s in spans]))
-    b = engine.rollout(model, tok, tasks, cfg, prompt_fn=token_prompt)
+    chat = toy.toy_chat(tok, functools.partial(ToolWorld, framing=SHORT, tools=None))
+    a = engine.rollout(model, chat, tasks, cfg, prompt_fn=lambda m: chat.latent_prompt(m, n)[0],
+                       embed_fn=inject.make_embed_fn(model, lat, [s for _, s in spans]))
+    b = engine.rollout(model, chat, tasks, cfg, prompt_fn=token_prompt)
     for ea, eb, (ids, _) in zip(a, b, spans):
         assert ea.ids[:ea.prompt_len] == ids
         assert ea.ids[ea.prompt_len:] == eb.ids[eb.prompt_len:] and ea.mask == eb.mask

@@ -22,6 +22,7 @@ import lopd  # noqa: E402
 import losses  # noqa: E402
 import retrieval  # noqa: E402
 import runtime  # noqa: E402
+import toy  # noqa: E402
 from composer import Composer, ComposerConfig  # noqa: E402
 
 J = 2                                           # experiences per task; K = 2 latents each -> 4 latent positions
@@ -31,7 +32,8 @@ SAMPLE = engine.SampleConfig(temperature=1.0, max_new_tokens=16, batch_size=8)
 
 @pytest.fixture(scope="module")
 def world(toy_backbone_dir):
-    """The backbone folder (conftest's), its tokenizer, train tasks, and a retriever over eight scripted episodes.
+    """The backbone folder (conftest's), its tokenizer and chat (the tool world, no tool schemas listed: the toy's),
+    train tasks, and a retriever over eight scripted episodes.
 
     Query vectors of every task are cached before any composer exists (as train.py does), so later retrieval never
     embeds through a backbone that carries the composer's LoRA."""
@@ -39,14 +41,14 @@ def world(toy_backbone_dir):
     tok = AutoTokenizer.from_pretrained(out)
     base = AutoModelForCausalLM.from_pretrained(out).eval()
     train, _ = envs.make_splits(seed=0, n_train=14, n_test=1)
-    entries = []
+    chat, entries = toy.toy_chat(tok), []
     for i, task in enumerate(train[:8]):
-        ep = engine.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task))
+        ep = engine.scripted_episode(chat, task, envs.oracle_calls(task))
         entries.append(retrieval.make_entry(task.task_id, task.text, ep.trace, ep.reward,
                                             {"schema": task.schema, "shop": task.shop, "episode": i}))
     ret = retrieval.Retriever(entries, retrieval.Embedder.from_model(base, tok, pooling="mean"))
     ret.cache_queries([t.task_id for t in train], [t.text for t in train])
-    return dict(path=out, tok=tok, train=train, retriever=ret)
+    return dict(path=out, tok=tok, chat=chat, train=train, retriever=ret)
 
 
 def make_models(world, seed=0):
@@ -101,10 +103,9 @@ def setup_step(world, seed=0, tasks=None, lr=1e-3, freeze=False, perturb_c0=0.0)
 
 
 def run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=0, **cfg):
-    cfg = lopd.LOPDConfig(**{"n_ret": J, "top_m": 5, "micro_batch": 3, **cfg})
+    cfg = lopd.LOPDConfig(**{"n_ret": J, "top_m": 5, "micro_batch": 3, "sample": SAMPLE, **cfg})
     torch.manual_seed(rng_seed)
-    return lopd.lopd_step(student, comp, world["tok"], tasks, world["retriever"], c0, beta, opts, cfg, SAMPLE,
-                          envs.ToolWorld, None)
+    return lopd.lopd_step(student, comp, world["chat"], tasks, world["retriever"], c0, beta, opts, cfg)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -123,8 +124,7 @@ def test_pack_puts_continuation_token_t_in_column_P_plus_t():
 def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
     """Batched, padded scoring = each episode scored alone, at every continuation position, for both models."""
     tok, student, comp = world["tok"], *make_models(world)
-    all_eps = [engine.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t))
-               for t in world["train"]]
+    all_eps = [engine.scripted_episode(world["chat"], t, envs.oracle_calls(t)) for t in world["train"]]
     eps, lengths = [], {7}                      # four different continuation lengths, one of them cut short
     for e in all_eps:
         if len(e.ids) - e.prompt_len not in lengths and len(eps) < 4:
@@ -135,8 +135,7 @@ def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
     assert len({e.prompt_len for e in eps}) > 1 and len({len(e.ids) - e.prompt_len for e in eps}) == 4
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))    # (B, J·K, d)
-        ls, lt, ids, omega = lopd.student_teacher_logits(student, comp, tok, eps, latents, envs.ToolWorld,
-                                                         None)
+        ls, lt, ids, omega = lopd.student_teacher_logits(student, comp, world["chat"], eps, latents)
         for i, e in enumerate(eps):
             cont = e.ids[e.prompt_len:]
             n = len(cont)
@@ -273,9 +272,9 @@ def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(w
     free memory leaves (about two entries' tokens): the same loss and the same gradient of ψ and χ."""
     import argparse
     import train
-    tok, ret = world["tok"], world["retriever"]
+    chat, ret = world["chat"], world["retriever"]
     tasks = {t.task_id: t for t in world["train"]}
-    episodes = [engine.scripted_episode(tok, envs.ToolWorld(), t, envs.oracle_calls(t)) for t in world["train"][:8]]
+    episodes = [engine.scripted_episode(chat, t, envs.oracle_calls(t)) for t in world["train"][:8]]
     entries = ret.bank[:4]
     longest = max(len(episodes[e["meta"]["episode"]].ids) for e in entries)
     config = AutoModelForCausalLM.from_pretrained(world["path"]).config
@@ -288,9 +287,8 @@ def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(w
     out = []
     for token_budget in (0, budget):
         _, comp = make_models(world, seed=2)
-        args = argparse.Namespace(n_ret=J, retrieval="same", token_budget=token_budget, loss_chunk=0,
-                                  enable_thinking=False)
-        loss = train.cold_start_step(args, comp, tok, ret, episodes, tasks, entries, envs.ToolWorld)
+        args = argparse.Namespace(n_ret=J, retrieval="same", token_budget=token_budget, loss_chunk=0)
+        loss = train.cold_start_step(args, comp, chat, ret, episodes, tasks, entries)
         out.append((loss, [p.grad.clone() for p in comp.trainable_parameters()]))
     (l0, g0), (l1, g1) = out
     assert len(engine.micro_batches([episodes[e["meta"]["episode"]] for e in entries], 4, budget)) > 1

@@ -9,6 +9,8 @@ difference; resume with an uninterrupted run.
 Each test names the break it catches (a change to the guarded code under which it fails).
 """
 import copy
+import functools
+import inspect
 import json
 import os
 import sys
@@ -30,6 +32,7 @@ import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
 import runtime  # noqa: E402
+import toy  # noqa: E402
 import train  # noqa: E402
 from test_lopd import J, make_models, record_grads, run_step, world  # noqa: E402,F401  (world: fixture)
 
@@ -68,7 +71,7 @@ def reference_grads(student, comp, world, tasks, eps, fn):
     with torch.no_grad():
         ls, ids, omega = engine.student_logits(student, world["tok"], eps, "cpu")              # (B, Tc, V)
     latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))         # (B, J·K, d)
-    lt = lopd.teacher_logits(comp, world["tok"], eps, latents, envs.ToolWorld, None)   # (B, Tc, V)
+    lt = lopd.teacher_logits(comp, world["chat"], eps, latents)                        # (B, Tc, V)
     value = fn(ls, lt, ids, omega)
     return value, torch.autograd.grad(value, comp.trainable_parameters(), allow_unused=True)
 
@@ -125,7 +128,7 @@ def test_composer_gradient_is_the_distillation_kl_through_the_teacher(world, two
         with torch.no_grad():
             q.view(-1)[k] += sign * h
             latents = lopd.compose(r["comp"], tasks, lopd.retrieve(world["retriever"], tasks, J))
-            lt = lopd.teacher_logits(r["comp"], world["tok"], r["eps"], latents, envs.ToolWorld, None)
+            lt = lopd.teacher_logits(r["comp"], world["chat"], r["eps"], latents)
             ls, ids, om = engine.student_logits(r["student"], world["tok"], r["eps"], "cpu")
             vals.append(ref_distill(ls, lt, ids, om, 5).item())
             q.copy_(saved)                                                # exactly back (two_betas is shared)
@@ -223,6 +226,13 @@ def joint_run(world, out, method, steps, resume=False):
     return run
 
 
+def beta_of(fn, args, kwargs):
+    """β of one call fn(*args, **kwargs) of losses.lopd_objective: its Eq13's, however it was passed."""
+    call = inspect.signature(fn).bind(*args, **kwargs)
+    call.apply_defaults()
+    return call.arguments["eq"].beta
+
+
 @pytest.fixture(scope="module")
 def lopd_spied(world, tmp_path_factory):
     """A two-step LOPD run with a spy on losses.lopd_objective: each call's β and returned (loss, metrics)."""
@@ -230,7 +240,7 @@ def lopd_spied(world, tmp_path_factory):
 
     def spy(*args, **kwargs):
         loss, m = real(*args, **kwargs)
-        calls.append(dict(beta=args[5], loss=loss.item(), **m))
+        calls.append(dict(beta=beta_of(real, args, kwargs), loss=loss.item(), **m))
         return loss, m
 
     out = tmp_path_factory.mktemp("lopd") / "a"
@@ -339,11 +349,12 @@ def test_sdpo_step_moves_the_ema_teacher_towards_the_updated_student(world):
             p.add_(0.1 * torch.randn(p.shape, generator=g))
     before = [p.detach().clone() for p in ema.parameters()]
     s_before = [p.detach().clone() for p in student.parameters()]
-    cfg = baselines.BaselineConfig(group=4, ema_rate=0.3, success=0.5, context="span")
+    cfg = baselines.BaselineConfig(group=4, ema_rate=0.3, success=0.5, context="span",
+                                   sample=engine.SampleConfig(temperature=1.0, max_new_tokens=12))
+    chat = toy.toy_chat(world["tok"], functools.partial(HashWorld, tools=None))
     torch.manual_seed(0)
-    m, _ = baselines.sdpo_step(student, ema, world["tok"], world["train"][:1], torch.optim.AdamW(student.parameters(),
-                          lr=1e-2), cfg, engine.SampleConfig(temperature=1.0, max_new_tokens=12), HashWorld,
-                          None)
+    m, _ = baselines.sdpo_step(student, ema, chat, world["train"][:1], torch.optim.AdamW(student.parameters(), lr=1e-2),
+                               cfg)
     assert m["context/rows"] > 0 and m["skipped"] == 0
     assert any(not torch.equal(p, q) for p, q in zip(student.parameters(), s_before))   # θ moved
     for t, t0, s in zip(ema.parameters(), before, student.parameters()):
@@ -357,7 +368,7 @@ def test_vanilla_and_teacher_rows_are_the_pure_base(world):
     """With a non-zero composer LoRA: eval_vanilla = the pure base's rollout, eval_teacher = the pure base behind
     the same latents, each from the same sampling seed; the same rollouts WITH the LoRA differ, so a leaked
     adapter would show (break: adapter_disabled() dropped in eval_vanilla or teacher_rollout)."""
-    tok, tasks = world["tok"], world["train"][8:11]
+    tok, chat, tasks = world["tok"], world["chat"], world["train"][8:11]
     _, comp = make_models(world)
     pure = AutoModelForCausalLM.from_pretrained(world["path"]).eval()   # θ̄, no adapter anywhere
     cfg = engine.SampleConfig(temperature=1.0, max_new_tokens=12, batch_size=8)
@@ -366,21 +377,19 @@ def test_vanilla_and_teacher_rows_are_the_pure_base(world):
         torch.manual_seed(seed)
         return [e.ids for e in fn()]
 
-    vanilla = ids(lambda: train.eval_vanilla(comp, tok, tasks, cfg, envs.ToolWorld, None))
-    assert vanilla == ids(lambda: engine.rollout(pure, tok, tasks, cfg, envs.ToolWorld, None))
-    assert vanilla != ids(lambda: engine.rollout(comp.peft, tok, tasks, cfg, envs.ToolWorld, None))   # leaked
+    vanilla = ids(lambda: train.eval_vanilla(comp, chat, tasks, cfg))
+    assert vanilla == ids(lambda: engine.rollout(pure, chat, tasks, cfg))
+    assert vanilla != ids(lambda: engine.rollout(comp.peft, chat, tasks, cfg))   # leaked
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))     # (B, J·K, d)
     n, framing = latents.shape[1], envs.ToolWorld().framing
     starts = [inject.latent_prompt_ids(tok, envs.ToolWorld().reset(t), n, framing, None)[1] for t in tasks]
-    prompt_fn = inject.latent_prompt_fn(n, framing, None)
+    prompt_fn = lambda msgs: inject.latent_prompt_ids(tok, msgs, n, framing, None)[0]   # noqa: E731
 
     def behind_latents(model):
-        return lambda: engine.rollout(model, tok, tasks, cfg, envs.ToolWorld, None, prompt_fn,
-                                    inject.make_embed_fn(model, latents, starts))
+        return lambda: engine.rollout(model, chat, tasks, cfg, prompt_fn, inject.make_embed_fn(model, latents, starts))
 
-    teacher = ids(lambda: train.eval_teacher(comp, world["retriever"], tok, tasks, cfg, envs.ToolWorld, J,
-                                                  None))
+    teacher = ids(lambda: train.eval_teacher(comp, world["retriever"], chat, tasks, cfg, J))
     assert teacher == ids(behind_latents(pure))
     assert teacher != ids(behind_latents(comp.peft))                    # the LoRA left on while acting
     assert teacher != vanilla                                           # the latents change what θ̄ does
@@ -399,18 +408,17 @@ def test_behaviour_metrics_on_scripted_episodes(world):
                                                        "add_order")
     first = len(tok(envs.format_call(*find), add_special_tokens=False)["input_ids"]) + 1   # + end of turn
     # the procedure, the lookup repeated twice in a three-call reply: 6 replies ("Task Completed" last), 7 calls
-    a = engine.scripted_episode(tok, envs.ToolWorld(), task, [find, [verify, find, find], find_order, cancel, add],
-                              None)
+    a = engine.scripted_episode(world["chat"], task, [find, [verify, find, find], find_order, cancel, add])
     want_a = {"reward": 1.0, "steps": 6, "calls_per_step": 7 / 6, "first_len": first, "repeated_calls": 2,
               "reward_per_call": 1 / 7, "full_pass": 1.0}
     # lookups only, one of another account (other arguments: not a repeat): 5 replies, 4 calls, nothing written
     other = ("find_customer", {"account": "nobody"})
-    b = engine.scripted_episode(tok, envs.ToolWorld(), task, [find, find, other, find], None)
+    b = engine.scripted_episode(world["chat"], task, [find, find, other, find])
     want_b = {"reward": 0.0, "steps": 5, "calls_per_step": 0.8, "first_len": first, "repeated_calls": 2,
               "reward_per_call": 0.0, "full_pass": 0.0}
     # cut by the world's 3-step limit before add_order: 3 replies, 4 calls, half the checklist done
-    c = engine.scripted_episode(tok, envs.ToolWorld(max_steps=3), task, [find, verify, [find_order, cancel], add],
-                              None)
+    short = toy.toy_chat(tok, lambda: envs.ToolWorld(max_steps=3, tools=None))
+    c = engine.scripted_episode(short, task, [find, verify, [find_order, cancel], add])
     want_c = {"reward": 0.5, "steps": 3, "calls_per_step": 4 / 3, "first_len": first, "repeated_calls": 0,
               "reward_per_call": 0.125, "full_pass": 0.0}
     for ep, want in ((a, want_a), (b, want_b), (c, want_c)):

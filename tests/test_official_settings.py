@@ -28,8 +28,8 @@ def bf_distill_per_trajectory(s, te, mask, m):
 
 def distill(kl_per, s, te, ids, mask, **kw):
     rewards = torch.ones(s.shape[0])
-    return losses.lopd_objective(s, te, ids, mask, rewards, 0.0, 0.0, None, None, 0.0, top_m=M, kl_per=kl_per,
-                                 **kw)[1]["loss/distill"]
+    eq = losses.Eq13(0.0, 0.0, 0.0, M, kl_per=kl_per, **kw)                # β = m = λ = 0, no latents
+    return losses.lopd_objective(s, te, ids, mask, rewards, None, eq)[1]["loss/distill"]
 
 
 def test_kl_per_trajectory_is_the_mean_of_each_trajectorys_mean():
@@ -51,15 +51,14 @@ def test_kl_per_trajectory_chunked_equals_the_reference_in_value_and_gradient():
         leaves = [x[k] for k in ("h_s", "h_t", "w_s", "w_t")]
         for p in leaves:
             p.grad = None
-        rest = (x["ids"], x["mask"], x["rewards"], 0.7, 0.05, x["c"], x["c0"], 0.2, 5, None, "trajectory", None)
+        eq = losses.Eq13(0.7, 0.05, 0.2, 5, "trajectory", kl_per="trajectory")
+        rest = (x["ids"], x["mask"], x["rewards"], (x["c"], x["c0"]), eq)
         if fused:
             heads = ((x["w_s"], x["b_s"]), (x["w_t"], None), (x["w_t"], None))
-            loss, _ = losses.lopd_objective_from_hidden(x["h_s"], x["h_t"], heads, *rest, chunk=2,
-                                                        kl_per="trajectory")
+            loss, _ = losses.lopd_objective_from_hidden(x["h_s"], x["h_t"], heads, *rest, chunk=2)
         else:
             f = torch.nn.functional.linear
-            loss, _ = losses.lopd_objective(f(x["h_s"], x["w_s"], x["b_s"]), f(x["h_t"], x["w_t"]), *rest,
-                                            kl_per="trajectory")
+            loss, _ = losses.lopd_objective(f(x["h_s"], x["w_s"], x["b_s"]), f(x["h_t"], x["w_t"]), *rest)
         loss.backward()
         out.append((loss.detach(), [p.grad.clone() for p in leaves]))
     (l0, g0), (l1, g1) = out

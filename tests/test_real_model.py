@@ -6,7 +6,8 @@ vocabulary, a ChatML template that ignores `tools=`), built once from the GGUF i
 the two worlds at once as subprocesses (one thread each, both cores). The tool world's prompt is ~1,100 tokens: the
 A.5 system prompt and the nine tool schemas that the template would have dropped. What this tier guards: the tools
 reach the prompt of a template that ignores them, the pipeline loads and saves a real Llama checkpoint, and a code
-run's tables say pass@1. Whether SmolLM2 solves anything is not tested (it does not: README gives its figures)."""
+run's tables say pass@1. Whether SmolLM2 solves anything is not tested (it does not: docs/real-models.md, "A real
+pretrained model on CPU" gives its figures)."""
 import json
 import os
 import subprocess

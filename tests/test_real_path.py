@@ -30,7 +30,8 @@ CFG = ComposerConfig(n_latents=2, n_layers=1)
 
 
 def toy_world():
-    return envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)
+    """The toy's prompts: short system prompt and framing, no tool schemas listed."""
+    return envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING, tools=None)
 
 
 def tiny_qwen3(tok, seed=0):
@@ -70,30 +71,30 @@ def models(tok, ckpt: bool, student_kind: str):
 @pytest.fixture(scope="module")
 def world():
     tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))
-    tasks = envs.make_splits(0, 3, 1)[0]
-    eps = [engine.scripted_episode(tok, toy_world(), t, envs.oracle_calls(t)) for t in tasks]
+    tasks, chat = envs.make_splits(0, 3, 1)[0], toy.toy_chat(tok, toy_world)
+    eps = [engine.scripted_episode(chat, t, envs.oracle_calls(t)) for t in tasks]
     exps = [[{"task": t.text, "trace": e.trace}] * 2 for t, e in zip(tasks, eps[::-1])]
-    return dict(tok=tok, tasks=tasks, eps=eps, exps=exps)
+    return dict(tok=tok, chat=chat, tasks=tasks, eps=eps, exps=exps)
 
 
 def evaluation(comp, student, world):
     """What --eval-every runs between steps: the base (LoRA off), the student, and base + composer rollouts."""
     cfg = engine.SampleConfig(temperature=1.0, max_new_tokens=4)
     tasks = world["tasks"][:2]
-    train.eval_vanilla(comp, world["tok"], tasks, cfg, toy_world, None)
-    train.eval_student(student, world["tok"], tasks, cfg, toy_world, None)
+    train.eval_vanilla(comp, world["chat"], tasks, cfg)
+    train.eval_student(student, world["chat"], tasks, cfg)
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, world["exps"][:2])
-    lopd.teacher_rollout(comp, world["tok"], tasks, latents, cfg, toy_world)
+    lopd.teacher_rollout(comp, world["chat"], tasks, latents, cfg)
 
 
 def lopd_loss(student, comp, world):
     """eq. (13) on the scripted episodes: gradients reach θ through p_S and φ through p_T and the anchor."""
     latents = lopd.compose(comp, world["tasks"], world["exps"])                          # (B, J·K, d)
-    ls, lt, ids, omega = lopd.student_teacher_logits(student, comp, world["tok"], world["eps"], latents, toy_world)
+    ls, lt, ids, omega = lopd.student_teacher_logits(student, comp, world["chat"], world["eps"], latents)
     rewards = torch.tensor([1.0, 0.0, 1.0])
-    return losses.lopd_objective(ls, lt, ids, omega, rewards, 0.3, 0.05, latents, latents.detach() + 0.01, 0.2,
-                                 top_m=5)[0]
+    return losses.lopd_objective(ls, lt, ids, omega, rewards, (latents, latents.detach() + 0.01),
+                                 losses.Eq13(0.3, 0.05, 0.2, top_m=5))[0]
 
 
 def grads(student, comp):
@@ -113,12 +114,16 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
     train.fit_context(args, model)                                       # 40,960 > the model's 2,048 positions
     assert args.max_len == model.config.max_position_embeddings == 2048 and "2048" in capsys.readouterr().out
     assert args.max_new_tokens == 1024                                   # and 10,000-token replies would not fit
-    make_env = train.env_factory(args)
-    cfg = train.sample_config(args)
+    make_env, cfg = train.env_factory(args), train.sample_config(args)
+
+    def without_tools():
+        """No tool list: this toy template ignores tools=, and the 1,800-token list (inject.tools_block) would fill
+        the 2,048 positions; the toy backbone knows its tools from its demonstrations."""
+        env = make_env()
+        env.tools = None
+        return env
     torch.manual_seed(0)
-    # no tool list: this toy template ignores tools=, and the 1,800-token list (inject.tools_block) would fill the
-    # 2,048 positions; the toy backbone knows its tools from its demonstrations
-    eps = engine.rollout(model, tok, envs.make_splits(0, 1, 4)[1], cfg, make_env, None)
+    eps = engine.rollout(model, engine.Chat(tok, without_tools), envs.make_splits(0, 1, 4)[1], cfg)
     assert max(e.steps for e in eps) == 3                                # --max-env-steps, not one reply
     for e in eps:
         assert len(e.ids) <= cfg.max_len

@@ -76,7 +76,8 @@ def test_rollout_omega_covers_exactly_the_sampled_tokens(backbone):
     model, tok, _ = backbone
     _, test = envs.make_splits(seed=0, n_train=10, n_test=12)
     torch.manual_seed(0)
-    eps = engine.rollout(model, tok, test, engine.SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=5))
+    eps = engine.rollout(model, toy.toy_chat(tok), test,
+                         engine.SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=5))
     assert max(e.steps for e in eps) >= 2                               # multi-turn episodes occur
     for ep in eps:
         segs = _segments(ep)
@@ -98,7 +99,8 @@ def test_rescoring_recorded_ids_matches_sampling_logprobs(backbone):
     model, tok, _ = backbone
     _, test = envs.make_splits(seed=0, n_train=10, n_test=6)
     torch.manual_seed(1)
-    eps = engine.rollout(model, tok, test, engine.SampleConfig(temperature=0.7, max_new_tokens=32, batch_size=6))
+    eps = engine.rollout(model, toy.toy_chat(tok), test,
+                         engine.SampleConfig(temperature=0.7, max_new_tokens=32, batch_size=6))
     for ep in eps:
         ids = torch.tensor([ep.ids])                                     # (1, T)
         with torch.no_grad():
@@ -113,7 +115,7 @@ def test_rescoring_recorded_ids_matches_sampling_logprobs(backbone):
 def test_scripted_episode_uses_the_same_bookkeeping(backbone):
     _, tok, _ = backbone
     task = envs.make_splits(seed=2, n_train=1, n_test=1)[0][0]
-    ep = engine.scripted_episode(tok, envs.ToolWorld(), task, envs.oracle_calls(task))
+    ep = engine.scripted_episode(toy.toy_chat(tok), task, envs.oracle_calls(task))
     assert ep.reward == 1.0 and ep.steps == len(envs.oracle_calls(task)) + 1
     rendered = tok.decode(ep.ids)
     assert rendered.endswith("Task Completed<|im_end|>") and rendered.count("<tool_call>") == ep.tool_calls
@@ -193,13 +195,13 @@ def test_cached_turns_give_the_ids_of_generating_each_whole_conversation(backbon
     model, tok, _ = backbone
     tasks = envs.make_splits(0, n_train=24, n_test=0)[0]
     cfg = engine.SampleConfig(temperature=temperature, max_new_tokens=24, max_len=400, batch_size=10)
-    make_env = lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6)   # noqa: E731
+    chat = toy.toy_chat(tok, lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6, tools=None))
     torch.manual_seed(0)
-    got = engine.rollout(model, tok, tasks, cfg, make_env)
+    got = engine.rollout(model, chat, tasks, cfg)
     torch.manual_seed(0)
     with monkeypatch.context() as m:
         m.setattr(engine, "generate_replies", lambda mdl, t, ctx, c, **_: bench.generate_whole(mdl, t, ctx, c))
-        want = engine.rollout(model, tok, tasks, cfg, make_env)
+        want = engine.rollout(model, chat, tasks, cfg)
     assert sum(e.steps for e in got) > 2 * len(tasks)                  # several turns: the caches were reused
     for a, b in zip(got, want):
         assert a.ids == b.ids and a.mask == b.mask
@@ -211,13 +213,13 @@ def test_the_shared_prefix_is_computed_once_and_turns_feed_only_new_tokens(backb
     model, tok, _ = backbone
     tasks = envs.make_splits(0, n_train=8, n_test=0)[0]
     cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=24, max_len=400, batch_size=8)
-    make_env = lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6)   # noqa: E731
+    chat = toy.toy_chat(tok, lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6, tools=None))
     fed = []
     real = engine.Conversations.forward
     monkeypatch.setattr(engine.Conversations, "forward",
                         lambda self, ids=None, embeds=None: fed.append(int(self.mask[:, -ids.shape[1]:].sum()))
                         or real(self, ids, embeds))
-    eps = engine.rollout(model, tok, tasks, cfg, make_env)
+    eps = engine.rollout(model, chat, tasks, cfg)
     prompts = [e.ids[:e.prompt_len] for e in eps]
     shared = next(i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1)
     assert shared > 10                                                  # the toy's system prompt

@@ -80,7 +80,13 @@ def test_real_models_think_by_default_with_the_papers_budgets(tmp_path):
     assert real.max_new_tokens == 10000 and train.thinks_by_default(real, qwen3)
     assert not train.thinks_by_default(real, plain)                     # SmolLM2's template has no switch
     off = train.parse_args(["--model", str(folder), "--out", str(tmp_path / "r"), "--no-thinking"])
-    assert not train.thinks_by_default(off, qwen3)
+    assert real.thinking is None and off.thinking is False             # None: load_backbone decides
+    template = tmp_path / "qwen3.jinja"                                 # a template with the switch
+    template.write_text(qwen3.chat_template)
+    for a, want in ((real, True), (off, False)):                        # --no-thinking is kept as given
+        a.chat_template = str(template)
+        train.load_backbone(a, "cpu", torch.float32)
+        assert a.thinking is want
     toy_args = train.parse_args(["--out", str(tmp_path / "t")])
     assert toy_args.max_new_tokens == 64 and not train.thinks_by_default(toy_args, qwen3)
     code = train.parse_args(["--model", str(folder), "--env", "code", "--out", str(tmp_path / "c")])
@@ -143,7 +149,8 @@ def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
         seen.append(sorted(rows))
         return model.get_input_embeddings()(ids)
     cfg = engine.SampleConfig(max_new_tokens=6, batch_size=2, temperature=0.0, sort_by_length=True)
-    eps = engine.rollout(model, tok, tasks, cfg, lambda: envs.ToolWorld(max_steps=1), None, embed_fn=embed_fn)
+    chat = engine.Chat(tok, lambda: envs.ToolWorld(max_steps=1, tools=None))
+    eps = engine.rollout(model, chat, tasks, cfg, embed_fn=embed_fn)
     assert [e.task for e in eps] == tasks                                   # task order, whatever the batches
     by_length = sorted(range(6), key=lambda i: len(tasks[i].text))
     assert seen[0] == sorted(by_length[:2]) and by_length != list(range(6))

@@ -22,16 +22,16 @@ def test_the_pages_kl_terms_add_up_to_the_logged_distillation_loss(world):
     student, comp = make_models(world, seed=1)
     tasks = world["train"][6:10]
     torch.manual_seed(3)
-    eps = engine.rollout(student, world["tok"], tasks, SAMPLE)
+    eps = engine.rollout(student, world["chat"], tasks, SAMPLE)
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))          # (B, J·K, d)
         c0 = latents.clone()
         cfg = lopd.LOPDConfig(n_ret=J, top_m=5)
         n_tokens = sum(sum(e.mask) for e in eps)
-        _, logged = lopd.micro_batch_objective(student, comp, world["tok"], eps, latents, c0,
-                                               torch.tensor([e.reward for e in eps]), 0.3, 0.05, n_tokens,
-                                               len(eps), cfg, envs.ToolWorld, None, False)   # what lopd_step logs
-    terms = show.episode_terms(student, comp, world["tok"], eps, latents, envs.ToolWorld, None, top_m=5)
+        _, logged = lopd.micro_batch_objective(student, comp, world["chat"], eps, (latents, c0),
+                                               torch.tensor([e.reward for e in eps]), cfg.eq13(0.3, n_tokens, len(eps)),
+                                               cfg)                                          # what lopd_step logs
+    terms = show.episode_terms(student, comp, world["chat"], eps, latents, top_m=5)
     kl = [x["kl"] for t in terms for x in t["tokens"] if x["omega"]]
     assert len(kl) == n_tokens and logged["loss/distill"] > 0
     assert sum(kl) / n_tokens == pytest.approx(logged["loss/distill"], rel=1e-5)

@@ -268,8 +268,8 @@ def test_rollout_hands_the_tokenizers_parser_to_the_environment(tok, monkeypatch
                         [(list(reply), [0.0] * len(reply), True) for _ in contexts])
     task = envs.make_splits(0, n_train=1, n_test=0)[0][0]
     cfg = engine.SampleConfig(max_new_tokens=4)
-    run = lambda: engine.rollout(torch.nn.Linear(1, 1), tok, [task], cfg,  # noqa: E731
-                               lambda: envs.ToolWorld(max_steps=1))[0]
+    chat = engine.Chat(tok, lambda: envs.ToolWorld(max_steps=1, tools=None))
+    run = lambda: engine.rollout(torch.nn.Linear(1, 1), chat, [task], cfg)[0]   # noqa: E731
     assert run().tool_calls == 0
     monkeypatch.setattr(tok, "response_template", spec, raising=False)
     assert run().tool_calls == 1
