@@ -166,7 +166,7 @@ class TextTeacher:
 
 def _text_teacher_logits(teacher: TextTeacher, chat, eps, texts, where, device):
     """The teacher re-scores the student's ids behind its text context (one text per episode). -> (B, Tc, V)"""
-    prefixes = [chat.context_prompt(chat.messages(e.task), x, teacher.template, where) for e, x in zip(eps, texts)]
+    prefixes = [chat.context_prompt(*chat.begin(e.task), x, teacher.template, where) for e, x in zip(eps, texts)]
     with torch.no_grad():
         return engine.continuation_logits(teacher.model, chat.tokenizer, prefixes, eps, device)[0]   # (B, Tc, V)
 

@@ -433,14 +433,14 @@ def cold_start_loss(composer: Composer, batch, latents, n_tokens=None, head=None
 
 def cold_start_batch(chat, episodes, n_latents: int):
     """Right-padded tensors for `cold_start_loss`: each episode's prompt is swapped for its latent prompt
-    (chat: engine.Chat, whose `latent_prompt` renders it from the episode's task).
+    (chat: engine.Chat, whose `latent_prompt` renders it from the episode's task, `begin`).
 
     episodes: `engine.Episode`s whose ids after `prompt_len` (replies and observations) and ω are kept as they are,
     never re-tokenized. Returns ids (B, T), attention_mask (B, T), omega (B, T) float, starts (B,).
     """
     rows, omegas, starts = [], [], []
     for ep in episodes:
-        prompt, s = chat.latent_prompt(chat.messages(ep.task), n_latents)
+        prompt, s = chat.latent_prompt(*chat.begin(ep.task), n_latents)
         rows.append(prompt + list(ep.ids[ep.prompt_len:]))
         omegas.append([0] * len(prompt) + list(ep.mask[ep.prompt_len:]))
         starts.append(s)

@@ -65,11 +65,13 @@ def prompt_ids(tokenizer, messages, tools=None, enable_thinking=False) -> list[i
 _MARK = "\x00REPLY\x00"
 
 
-def observation_text(tokenizer, results, enable_thinking=False) -> str:
+def observation_text(tokenizer, results, enable_thinking=False, user: str | None = None) -> str:
     """The template's text between the end of a reply (after its end-of-turn token) and the next reply: the tool
-    messages plus the next assistant header. Found by rendering a dummy conversation and cutting after the reply."""
+    messages, then the next user message where the reply ended a turn of a multi-turn task (`StepResult.user`),
+    plus the next assistant header. Found by rendering a dummy conversation and cutting after the reply."""
     msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
     msgs += [{"role": "tool", "content": r} for r in results]
+    msgs += [] if user is None else [{"role": "user", "content": user}]
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=enable_thinking)
     cut = _MARK + tokenizer.eos_token
@@ -78,8 +80,9 @@ def observation_text(tokenizer, results, enable_thinking=False) -> str:
     return text[text.index(cut) + len(cut):]
 
 
-def observation_ids(tokenizer, results, enable_thinking=False) -> list[int]:
-    return tokenizer(observation_text(tokenizer, results, enable_thinking), add_special_tokens=False)["input_ids"]
+def observation_ids(tokenizer, results, enable_thinking=False, user: str | None = None) -> list[int]:
+    return tokenizer(observation_text(tokenizer, results, enable_thinking, user),
+                     add_special_tokens=False)["input_ids"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -89,38 +92,40 @@ def observation_ids(tokenizer, results, enable_thinking=False) -> list[int]:
 class Chat:
     """Everything a prompt is rendered from, made once per run (train.py `chat_of`): the tokenizer, the
     environment factory (called for a fresh environment per episode), `thinking` (the chat template's Qwen3 thinking
-    mode), and what an instance of the environment says about its prompts: its tools' JSON schemas for the template
-    (None: not listed) and the framing around the teacher's latent block (A.5). The project's three prompts:
+    mode) and the framing around the teacher's latent block (A.5), read off one instance. The tools (JSON schemas
+    for the template, or None) come with each task's first messages (`begin`): a world may list different tools per
+    task (BFCL, EnvScaler). The project's three prompts:
 
-        prompt(messages)                       the task alone: the student's (eq. 1)
-        latent_prompt(messages, n)             n placeholder ids where c_φ goes: the teacher's (eq. 17), and where
-        context_prompt(messages, text, ...)    a trajectory as text: OPSD's and SDPO's teachers (baselines.py)
+        prompt(messages, tools)                      the task alone: the student's (eq. 1)
+        latent_prompt(messages, tools, n)            n placeholder ids where c_φ goes: the teacher's (eq. 17)
+        context_prompt(messages, tools, text, ...)   a trajectory as text: OPSD's and SDPO's teachers (baselines.py)
     """
     tokenizer: object
     make_env: object = ToolWorld           # () -> a fresh Environment
     thinking: bool = False
-    tools: list | None = field(init=False, default=None)
     framing: tuple = field(init=False, default=())
 
     def __post_init__(self):
-        probe = self.make_env()            # read once: every environment of the run has the same prompts
-        self.tools, self.framing = probe.tools, probe.framing
+        self.framing = self.make_env().framing   # read once: every environment of a run frames latents alike
 
-    def messages(self, task) -> list[dict]:
-        """The task's first chat messages (system, user), from a fresh environment."""
-        return self.make_env().reset(task)
+    def begin(self, task) -> tuple[list[dict], list | None]:
+        """The task's first chat messages (system, user) and the tools its environment lists, from a fresh one."""
+        env = self.make_env()
+        messages = env.reset(task)
+        return messages, env.tools
 
-    def prompt(self, messages) -> list[int]:
-        return prompt_ids(self.tokenizer, messages, self.tools, self.thinking)
+    def prompt(self, messages, tools) -> list[int]:
+        return prompt_ids(self.tokenizer, messages, tools, self.thinking)
 
-    def observation(self, results) -> list[int]:
-        return observation_ids(self.tokenizer, results, self.thinking)
+    def observation(self, results, user: str | None = None) -> list[int]:
+        """The ids between one reply and the next: tool results, then a user message where a turn ended."""
+        return observation_ids(self.tokenizer, results, self.thinking, user)
 
-    def latent_prompt(self, messages, n: int) -> tuple[list[int], int]:
+    def latent_prompt(self, messages, tools, n: int) -> tuple[list[int], int]:
         """(ids, start): the prompt with n placeholder ids at ids[start:start + n] (inject.latent_prompt_ids)."""
-        return inject.latent_prompt_ids(self.tokenizer, messages, n, self.framing, self.tools, self.thinking)
+        return inject.latent_prompt_ids(self.tokenizer, messages, n, self.framing, tools, self.thinking)
 
-    def context_prompt(self, messages, text: str, template: str, where: str) -> list[int]:
+    def context_prompt(self, messages, tools, text: str, template: str, where: str) -> list[int]:
         """The prompt with a trajectory as TEXT, where LOPD's teacher has latents (OPSD, SDPO).
 
         where="system": template.format(text=text) is appended to the system message; "user": to the first user
@@ -128,12 +133,12 @@ class Chat:
         go. The toy backbone learned to read a reference only there (toy.py, "in-context reading")."""
         if where == "span":
             ref = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids, s = self.latent_prompt(messages, len(ref))
+            ids, s = self.latent_prompt(messages, tools, len(ref))
             return ids[:s] + ref + ids[s + len(ref):]
         msgs = [dict(m) for m in messages]
         i = next(k for k, m in enumerate(msgs) if m["role"] == {"system": "system", "user": "user"}[where])
         msgs[i]["content"] += ("\n\n" if where == "system" else "") + template.format(text=text)
-        return self.prompt(msgs)
+        return self.prompt(msgs, tools)
 
 
 def reply_ids(tokenizer, text: str) -> list[int]:
@@ -187,8 +192,8 @@ def summarize_all(episodes) -> dict:
     return _mean_rows(runtime.gather([e.metrics() for e in episodes]))
 
 
-def _record_step(ep: Episode, env: Environment, reply: str, n_new: int) -> list[str]:
-    """Execute one reply in the environment and update the episode's counts; returns the observations."""
+def _record_step(ep: Episode, env: Environment, reply: str, n_new: int):
+    """Execute one reply in the environment and update the episode's counts; returns its StepResult."""
     n_before = len(env.trace)
     return _count_step(ep, env, env.step(reply), n_before, n_new)
 
@@ -202,8 +207,8 @@ def _step_all(envs_, replies) -> list:
     return [env.step(reply) for env, reply in zip(envs_, replies)]
 
 
-def _count_step(ep: Episode, env: Environment, result, n_before: int, n_new: int) -> list[str]:
-    """Update the episode's counts from a step's result (the calls after env.trace[n_before]); -> observations."""
+def _count_step(ep: Episode, env: Environment, result, n_before: int, n_new: int):
+    """Update the episode's counts from a step's result (the calls after env.trace[n_before]); -> the result."""
     ep.steps += 1
     ep.first_len = ep.first_len or n_new
     for name, args, _ in env.trace[n_before:]:
@@ -213,7 +218,7 @@ def _count_step(ep: Episode, env: Environment, result, n_before: int, n_new: int
     ep.tool_calls += result.n_calls
     ep.errors += result.errors
     ep.done = result.done
-    return result.observations
+    return result
 
 
 def _finish(ep: Episode, env: Environment):
@@ -224,19 +229,19 @@ def _finish(ep: Episode, env: Environment):
 def scripted_episode(chat: Chat, task, calls, prompt_fn=None) -> Episode:
     """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one.
     calls: one (name, arguments) per reply, or a list of them for one reply with several (parallel) calls.
-    prompt_fn(messages) -> ids overrides the prompt, as in `rollout`."""
+    prompt_fn(messages, tools) -> ids overrides the prompt, as in `rollout`."""
     ep, env = Episode(task), chat.make_env()
     msgs = env.reset(task)
-    ep.add(prompt_fn(msgs) if prompt_fn else chat.prompt(msgs), sampled=False)
+    ep.add(prompt_fn(msgs, env.tools) if prompt_fn else chat.prompt(msgs, env.tools), sampled=False)
     ep.prompt_len = len(ep.ids)
     replies = ["\n".join(format_call(n, a) for n, a in (c if isinstance(c, list) else [c])) for c in calls]
     for reply in replies + [DONE_TEXT]:
         ids = reply_ids(chat.tokenizer, reply)
         ep.add(ids, sampled=True)
-        obs = _record_step(ep, env, reply, len(ids))
+        result = _record_step(ep, env, reply, len(ids))
         if ep.done:
             break
-        ep.add(chat.observation(obs), sampled=False)
+        ep.add(chat.observation(result.observations, result.user), sampled=False)
     _finish(ep, env)
     return ep
 
@@ -444,10 +449,11 @@ def eos_ids(model, tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] + [i for i in more if i != tokenizer.eos_token_id]
 
 
-def rollout(model, chat: Chat, tasks, cfg: SampleConfig, prompt_fn=None, embed_fn=None, progress=None) -> list[Episode]:
+def rollout(model, chat: Chat, tasks, cfg: SampleConfig, prompt_fn=None, embed_fn=None,
+            progress=None) -> list[Episode]:
     """Roll out one episode per task (eq. 1), batched across tasks, turn by turn.
 
-    prompt_fn(messages) -> ids overrides the prompt (the teacher's latent prompt, lopd.teacher_rollout);
+    prompt_fn(messages, tools) -> ids overrides the prompt (the teacher's latent prompt, lopd.teacher_rollout);
     embed_fn(ids, attention_mask, rows) then fills the placeholder span, where rows index `tasks`.
     cfg.sort_by_length: batches of tasks of similar length (less left padding); episodes come back in task order."""
     tokenizer, episodes = chat.tokenizer, [None] * len(tasks)
@@ -464,7 +470,7 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, prompt_fn=None, embed_f
         eps = [Episode(t) for t in chunk]
         for ep, env in zip(eps, envs):
             msgs = env.reset(ep.task)
-            ep.add(prompt_fn(msgs) if prompt_fn else chat.prompt(msgs), sampled=False)
+            ep.add(prompt_fn(msgs, env.tools) if prompt_fn else chat.prompt(msgs, env.tools), sampled=False)
             ep.prompt_len = len(ep.ids)
         # each conversation keeps its KV cache from turn to turn; embed_fn is told which tasks the rows are
         conv = Conversations(model, tokenizer, None if embed_fn is None else
@@ -480,11 +486,11 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, prompt_fn=None, embed_f
             for k, (i, (new, lp, finished)) in enumerate(zip(live, replies)):
                 ep, env = eps[i], envs[i]
                 ep.add(new, sampled=True, logps=lp)
-                obs = _count_step(ep, env, results[k], n_before[k], len(new))
+                result = _count_step(ep, env, results[k], n_before[k], len(new))
                 if ep.done or not finished:
                     _finish(ep, env)
                     continue
-                ep.add(chat.observation(obs), sampled=False)
+                ep.add(chat.observation(result.observations, result.user), sampled=False)
                 if len(ep.ids) + cfg.max_new_tokens > cfg.max_len:
                     _finish(ep, env)
         for j, ep in zip(which, eps):

@@ -46,8 +46,8 @@ The interface (`Environment`)
 Every attribute and method that lopd.py and train.py read of an environment is written down in `Environment`
 below, with a default wherever one is optional; a new world subclasses it and is run with
 `python train.py --env my_env.py:MyWorld` (docs/adding-an-environment.md walks through a 40-line example).
-The shipped worlds are named in `ENVS`: `tools` (this file) and `code` (code_env.py: TACO, LiveCodeBench,
-EvalPlus and the toy code world).
+The shipped worlds are named in `ENVS`: `tools` (this file), `code` (code_env.py: TACO, LiveCodeBench,
+EvalPlus and the toy code world) and `bfcl` (bfcl_env.py: BFCL-v3 multi-turn, the optional bfcl-eval tier).
 
 Deviations from the paper
 -------------------------
@@ -518,6 +518,7 @@ class StepResult:
     done: bool
     n_calls: int = 0
     errors: int = 0
+    user: str | None = None       # a multi-turn task's next user message, once a reply has ended a turn (BFCL)
 
 
 class Environment:
@@ -534,7 +535,8 @@ class Environment:
     # -- what the learner reads: prompts, tools, retrieval --------------------------------------------------------
     system_prompt: str = ""            # the first message (reset's to write; an empty one may be left out)
     framing: tuple = inject.AGENTIC_FRAMING   # the words before and after the teacher's latent block (A.5)
-    tools: list | None = None          # JSON schemas for the chat template (`tools=`); None: no tools are listed
+    tools: list | None = None          # JSON schemas for the chat template (`tools=`); None: no tools are listed.
+    #                                    A world whose tasks list their own tools sets them in reset (BFCL)
     retrieval_instruction: str = retrieval.DEFAULT_INSTRUCTION   # the retriever's query prompt (eq. 15)
     parallel_steps: bool = False       # True: a batch's step() calls run in threads (CodeWorld: one sandbox each)
     response_template: dict | None = None   # the tokenizer's reply parser; engine.rollout sets it where there is one
@@ -599,7 +601,7 @@ class Environment:
 
 # The shipped worlds by --env name. Any other world is --env FILE.py:CLASS (or module:CLASS), a subclass of
 # Environment in the user's own file: `environment_class` loads both the same way.
-ENVS = {"tools": "envs:ToolWorld", "code": "code_env:CodeWorld"}
+ENVS = {"tools": "envs:ToolWorld", "code": "code_env:CodeWorld", "bfcl": "bfcl_env:BFCLWorld"}
 
 
 @functools.lru_cache(maxsize=None)

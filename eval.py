@@ -274,6 +274,45 @@ def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict
     return rows
 
 
+def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]:
+    """The run's student on BFCL-v3 multi-turn (bfcl_env.py): per category BFCL's accuracy (every turn passes its
+    checker) and the mean fraction of turns passed (the training reward), then their mean over the categories as
+    BFCL averages them. The run's own sampling and budgets. Prints the table and writes OUT/bfcl.json."""
+    import bfcl_env
+    model, tok, name = load_eval_student(args)
+    cfg, rows = train.sample_config(args, temperature), []
+    for cat in categories:
+        tasks = bfcl_env.load_tasks([cat])
+        tasks, log = (tasks[:n_test] if n_test else tasks), {}
+        chat = engine.Chat(tok, functools.partial(bfcl_env.BFCLWorld, log=log), bool(args.thinking))
+        runtime.seed_everything(args.seed + 1)
+        with runtime.precision(model), tqdm(total=len(tasks), desc=f"eval bfcl {cat}", leave=False) as bar:
+            engine.rollout(model, chat, tasks, cfg, progress=bar)
+        passed = sum(v["passed"] for v in log.values())                      # BFCL's verdict per task
+        turns = sum(v["turns_passed"] / v["turns"] for v in log.values())     # the training reward per task
+        rows.append({"category": cat, "tasks": len(tasks), "accuracy": passed / len(tasks), "turns": turns / len(tasks)})
+    print(bfcl_table(rows, name))
+    result = {"student": name, "release": bfcl_env.RELEASE, "rows": rows}
+    runtime.write_json(os.path.join(args.out, "bfcl.json"), result)
+    return rows
+
+
+def bfcl_table(rows, name: str) -> str:
+    """Markdown: BFCL-v3 multi-turn accuracy per category and their mean (BFCL's overall), turns passed beside."""
+    lines = [f"BFCL-v3 multi-turn, {name}", "", "| category | tasks | accuracy | turns passed |", "|---|---|---|---|"]
+    lines += [f"| {r['category']} | {r['tasks']} | {r['accuracy']:.3f} | {r['turns']:.3f} |" for r in rows]
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)          # noqa: E731
+    lines.append(f"| mean | {sum(r['tasks'] for r in rows)} | {mean('accuracy'):.3f} | {mean('turns'):.3f} |")
+    return "\n".join(lines)
+
+
+def bfcl_categories(spec: str) -> list[str] | None:
+    """--tasks bfcl-v3 (its four multi-turn categories) or bfcl-v3:CAT[,CAT] -> the categories; None otherwise."""
+    import bfcl_env
+    name, _, cats = spec.partition(":")
+    return None if name != "bfcl-v3" else cats.split(",") if cats else list(bfcl_env.CATEGORIES)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Evaluate a run on held-out tasks.")
     p.add_argument("--run", required=True, help="run folder written by train.py (holds args.json)")
@@ -291,7 +330,9 @@ def main(argv=None):
                         "for the problem's judge")
     p.add_argument("--tasks", nargs="+", default=None, metavar="FILE",
                    help="evaluate the run's student on these benchmark files instead (TACO, LiveCodeBench, "
-                        "HumanEval+, MBPP+ JSONL; pass@1 per benchmark beside the paper's Table 2)")
+                        "HumanEval+, MBPP+ JSONL; pass@1 per benchmark beside the paper's Table 2), or on bfcl-v3 "
+                        "(BFCL-v3 multi-turn: base, miss_func, miss_param, long_context; bfcl-v3:base for one; "
+                        "needs pip install --no-deps bfcl-eval==2025.7.17)")
     p.add_argument("--show", type=int, nargs="?", const=5, default=0, metavar="N",
                    help="write OUT/show.html: N held-out episodes of the student (default 5), each token coloured by "
                         "what the teacher knows (show.py)")
@@ -301,6 +342,9 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     args = dataclasses.replace(train.load_args(a.run), out=a.run)     # the folder given, wherever it was trained
+    if a.tasks and bfcl_categories(a.tasks[0]) is not None:
+        with runtime.one_line_errors():
+            return eval_bfcl(args, bfcl_categories(a.tasks[0]), a.n_test, a.temperature)
     if a.tasks:
         missing = [f for f in a.tasks if not os.path.isfile(f)]
         if missing:

@@ -83,11 +83,13 @@ def compose(composer, tasks, experiences, chunk: int = 32):
 def teacher_rollout(composer, chat: engine.Chat, tasks, latents, cfg: engine.SampleConfig, progress=None):
     """The frozen base θ̄ acting behind its latent prompt ("base + composer"): LoRA off (A.4), latents injected."""
     n = latents.shape[1]
-    starts = [chat.latent_prompt(chat.messages(t), n)[1] for t in tasks]
+    starts = [chat.latent_prompt(*chat.begin(t), n)[1] for t in tasks]
     embed_fn = inject.make_embed_fn(composer.peft, latents, starts)
+
+    def latent_prompt(messages, tools):              # n placeholder ids where c_φ goes (eq. 17)
+        return chat.latent_prompt(messages, tools, n)[0]
     with composer.adapter_disabled():
-        return engine.rollout(composer.peft, chat, tasks, cfg, lambda msgs: chat.latent_prompt(msgs, n)[0], embed_fn,
-                              progress)
+        return engine.rollout(composer.peft, chat, tasks, cfg, latent_prompt, embed_fn, progress)
 
 
 def teacher_logits(composer, chat: engine.Chat, eps, latents):
@@ -95,7 +97,7 @@ def teacher_logits(composer, chat: engine.Chat, eps, latents):
     Nothing is re-tokenized: the prompt changes, the continuation ids are the sampled ones. -> (B, Tc, V)."""
     device = latents.device
     conts, omega = engine.continuation(eps, device)
-    prompts = [chat.latent_prompt(chat.messages(e.task), latents.shape[1]) for e in eps]
+    prompts = [chat.latent_prompt(*chat.begin(e.task), latents.shape[1]) for e in eps]
     ids, att, pos, P, pad = engine.pack([p for p, _ in prompts], conts, chat.tokenizer.pad_token_id, device)
     starts = torch.tensor([s for _, s in prompts], device=device) + pad                  # (B,) after left padding
     Tc = omega.shape[1]

@@ -199,9 +199,10 @@ def reference_trace(task, rng: random.Random) -> str:
 
 
 def reference_prompt_fn(tokenizer, ref_ids):
-    """prompt_fn(messages) -> ids for a demonstration whose framed span holds a reference's token ids (the text a
-    latent block stands for): the toy's in-context reading (see the module docstring)."""
-    def fn(messages):
+    """prompt_fn(messages, tools) -> ids for a demonstration whose framed span holds a reference's token ids (the
+    text a latent block stands for): the toy's in-context reading (see the module docstring). The toy lists no
+    tools."""
+    def fn(messages, tools=None):
         ids, s = inject.latent_prompt_ids(tokenizer, messages, len(ref_ids), inject.TOY_FRAMING)
         return ids[:s] + ref_ids + ids[s + len(ref_ids):]
     return fn
@@ -335,7 +336,7 @@ def reading_check(model, tokenizer, tasks, make_env, seed: int = 0, temperature:
     for name, same in (("same variant", True), ("other variant", False)):
         refs = reading_references(tokenizer, tasks, same, seed)
 
-        def prompt_fn(messages, refs=refs):          # the user turn is the task text (env.reset)
+        def prompt_fn(messages, tools, refs=refs):   # the user turn is the task text (env.reset)
             return reference_prompt_fn(tokenizer, refs[messages[-1]["content"]])(messages)
         torch.manual_seed(seed)
         eps = rollout(model, toy_chat(tokenizer, make_env), tasks, SampleConfig(temperature=temperature),

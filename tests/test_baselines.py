@@ -240,11 +240,11 @@ def test_text_context_span_puts_the_text_where_the_latents_go(world):
     tok, chat, task = world["tok"], world["chat"], world["train"][0]     # chat: the tool world's TOY framing
     msgs = envs.ToolWorld().reset(task)
     text = "1. find_customer(account=\"x\") -> c1"
-    ids = chat.context_prompt(msgs, text, baselines.OPSD_CONTEXT, "span")
+    ids = chat.context_prompt(msgs, None, text, baselines.OPSD_CONTEXT, "span")
     ref = tok(text, add_special_tokens=False)["input_ids"]
     lat, s = lopd.inject.latent_prompt_ids(tok, msgs, len(ref), envs.ToolWorld().framing)
     assert ids[:s] == lat[:s] and ids[s:s + len(ref)] == ref and ids[s + len(ref):] == lat[s + len(ref):]
-    sys_ids = chat.context_prompt(msgs, text, baselines.OPSD_CONTEXT, "system")
+    sys_ids = chat.context_prompt(msgs, None, text, baselines.OPSD_CONTEXT, "system")
     rendered = tok.decode(sys_ids)
     assert "reference plan for the upcoming task" in rendered and text in rendered
     assert rendered.index(text) < rendered.index(task.text)                 # in the system turn, before the task

@@ -103,7 +103,7 @@ def test_latent_prompt_ids_span(tok):
     assert ids[-3:] == tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     # the run's Chat renders the same latent prompt (A.5's framing, no tools listed, thinking off)
     chat = engine.Chat(tok, functools.partial(ToolWorld, framing=inject.AGENTIC_FRAMING, tools=None))
-    assert chat.latent_prompt(msgs("[cedar] Cancel Ana's pear order."), 6) == (ids, start)
+    assert chat.latent_prompt(msgs("[cedar] Cancel Ana's pear order."), None, 6) == (ids, start)
 
 
 def test_latent_user_content_joining():
@@ -173,14 +173,14 @@ def test_rollout_with_latent_prompt(tok, model):
     lat = torch.stack([model.get_input_embeddings().weight[c].detach() for c in chosen])  # (N, n, d)
     by_text = {t.text: i for i, t in enumerate(tasks)}
 
-    def token_prompt(messages):
+    def token_prompt(messages, tools):
         i = by_text[messages[1]["content"]]
         ids, s = spans[i]
         return ids[:s] + chosen[i].tolist() + ids[s + n:]
 
     cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=6, batch_size=2)   # two chunks: rows are global
     chat = toy.toy_chat(tok, functools.partial(ToolWorld, framing=SHORT, tools=None))
-    a = engine.rollout(model, chat, tasks, cfg, prompt_fn=lambda m: chat.latent_prompt(m, n)[0],
+    a = engine.rollout(model, chat, tasks, cfg, prompt_fn=lambda m, tools: chat.latent_prompt(m, tools, n)[0],
                        embed_fn=inject.make_embed_fn(model, lat, [s for _, s in spans]))
     b = engine.rollout(model, chat, tasks, cfg, prompt_fn=token_prompt)
     for ea, eb, (ids, _) in zip(a, b, spans):

@@ -384,7 +384,7 @@ def test_vanilla_and_teacher_rows_are_the_pure_base(world):
         latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))     # (B, J·K, d)
     n, framing = latents.shape[1], envs.ToolWorld().framing
     starts = [inject.latent_prompt_ids(tok, envs.ToolWorld().reset(t), n, framing, None)[1] for t in tasks]
-    prompt_fn = lambda msgs: inject.latent_prompt_ids(tok, msgs, n, framing, None)[0]   # noqa: E731
+    prompt_fn = lambda msgs, tools: inject.latent_prompt_ids(tok, msgs, n, framing, None)[0]   # noqa: E731
 
     def behind_latents(model):
         return lambda: engine.rollout(model, chat, tasks, cfg, prompt_fn, inject.make_embed_fn(model, latents, starts))

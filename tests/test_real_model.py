@@ -117,3 +117,16 @@ def test_the_smollm2_folder_is_the_pretrained_model(smollm2):
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_bfcl_v3_evaluates_a_real_model_run(runs):
+    """eval.py --tasks bfcl-v3 on the SmolLM2 tool-world run: one task of each category, BFCL's checker as judge
+    (the BFCL tier: skipped without bfcl-eval)."""
+    pytest.importorskip("bfcl_eval")
+    out = runs["tools"]["out"]
+    res = run_all({"bfcl": [sys.executable, "eval.py", "--run", out, "--tasks", "bfcl-v3", "--n-test", "1"]},
+                  os.path.join(out, "bfcl-log"))
+    assert "| mean | 4 |" in res["bfcl"][0]
+    rows = json.load(open(os.path.join(out, "bfcl.json")))["rows"]
+    assert [r["category"] for r in rows] == ["base", "miss_func", "miss_param", "long_context"]
+    assert all(0.0 <= r["accuracy"] <= r["turns"] <= 1.0 for r in rows)

@@ -1,0 +1,187 @@
+"""BFCL-v3 multi-turn through the project's own rendering, parsing and execution, scored by BFCL's checker
+(bfcl_env.py). The optional tier: skipped without `pip install --no-deps bfcl-eval==2025.7.17`.
+
+The replies are scripted, not sampled: each turn's ground-truth calls in the Qwen3 call format (envs.format_call),
+then a reply without a call to end the turn. They go through engine.rollout as a model's replies would (the chat
+template renders prompts, tool results and user turns; replies are decoded and parsed; calls run on the task's
+instances), with the toy tokenizer's template. BFCL's checker is the judge, so the replay can fail: the empty and
+the truncated replays must score 0.
+
+Run: python -m pytest tests/test_bfcl.py -q
+"""
+import functools
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytest.importorskip("bfcl_eval")
+import bfcl_env  # noqa: E402
+import engine  # noqa: E402
+import envs  # noqa: E402
+import toy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(toy.SHIPPED)
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return bfcl_env.load_tasks()
+
+
+def replies_of(task, how: str) -> list[str]:
+    """The scripted replies of one task: per turn its ground-truth calls (none: "empty"; the episode's last call left
+    out: "truncated") in one reply, then a reply without a call, which ends the turn."""
+    turns = bfcl_env.ground_truth_calls(task)
+    last = max(i for i, turn in enumerate(turns) if turn)
+    out = []
+    for i, turn in enumerate(turns):
+        calls = [] if how == "empty" else turn[:-1] if how == "truncated" and i == last else turn
+        out += ["\n".join(envs.format_call(n, a) for n, a in calls)] if calls else []
+        out.append("Done.")
+    return out
+
+
+def replay(tok, tasks, how: str, monkeypatch):
+    """engine.rollout of `tasks` with generate_replies replaced by the scripted replies. -> (BFCL's verdicts by task
+    id, the episodes)."""
+    script = {t.task_id: replies_of(t, how) for t in tasks}
+    live = []                                                   # the batch's episodes, in the order rollout made them
+
+    def scripted(model, tokenizer, contexts, cfg, conversations=None, keys=None, **_):
+        out = []
+        for k in keys:
+            queue = script[live[k].task.task_id]
+            ids = engine.reply_ids(tokenizer, queue.pop(0) if queue else "Done.")
+            out.append((ids, [0.0] * len(ids), True))
+        return out
+    episode = engine.Episode
+    monkeypatch.setattr(engine, "generate_replies", scripted)
+    monkeypatch.setattr(engine, "Episode", lambda task: live.append(episode(task)) or live[-1])
+    log = {}
+    chat = engine.Chat(tok, functools.partial(bfcl_env.BFCLWorld, log=log))
+    cfg = engine.SampleConfig(max_new_tokens=4096, max_len=10 ** 7, batch_size=len(tasks))
+    eps = engine.rollout(torch.nn.Linear(1, 1), chat, tasks, cfg)
+    return log, eps
+
+
+def test_the_ground_truth_replayed_passes_every_task_that_can_pass(tok, tasks, monkeypatch):
+    log, eps = replay(tok, tasks, "truth", monkeypatch)
+    assert len(tasks) == 800 and {t.variant for t in tasks} == set(bfcl_env.CATEGORIES)
+    failed = [k for k, v in log.items() if not v["passed"]]
+    # the one task no model passes in BFCL's own runner: its question has one turn fewer than its ground truth
+    assert failed == ["multi_turn_base_154"]
+    bad = next(t for t in tasks if t.task_id == failed[0])
+    assert len(bad.entry["question"]) == len(bad.ground_truth) - 1
+    assert sum(v["passed"] for v in log.values()) == 799
+    assert all(e.reward == 1.0 for e in eps if e.task.task_id != failed[0])
+    assert all(e.ids[e.prompt_len:].count(tok.eos_token_id) >= len(e.task.ground_truth) for e in eps)
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated"])
+def test_empty_and_truncated_replies_fail_every_task(tok, tasks, how, monkeypatch):
+    some = [t for c in bfcl_env.CATEGORIES for t in [t for t in tasks if t.variant == c][:50]]   # 200 tasks
+    log, eps = replay(tok, some, how, monkeypatch)
+    assert len(log) == 200 and not any(v["passed"] for v in log.values())
+    if how == "empty":
+        assert all(e.tool_calls == 0 for e in eps)
+
+
+def test_a_name_the_task_lacks_is_an_error_observation_and_never_runs(tasks, monkeypatch):
+    env = bfcl_env.BFCLWorld()
+    env.reset(next(t for t in tasks if t.task_id == "multi_turn_base_0"))
+    r = env.step(envs.format_call("__import__", {"name": "os"}) + envs.format_call("eval", {"source": "1"}))
+    assert r.errors == 2 and all(o.startswith("Error: no function") for o in r.observations)
+    assert env.decoded[0] == [[]] and env.trace == []                 # nothing ran, nothing goes to the checker
+    # a string that is code stays a string: the checker's eval sees repr(), a literal
+    called, probe = [], types.ModuleType("lopd_probe")
+    probe.hit = lambda: called.append(1) or "."
+    monkeypatch.setitem(sys.modules, "lopd_probe", probe)
+    assert eval("__import__('lopd_probe').hit()") and called == [1]   # the probe fires when the string is code
+    called.clear()
+    r = env.step(envs.format_call("cd", {"folder": "__import__('lopd_probe').hit()"}))
+    assert env.decoded[0][-1] == ["cd(folder=\"__import__('lopd_probe').hit()\")"]
+    bfcl_env.check(env.task, env.decoded)
+    assert not called
+    r = env.step("<tool_call>\n{not json}\n</tool_call>")             # malformed: an observation, the turn goes on
+    assert r.errors == 1 and not r.done and r.user is None
+
+
+def test_held_out_functions_arrive_at_their_turn_in_a_user_message(tok, tasks):
+    task = next(t for t in tasks if t.variant == "miss_func")
+    (turn, names), = task.entry["missed_function"].items()
+    env, chat = bfcl_env.BFCLWorld(), engine.Chat(tok, bfcl_env.BFCLWorld)
+    messages, tools = chat.begin(task)
+    listed = {t["function"]["name"] for t in tools}
+    assert not listed & set(names) and messages[-1]["content"] == task.text
+    env.reset(task)
+    for _ in range(int(turn) - 1):
+        assert env.step("Done.").user is not None
+    r = env.step("Done.")                                             # the end of the turn before the held-out one
+    assert r.user.endswith(bfcl_env.MORE_FUNCTIONS) and not r.done
+    arrived = json.loads(r.user[:-len(bfcl_env.MORE_FUNCTIONS) - 1])
+    assert [f["function"]["name"] for f in arrived] == names
+    text = tok.decode(chat.observation(r.observations, r.user))
+    assert text.lstrip("\n").startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    assert set(names) <= set(env.listed)
+
+
+def test_checks_leave_no_cached_instances_and_reset_starts_fresh(tasks):
+    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+    task = next(t for t in tasks if "GorillaFileSystem" in t.entry["involved_classes"])
+    env, seen = bfcl_env.BFCLWorld(), []
+    for _ in range(2):                           # the same task twice: a shared instance would refuse the second mkdir
+        env.reset(task)
+        seen.append(env.step(envs.format_call("mkdir", {"dir_name": "lopd_probe"})).observations)
+        env.reward()
+    assert seen[0] == seen[1] and "rror" not in seen[0][0]
+    assert env.step(envs.format_call("mkdir", {"dir_name": "lopd_probe"})).observations != seen[0]   # it can fail
+    assert not [k for k in vars(multi_turn_utils) if k.startswith("lopd_")]
+
+
+def test_every_tool_schema_is_json_schema():
+    allowed = {"object", "number", "integer", "string", "boolean", "array"}
+
+    def types(p):
+        yield p.get("type")
+        for v in p.get("properties", {}).values():
+            yield from types(v)
+        if "items" in p:
+            yield from types(p["items"])
+    for cls in bfcl_env.CLASSES:
+        for doc in bfcl_env.function_docs(cls):
+            tool = bfcl_env.schema(doc)
+            assert tool["function"]["name"] == doc["name"]
+            assert set(types(tool["function"]["parameters"])) - {None} <= allowed, doc["name"]
+
+
+def test_eval_py_reports_each_category_and_their_mean(tmp_path, capsys):
+    """eval.py --tasks bfcl-v3 on a run folder (the toy backbone saved as its checkpoint's student): one task of each
+    category, BFCL's accuracy per category and the mean, written to OUT/bfcl.json; a bad category is one line."""
+    import eval as ev
+    import train
+    from transformers import AutoModelForCausalLM
+    run = tmp_path / "run"
+    args = train.parse_args(["--out", str(run), "--device", "cpu", "--max-new-tokens", "8", "--max-len", "20000"])
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps(train.dataclasses.asdict(args)))
+    os.makedirs(run / "ckpt" / "step-1")
+    AutoModelForCausalLM.from_pretrained(train.toy_backbone(args)).save_pretrained(run / "ckpt" / "step-1" / "student")
+    (run / "ckpt" / "LATEST").write_text("step-1")
+    rows = ev.main(["--run", str(run), "--tasks", "bfcl-v3", "--n-test", "1"])
+    out = capsys.readouterr().out
+    assert [r["category"] for r in rows] == list(bfcl_env.CATEGORIES) and all(r["tasks"] == 1 for r in rows)
+    assert "| mean | 4 |" in out and "LOPD student (step-1)" in out
+    assert json.load(open(run / "bfcl.json"))["rows"] == rows
+    assert ev.main(["--run", str(run), "--tasks", "bfcl-v3:base", "--n-test", "1"])[0]["category"] == "base"
+    with pytest.raises(SystemExit) as stop:
+        ev.main(["--run", str(run), "--tasks", "bfcl-v3:simple"])
+    assert stop.value.code == 2 and "expected one of base" in capsys.readouterr().err
