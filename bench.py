@@ -400,8 +400,8 @@ def _loss_peak(cfg, chunk: int) -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                                                   # VmHWM back to the current RSS
     base = _proc_bytes("VmRSS")
-    loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, torch.ones(1), eq=losses.Eq13(margin=0.0),
-                                                chunk=chunk)
+    loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, torch.ones(1),
+                                                eq=losses.Eq13(margin=0.0), chunk=chunk)
     loss.backward()
     return _proc_bytes("VmHWM") - base
 

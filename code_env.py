@@ -361,7 +361,8 @@ def load_problems(path: str, limits: SandboxLimits | None = None) -> list[CodePr
 #   4. no network: a new, empty network namespace where the kernel allows it (root, or unprivileged user
 #      namespaces); otherwise the Python guard below only;
 #   5. a Python-level guard: fork/exec/spawn/kill/setsid and file removal raise, the subprocess, multiprocessing,
-#      socket and ctypes modules cannot be imported, and open() for writing outside the working directory raises;
+#      socket and ctypes modules cannot be imported, and open() for writing outside the working directory raises
+#      (for EnvScaler's worker, the 5th argument, reading too: envscaler_env.py);
 #   6. a wall-time limit, after which (and after every run) the whole process group is killed with SIGKILL.
 @dataclass
 class SandboxLimits:
@@ -382,7 +383,7 @@ class RunResult:
 
 SANDBOX_GUARD = r'''
 import builtins, io, os, resource, sys
-cpu, mem, fsize, python_guard = (int(x) for x in sys.argv[1:5])
+cpu, mem, fsize, python_guard, _reads = (int(x) for x in (sys.argv[1:6] + ["0"])[:5])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
@@ -405,10 +406,14 @@ def _inside(path):
 def _guarded_open(file, mode="r", *a, **k):
     if not isinstance(file, int) and any(c in mode for c in "wax+") and not _inside(file):
         raise PermissionError(f"sandbox: writing outside the working directory is refused: {file}")
+    if _reads and not isinstance(file, int) and not _inside(file):
+        raise PermissionError(f"sandbox: reading outside the working directory is refused: {file}")
     return _open(file, mode, *a, **k)
 def _guarded_os_open(path, flags, *a, **k):
     if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC) and not _inside(path):
         raise PermissionError(f"sandbox: writing outside the working directory is refused: {path}")
+    if _reads and not _inside(path):
+        raise PermissionError(f"sandbox: reading outside the working directory is refused: {path}")
     return _os_open(path, flags, *a, **k)
 def _refused(name):
     def f(*a, **k):

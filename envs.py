@@ -47,7 +47,8 @@ Every attribute and method that lopd.py and train.py read of an environment is w
 below, with a default wherever one is optional; a new world subclasses it and is run with
 `python train.py --env my_env.py:MyWorld` (docs/adding-an-environment.md walks through a 40-line example).
 The shipped worlds are named in `ENVS`: `tools` (this file), `code` (code_env.py: TACO, LiveCodeBench,
-EvalPlus and the toy code world) and `bfcl` (bfcl_env.py: BFCL-v3 multi-turn, the optional bfcl-eval tier).
+EvalPlus and the toy code world), `bfcl` (bfcl_env.py: BFCL-v3 multi-turn, the optional bfcl-eval tier) and
+`envscaler` (envscaler_env.py: EnvScaler's released files, each environment in a sandboxed worker).
 
 Deviations from the paper
 -------------------------
@@ -601,7 +602,8 @@ class Environment:
 
 # The shipped worlds by --env name. Any other world is --env FILE.py:CLASS (or module:CLASS), a subclass of
 # Environment in the user's own file: `environment_class` loads both the same way.
-ENVS = {"tools": "envs:ToolWorld", "code": "code_env:CodeWorld", "bfcl": "bfcl_env:BFCLWorld"}
+ENVS = {"tools": "envs:ToolWorld", "code": "code_env:CodeWorld", "bfcl": "bfcl_env:BFCLWorld",
+        "envscaler": "envscaler_env:EnvScalerWorld"}
 
 
 @functools.lru_cache(maxsize=None)

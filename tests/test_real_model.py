@@ -130,3 +130,21 @@ def test_bfcl_v3_evaluates_a_real_model_run(runs):
     rows = json.load(open(os.path.join(out, "bfcl.json")))["rows"]
     assert [r["category"] for r in rows] == ["base", "miss_func", "miss_param", "long_context"]
     assert all(0.0 <= r["accuracy"] <= r["turns"] <= 1.0 for r in rows)
+
+
+def test_envscaler_trains_two_steps_and_survives_its_hostile_environments(smollm2, tmp_path):
+    """train.py --env envscaler on tests/test_envscaler.py's dataset: two LOPD steps on the library's scenarios, then
+    the held-out ones, whose code reads outside its directory and loops when defined: the run completes."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_envscaler import write_dataset
+    data, out = write_dataset(tmp_path / "data"), str(tmp_path / "run")
+    small = list(SMALL)
+    small[small.index("--steps") + 1] = "2"
+    small[small.index("--max-env-steps") + 1] = "2"
+    res = run_all({"envscaler": [sys.executable, "train.py", "--model", smollm2, "--env", "envscaler", "--tasks", data,
+                                 "--out", out, *small]}, tmp_path / "log")
+    rows = json.load(open(os.path.join(out, "results.json")))["rows"]
+    assert set(rows) == {"vanilla", "base + composer", "LOPD student"}
+    assert all(m["reward"] == 0.0 for m in rows.values())           # the held-out environments cannot score
+    steps = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"stage": "lopd"' in line]
+    assert [s["step"] for s in steps] == [0, 1] and "| LOPD student |" in res["envscaler"][0]
