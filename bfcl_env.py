@@ -5,6 +5,7 @@ and scored by BFCL's own checker.
     pip install --no-deps bfcl-eval==2025.7.17            # the optional tier: BFCL's data, API classes and checker
     python eval.py --run DIR --tasks bfcl-v3               # a run's student: each category's accuracy, their mean
     python eval.py --run DIR --tasks bfcl-v3:miss_func     # one category
+    python eval.py --run DIR --tasks bfcl-v3:single        # the single-turn Python categories, BFCL's AST checker
     python train.py --model Qwen/Qwen3-4B --env bfcl       # train on BFCL's own tasks (a split of the 800)
     python -m pytest tests/test_bfcl.py -q
 
@@ -60,6 +61,9 @@ from runtime import UserError
 
 RELEASE = "2025.7.17"
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")   # BFCL-v3 multi-turn, the paper's four
+# BFCL-v3's single-turn Python categories, scored by its AST checker (an evaluation only: `BFCLSingleWorld`)
+SINGLE_TURN = ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance", "live_simple", "live_multiple",
+               "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance")
 INSTALL = f"pip install --no-deps bfcl-eval=={RELEASE}"
 MAX_STEPS_PER_TURN = 20                     # BFCL's MAXIMUM_STEP_LIMIT
 MORE_FUNCTIONS = "I have updated some more functions you can choose from. What about now?"   # BFCL's wording
@@ -117,6 +121,42 @@ def load_tasks(categories=CATEGORIES) -> list[BFCLTask]:
             first, classes = e["question"][0][-1]["content"], "+".join(sorted(e["involved_classes"]))
             tasks.append(BFCLTask(e["id"], first, cat, classes, e, answers[e["id"]]))
     return tasks
+
+
+def load_single_turn(categories=SINGLE_TURN) -> list[BFCLTask]:
+    """The single-turn tasks of the given categories, with their possible answers ([] for the irrelevance and
+    relevance categories, which have none)."""
+    data = os.path.join(package_dir(), "data")
+    tasks = []
+    for cat in categories:
+        if cat not in SINGLE_TURN:
+            raise UserError(f"BFCL-v3 single-turn category {cat!r}: expected one of {', '.join(SINGLE_TURN)}")
+        path = os.path.join(data, "possible_answer", f"BFCL_v3_{cat}.json")
+        answers = {a["id"]: a["ground_truth"] for a in _jsonl(path)} if os.path.isfile(path) else {}
+        for e in _jsonl(os.path.join(data, f"BFCL_v3_{cat}.json")):
+            tasks.append(BFCLTask(e["id"], e["question"][0][-1]["content"], cat, cat, e, answers.get(e["id"], [])))
+    return tasks
+
+
+def ast_check(task: BFCLTask, calls: list) -> bool:
+    """BFCL's verdict on one single-turn reply's parsed calls [(name, arguments)]: irrelevance is right when the
+    reply makes no call, live_relevance when it makes one; every other category goes to BFCL's `ast_checker`. Its
+    module imports every vendor SDK through `constants.model_config` for one flag (whether a model's function names
+    had "." turned into "_"); a stub module with that flag off for our name stands in, so nothing else is imported."""
+    if "irrelevance" in task.variant:
+        return not calls
+    if task.variant == "live_relevance":
+        return bool(calls)
+    package_dir()
+    import sys
+    import types
+    if "bfcl_eval.constants.model_config" not in sys.modules:
+        stub = types.ModuleType("bfcl_eval.constants.model_config")
+        stub.MODEL_CONFIG_MAPPING = {"lopd": types.SimpleNamespace(underscore_to_dot=False)}
+        sys.modules[stub.__name__] = stub
+    from bfcl_eval.eval_checker.ast_eval.ast_checker import ast_checker
+    output = [{name: args} for name, args in calls]
+    return bool(ast_checker(task.entry["function"], output, task.ground_truth, "Python", task.variant, "lopd")["valid"])
 
 
 def function_docs(class_name: str) -> list[dict]:
@@ -303,6 +343,31 @@ class BFCLWorld(Environment):
         except UserError as err:
             return f"--env bfcl: {err}"
         return super().check_args(args)
+
+
+@dataclass
+class BFCLSingleWorld(Environment):
+    """A BFCL-v3 single-turn task: the question with its functions listed, one reply, BFCL's AST verdict as reward
+    (`ast_check`). A reply whose call does not parse counts as no call, as BFCL's decoding failure does."""
+    framing: tuple = inject.AGENTIC_FRAMING
+    log: dict | None = None        # task_id -> {"passed", "turns_passed", "turns"}, as BFCLWorld's (eval.py)
+    task: BFCLTask | None = None
+
+    def reset(self, task: BFCLTask) -> list[dict]:
+        self.task, self.trace, self.passed = task, [], False
+        self.tools = [schema(d) for d in task.entry["function"]]
+        return list(task.entry["question"][0])
+
+    def step(self, reply: str) -> StepResult:
+        calls = [(n, a) for n, a in parse_tool_calls(reply, self.response_template) if n is not None]
+        self.trace = [(n, a, "") for n, a in calls]
+        self.passed = ast_check(self.task, calls)
+        return StepResult([], True, len(calls), 0)
+
+    def reward(self) -> float:
+        if self.log is not None:
+            self.log[self.task.task_id] = {"passed": self.passed, "turns_passed": int(self.passed), "turns": 1}
+        return float(self.passed)
 
 
 def _dumps(result) -> str:

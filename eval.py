@@ -282,15 +282,18 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]
     model, tok, name = load_eval_student(args)
     cfg, rows = train.sample_config(args, temperature), []
     for cat in categories:
-        tasks = bfcl_env.load_tasks([cat])
+        single = cat in bfcl_env.SINGLE_TURN                      # one reply, BFCL's AST checker
+        tasks = bfcl_env.load_single_turn([cat]) if single else bfcl_env.load_tasks([cat])
         tasks, log = (tasks[:n_test] if n_test else tasks), {}
-        chat = engine.Chat(tok, functools.partial(bfcl_env.BFCLWorld, log=log), bool(args.thinking))
+        world = bfcl_env.BFCLSingleWorld if single else bfcl_env.BFCLWorld
+        chat = engine.Chat(tok, functools.partial(world, log=log), bool(args.thinking))
         runtime.seed_everything(args.seed + 1)
         with runtime.precision(model), tqdm(total=len(tasks), desc=f"eval bfcl {cat}", leave=False) as bar:
             engine.rollout(model, chat, tasks, cfg, progress=bar)
         passed = sum(v["passed"] for v in log.values())                      # BFCL's verdict per task
         turns = sum(v["turns_passed"] / v["turns"] for v in log.values())     # the training reward per task
-        rows.append({"category": cat, "tasks": len(tasks), "accuracy": passed / len(tasks), "turns": turns / len(tasks)})
+        rows.append({"category": cat, "tasks": len(tasks), "accuracy": passed / len(tasks),
+                     "turns": turns / len(tasks)})
     print(bfcl_table(rows, name))
     result = {"student": name, "release": bfcl_env.RELEASE, "rows": rows}
     runtime.write_json(os.path.join(args.out, "bfcl.json"), result)
@@ -307,10 +310,18 @@ def bfcl_table(rows, name: str) -> str:
 
 
 def bfcl_categories(spec: str) -> list[str] | None:
-    """--tasks bfcl-v3 (its four multi-turn categories) or bfcl-v3:CAT[,CAT] -> the categories; None otherwise."""
+    """--tasks bfcl-v3 (its four multi-turn categories, the paper's), bfcl-v3:single (the single-turn Python
+    categories) or bfcl-v3:CAT[,CAT] -> the categories; None for anything else (benchmark files)."""
     import bfcl_env
     name, _, cats = spec.partition(":")
-    return None if name != "bfcl-v3" else cats.split(",") if cats else list(bfcl_env.CATEGORIES)
+    if name != "bfcl-v3":
+        return None
+    cats = list(bfcl_env.SINGLE_TURN) if cats == "single" else cats.split(",") if cats else list(bfcl_env.CATEGORIES)
+    unknown = [c for c in cats if c not in bfcl_env.CATEGORIES + bfcl_env.SINGLE_TURN]
+    if unknown:
+        raise runtime.UserError(f"--tasks {spec}: no BFCL-v3 category {unknown[0]!r}; expected one of "
+                                f"{', '.join(bfcl_env.CATEGORIES + bfcl_env.SINGLE_TURN)}, or single")
+    return cats
 
 
 def main(argv=None):
@@ -332,7 +343,8 @@ def main(argv=None):
                    help="evaluate the run's student on these benchmark files instead (TACO, LiveCodeBench, "
                         "HumanEval+, MBPP+ JSONL; pass@1 per benchmark beside the paper's Table 2), or on bfcl-v3 "
                         "(BFCL-v3 multi-turn: base, miss_func, miss_param, long_context; bfcl-v3:base for one; "
-                        "needs pip install --no-deps bfcl-eval==2025.7.17)")
+                        "bfcl-v3:single for the single-turn AST categories; needs pip install --no-deps "
+                        "bfcl-eval==2025.7.17)")
     p.add_argument("--show", type=int, nargs="?", const=5, default=0, metavar="N",
                    help="write OUT/show.html: N held-out episodes of the student (default 5), each token coloured by "
                         "what the teacher knows (show.py)")
@@ -342,7 +354,7 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     args = dataclasses.replace(train.load_args(a.run), out=a.run)     # the folder given, wherever it was trained
-    if a.tasks and bfcl_categories(a.tasks[0]) is not None:
+    if a.tasks and a.tasks[0].startswith("bfcl-v3"):
         with runtime.one_line_errors():
             return eval_bfcl(args, bfcl_categories(a.tasks[0]), a.n_test, a.temperature)
     if a.tasks:

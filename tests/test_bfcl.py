@@ -183,5 +183,52 @@ def test_eval_py_reports_each_category_and_their_mean(tmp_path, capsys):
     assert json.load(open(run / "bfcl.json"))["rows"] == rows
     assert ev.main(["--run", str(run), "--tasks", "bfcl-v3:base", "--n-test", "1"])[0]["category"] == "base"
     with pytest.raises(SystemExit) as stop:
-        ev.main(["--run", str(run), "--tasks", "bfcl-v3:simple"])
-    assert stop.value.code == 2 and "expected one of base" in capsys.readouterr().err
+        ev.main(["--run", str(run), "--tasks", "bfcl-v3:simplest"])
+    assert stop.value.code == 2 and "no BFCL-v3 category 'simplest'" in capsys.readouterr().err
+    single = ev.main(["--run", str(run), "--tasks", "bfcl-v3:simple,irrelevance", "--n-test", "2"])
+    assert [(r["category"], r["tasks"]) for r in single] == [("simple", 2), ("irrelevance", 2)]
+
+
+def answer_calls(task) -> list:
+    """A single-turn task's possible answer as calls: per parameter the first allowed value, left out where BFCL
+    allows leaving it out ("") and the function does not require it."""
+    def value(v):
+        if isinstance(v, dict):
+            return {k: value([x for x in a if x != ""][0] if isinstance(a, list) else a)
+                    for k, a in v.items() if not (isinstance(a, list) and (not a or a[0] == ""))}
+        return [value(e) for e in v] if isinstance(v, list) else v
+    docs, out = {d["name"]: d for d in task.entry["function"]}, []
+    for call in task.ground_truth:
+        for name, params in call.items():
+            required = docs.get(name, {}).get("parameters", {}).get("required", [])
+            given = {k: [v for v in allowed if v != ""] for k, allowed in params.items()}
+            kept = [k for k, g in given.items() if g and (k in required or "" not in params[k])]
+            out.append((name, {k: value(given[k][0]) for k in kept}))
+    return out
+
+
+def test_single_turn_answers_pass_bfcls_ast_checker_and_wrong_ones_fail():
+    """BFCL-v3's single-turn Python categories through BFCLSingleWorld: each possible answer as a reply passes the AST
+    checker (a handful of tasks' answers omit a parameter the function requires: at most 1% a category), no call is
+    right exactly on irrelevance; a changed value, or a dropped call, fails."""
+    tasks = bfcl_env.load_single_turn()
+    assert {t.variant for t in tasks} == set(bfcl_env.SINGLE_TURN) and len(tasks) == 3491
+    by_cat = {}
+    for t in tasks:
+        env = bfcl_env.BFCLSingleWorld()
+        env.reset(t)
+        calls = [] if "irrelevance" in t.variant else answer_calls(t) if t.ground_truth else \
+            [(t.entry["function"][0]["name"], {})]                # live_relevance: any call is right
+        env.step("\n".join(envs.format_call(n, a) for n, a in calls) or "No call is needed.")
+        by_cat.setdefault(t.variant, []).append(env.reward())
+    for cat, rewards in by_cat.items():
+        assert sum(rewards) >= 0.99 * len(rewards), (cat, len(rewards) - sum(rewards))
+    assert min(by_cat["irrelevance"]) == min(by_cat["live_irrelevance"]) == 1.0
+    simple = next(t for t in tasks if t.task_id == "simple_0")
+    (name, args), = answer_calls(simple)
+    wrong = {k: (v + 1 if isinstance(v, int) else v + "x") for k, v in args.items()}
+    assert not bfcl_env.ast_check(simple, [(name, wrong)]) and bfcl_env.ast_check(simple, [(name, args)])
+    para = next(t for t in tasks if t.variant == "parallel")
+    assert bfcl_env.ast_check(para, answer_calls(para)) and not bfcl_env.ast_check(para, answer_calls(para)[:-1])
+    irrelevant = next(t for t in tasks if t.variant == "irrelevance")
+    assert not bfcl_env.ast_check(irrelevant, [(irrelevant.entry["function"][0]["name"], {})])
