@@ -18,8 +18,9 @@ task's API classes listed by the chat template. Each reply's calls run against t
 classes and come back as tool messages; a reply without a call ends the turn, and the next turn's user message
 arrives as the observation (`StepResult.user`). In the missing-function category the held-out functions arrive at
 their turn in a user message ("I have updated some more functions you can choose from. What about now?", after
-their schemas), as BFCL's prompting path sends them; the conversation is never re-rendered. More than 20 steps in
-one turn ends the episode as failed (BFCL's forced quit).
+their schemas), as BFCL's prompting path sends them; the conversation is never re-rendered. More than `max_steps`
+steps in one turn ends the episode as failed (BFCL's forced quit; BFCL's limit is 20, Table 5 of the paper gives 30
+max steps, which a real model's run takes from --max-env-steps).
 
 Scoring. BFCL's `multi_turn_checker` re-executes each turn's calls from a fresh state, against the ground truth's,
 and checks the instances' state and the execution results after every turn; a task is correct only if every turn
@@ -40,6 +41,9 @@ Deviations from BFCL's own runner, each for safety or for the learner:
 3. The checker caches instances in its module's globals by (model name, task id, class): every check uses a name of
    its own and removes its instances afterwards, so episodes never share state. `BFCL_PROJECT_ROOT` points at a
    scratch folder, so importing BFCL writes nothing into site-packages.
+4. The paper serves models in BFCL's function-calling mode, where held-out functions are added to the tool list and
+   the prompt is rendered again; here they arrive in a user message (BFCL's prompting path), since a conversation
+   whose ids were sampled is never re-rendered. The tools of the first turn are the template's, as in FC mode.
 """
 from __future__ import annotations
 
@@ -245,6 +249,7 @@ class BFCLWorld(Environment):
     results: str = "behaviour"
     log: dict | None = None        # task_id -> {"passed", "turns_passed", "turns"} once an episode is scored (eval.py)
     task: BFCLTask | None = None
+    max_steps: int = MAX_STEPS_PER_TURN     # steps a turn may take before BFCL's forced quit
 
     def reset(self, task: BFCLTask) -> list[dict]:
         self.task, self.trace, self.turn, self.steps_in_turn, self.quit = task, [], 0, 0, False
@@ -261,9 +266,9 @@ class BFCLWorld(Environment):
         if not calls:                                             # the turn is over: the next user message, if any
             return self._next_turn()
         self.steps_in_turn += 1
-        if self.steps_in_turn > MAX_STEPS_PER_TURN:               # BFCL's forced quit fails the task
+        if self.steps_in_turn > self.max_steps:                   # BFCL's forced quit fails the task
             self.quit = True
-            return StepResult([f"Model has been forced to quit after {MAX_STEPS_PER_TURN} steps."], True, 0, 1)
+            return StepResult([f"Model has been forced to quit after {self.max_steps} steps."], True, 0, 1)
         observations, errors, executed = [], 0, []
         for name, args in calls:
             if name is None:                                      # a call that did not parse: args is the error
@@ -325,7 +330,7 @@ class BFCLWorld(Environment):
     # -- the run --------------------------------------------------------------------------------------------------
     @classmethod
     def for_run(cls, args, toy: bool) -> "BFCLWorld":
-        return cls()
+        return cls(max_steps=args.max_env_steps or MAX_STEPS_PER_TURN)    # a real model: B.3's 30
 
     @classmethod
     def make_splits(cls, args) -> tuple[list, list]:

@@ -285,8 +285,9 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]
         single = cat in bfcl_env.SINGLE_TURN                      # one reply, BFCL's AST checker
         tasks = bfcl_env.load_single_turn([cat]) if single else bfcl_env.load_tasks([cat])
         tasks, log = (tasks[:n_test] if n_test else tasks), {}
-        world = bfcl_env.BFCLSingleWorld if single else bfcl_env.BFCLWorld
-        chat = engine.Chat(tok, functools.partial(world, log=log), bool(args.thinking))
+        steps = {} if single else {"max_steps": args.max_env_steps or bfcl_env.MAX_STEPS_PER_TURN}   # B.3: 30
+        world = functools.partial(bfcl_env.BFCLSingleWorld if single else bfcl_env.BFCLWorld, log=log, **steps)
+        chat = engine.Chat(tok, world, bool(args.thinking))
         runtime.seed_everything(args.seed + 1)
         with runtime.precision(model), tqdm(total=len(tasks), desc=f"eval bfcl {cat}", leave=False) as bar:
             engine.rollout(model, chat, tasks, cfg, progress=bar)

@@ -232,3 +232,13 @@ def test_single_turn_answers_pass_bfcls_ast_checker_and_wrong_ones_fail():
     assert bfcl_env.ast_check(para, answer_calls(para)) and not bfcl_env.ast_check(para, answer_calls(para)[:-1])
     irrelevant = next(t for t in tasks if t.variant == "irrelevance")
     assert not bfcl_env.ast_check(irrelevant, [(irrelevant.entry["function"][0]["name"], {})])
+
+
+def test_a_turn_past_its_step_limit_fails_the_task(tasks):
+    task = next(t for t in tasks if t.task_id == "multi_turn_base_0")
+    env = bfcl_env.BFCLWorld(max_steps=2)
+    env.reset(task)
+    name, args = bfcl_env.ground_truth_calls(task)[0][0]
+    assert not env.step(envs.format_call(name, args)).done and not env.step(envs.format_call(name, args)).done
+    r = env.step(envs.format_call(name, args))                       # the third step of the turn: forced quit
+    assert r.done and r.observations == ["Model has been forced to quit after 2 steps."] and env.reward() == 0.0
