@@ -618,17 +618,26 @@ def environment_class(spec: str) -> type:
         if where.endswith(".py"):
             if not os.path.isfile(where):
                 raise ValueError(f"--env {spec!r}: no such file {where!r}; {want}")
+            folder = os.path.dirname(os.path.abspath(where))
+            if folder not in sys.path:                    # the file may import its neighbours
+                sys.path.append(folder)
             module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[module_spec.name] = module        # dataclasses with string annotations look it up there
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except (ImportError, SyntaxError) as err:
-        raise ValueError(f"--env {spec!r}: cannot import {where!r} ({err}); {want}") from None
+    except ValueError:
+        raise
+    except Exception as err:                              # SyntaxError, NameError, ...: the user's file, one line
+        raise ValueError(f"--env {spec!r}: cannot import {where!r} ({type(err).__name__}: {err}); {want}") from None
     cls = getattr(module, name, None)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"--env {spec!r}: {where} has no class {name!r} that subclasses envs.Environment; {want}")
+    missing = [m for m in ("reset", "step", "reward") if getattr(cls, m) is getattr(Environment, m)]
+    if missing:
+        raise ValueError(f"--env {spec!r}: {name} does not implement {', '.join(missing)}, the episode methods of "
+                         "envs.Environment (docs/adding-an-environment.md)")
     return cls
 
 

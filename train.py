@@ -912,8 +912,8 @@ def parse_args(argv=None) -> Args:
     args = Args(**vars(p.parse_args(argv)))
     try:
         cls = environment(args)
-    except ValueError as err:
-        p.error(str(err))
+    except ValueError as err:                              # one line, without argparse's usage (runtime.UserError)
+        raise UserError(str(err)) from None
     defaults = {**TOY_DEFAULTS, **cls.toy_defaults} if is_toy(args) else {**PAPER_DEFAULTS, **cls.paper_defaults}
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -973,7 +973,7 @@ def _check(p, a: Args):
     if a.conventions not in envs.WORLD_CONVENTIONS:
         p.error(f"--conventions must be 1, 2, 3 or 4 (hidden conventions per shop), not {a.conventions}")
     if environment(a).check_args(a):
-        p.error(environment(a).check_args(a))
+        raise UserError(environment(a).check_args(a))
     if a.chat_template and not os.path.isfile(a.chat_template):
         p.error(f"--chat-template {a.chat_template!r}: no such file (give a Jinja chat-template file)")
     if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):

@@ -168,5 +168,32 @@ def test_a_wrong_env_is_one_line_and_status_2(value, spec, capsys):
         train.main(["--env", value])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len([line for line in err if "error:" in line]) == 1, err        # argparse: usage, then one error line
+    assert err == [err[-1]] and not any("usage:" in line for line in err), err   # one line, no usage
     assert "error: --env" in err[-1] and "expected" in err[-1], err[-1]
+
+
+@pytest.mark.parametrize("body, says", [
+    ("import envs\nclass W(envs.Environment):\n    def reset(self, task):\n        return []\n",
+     "does not implement step, reward"),
+    ("import envs\nundefined_name\n", "NameError: name 'undefined_name' is not defined"),
+    ("import envs\ndef broken(:\n", "SyntaxError"),
+])
+def test_a_broken_world_file_is_one_line_before_any_model_loads(body, says, tmp_path, capsys):
+    path = tmp_path / "world.py"
+    path.write_text(body)
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--env", f"{path}:W", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == [err[-1]] and says in err[-1], err
+    assert not (tmp_path / "run").exists()                               # nothing ran
+
+
+def test_a_world_file_imports_its_neighbours(tmp_path):
+    (tmp_path / "helpers_for_world.py").write_text("GREETING = 'hi'\n")
+    (tmp_path / "neighbour_world.py").write_text(
+        "import envs\nfrom helpers_for_world import GREETING\n\nclass N(envs.Environment):\n"
+        "    def reset(self, task):\n        return [{'role': 'user', 'content': GREETING}]\n"
+        "    def step(self, reply):\n        return envs.StepResult([], True)\n"
+        "    def reward(self):\n        return 0.0\n")
+    cls = envs.environment_class(f"{tmp_path / 'neighbour_world.py'}:N")
+    assert cls().reset(None)[0]["content"] == "hi"
