@@ -58,7 +58,7 @@ import torch.nn.functional as F
 TAIL_LOG_MASS_MAX = -1e-7
 
 
-TOP_M = 20   # M, the teacher's top-M support of eq. (9) (B.2: 20); every default of M in the code is this one
+TOP_M = 20   # M, the teacher's top-M support of eq. (9) (§4.1: 20); every default of M in the code is this one
 
 
 def _fp32(x):

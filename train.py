@@ -106,11 +106,11 @@ class Args:
     n_train: int = arg(1000, "generated training tasks (toy world)")
     n_test: int = arg(200, "generated held-out tasks (toy world; the paper's EnvScaler test split has 200)")
     # -- the paper's hyperparameters (B.1, B.2; the toy's own values are in TOY_DEFAULTS)
-    n_ret: int = arg(3, "J, experiences retrieved per task (B.2: 3)")
+    n_ret: int = arg(3, "J, experiences retrieved per task (§4.1: 3)")
     latents: int = arg(None, "K, latent tokens per experience (paper 32)")
     composer_input: str = arg(None, "what the composer's encoder reads: task+reference (A.2, task-conditional) or "
                                     "reference (the experience alone)")
-    top_m: int = arg(losses.TOP_M, "M, teacher top-M support of the distillation KL (eq. 9; B.2: 20)")
+    top_m: int = arg(losses.TOP_M, "M, teacher top-M support of the distillation KL (eq. 9; §4.1: 20)")
     margin: float = arg(0.05, "m, the privileged margin (eq. 13; §4.1: 0.05)")
     anchor: float = arg(0.2, "λ, weight of the latent anchor ||c_φ − sg c_φ0||² (B.2: 0.2)")
     dual_lr: float = arg(0.5, "η_β, step size of the dual variable β (B.2: 0.5)")
@@ -758,7 +758,8 @@ COLUMNS = [("reward", "reward"), ("full_pass", "full pass"), ("steps", "steps"),
 PAPER_TABLE3 = {  # EnvScaler, Qwen3-4B (Table 3)
     "vanilla": {"reward": 0.486, "steps": 11.12, "calls_per_step": 3.50, "repeated_calls": 8.89,
                 "reward_per_call": 0.038},
-    "base + composer": {"reward": 0.631, "steps": 16.31, "calls_per_step": 1.21, "repeated_calls": 4.49},
+    "base + composer": {"reward": 0.631, "steps": 16.31, "calls_per_step": 1.21, "repeated_calls": 4.49,
+                        "reward_per_call": 0.053},
     "LOPD student": {"reward": 0.637, "steps": 17.04, "calls_per_step": 1.11, "repeated_calls": 5.25,
                      "reward_per_call": 0.050},
 }
