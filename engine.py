@@ -259,6 +259,7 @@ class SampleConfig:
                                   # fit (train.py --max-len; B.2's 40,960 for real models, 768 for the toy)
     batch_size: int = 64          # episodes generated together (train.py --gen-batch, or the memory plan's)
     sort_by_length: bool = False  # batch tasks of similar length together (real models: less left padding)
+    generator: object = None      # a serving engine for the student's replies (vllm_engine, --engine vllm); None: ours
 
 
 def left_pad(rows, pad_id, device):
@@ -432,7 +433,10 @@ def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=Non
     context): a later turn then feeds only what a context added since. Without it, every context is fed whole.
     `embed_fn(ids, attention_mask) -> inputs_embeds` replaces the placeholder embeddings with latents (inject.py).
     The log-probs are those of the raw logits; no loss reads them (GRPO's π_old is the detached re-scored policy,
-    ρ = 1): they are kept with the episode as a check that re-scoring reproduces sampling."""
+    ρ = 1): they are kept with the episode as a check that re-scoring reproduces sampling. With cfg.generator (a
+    serving engine holding the student's weights, --engine vllm) the engine samples the replies instead."""
+    if cfg.generator is not None and embed_fn is None:
+        return cfg.generator.generate(contexts, cfg, eos_ids(model, tokenizer))
     conv = conversations if conversations is not None else Conversations(model, tokenizer, embed_fn)
     keys = list(range(len(contexts))) if keys is None else list(keys)
     logits = conv.resume(keys, contexts) if conv.cache is not None else conv.start(keys, contexts)   # (B, V)

@@ -180,6 +180,9 @@ class Args:
     cold_qformer_clip: float = arg(30.0, "the QFormer's cold-start clip with --cold-optim split (the official "
                                          "qformer_grad_clip: 30)")
     # -- engineering (runtime.py): device, runtime.precision, memory, checkpoints
+    engine: str = arg("hf", "what generates the joint stage's student rollouts: hf (engine.Conversations, the "
+                            "readable path) | vllm (a vLLM engine synced after every step: vllm_engine.py, installed "
+                            "in its own virtualenv as docs/real-models.md says)")
     device: str = arg("auto", "auto | cpu | cuda | mps")
     dtype: str = arg("auto", "auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16")
     memory: float = arg(0, "GB the memory plan may fill (0 = what the device has free once the backbone is loaded: "
@@ -710,6 +713,9 @@ def joint_training(run):
     elif runtime.world() > 1 and not isinstance(student, runtime.LoraStudent):   # a caller's own full student
         student = runtime.shard_student(student)
     composer.qformer.to(getattr(torch, args.qformer_dtype))     # --qformer-dtype (float32 unless asked)
+    generator = start_engine(args, student)                     # --engine vllm; None: engine.Conversations
+    if generator is not None:
+        run["sample"] = dataclasses.replace(run["sample"], generator=generator)
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
     gens = len(run["episodes"]) if method.uses_bank else 0   # honest budgets: the bank's rollouts count
@@ -725,12 +731,28 @@ def joint_training(run):
             beta, m, spent = method.step(args, run, state, student, opts, beta, task_rng)
         runtime.assert_same(beta, "β")          # Δ was summed over ranks, so the dual step agrees everywhere
         gens += spent
+        if generator is not None:                # the engine's weights follow the student's, checked
+            m["engine/gap"] = generator.sync(student)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             m.update(drift_eval(args, student, run))
         log(args.method, step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             runtime.save_checkpoint(args, student, composer, opts, beta, step + 1, gens, task_rng, state.get("ema"))
     return student
+
+
+def start_engine(args, student):
+    """--engine vllm: a vLLM engine on the student's weights (vllm_engine.py), or None for --engine hf."""
+    if args.engine == "hf":
+        return None
+    if args.student_lora or runtime.world() > 1:
+        raise UserError("--engine vllm syncs a full student in one process: leave out --student-lora and torchrun")
+    if is_toy(args):
+        raise UserError("--engine vllm: vLLM's Qwen3 has no attention-output bias, which the toy backbone has "
+                        "(vllm_engine.py): give a --model folder, or --engine hf")
+    import vllm_engine
+    context = getattr(student.config, "max_position_embeddings", None) or args.max_len   # a prompt may pass --max-len
+    return vllm_engine.VLLMGenerator(args.model, student, context, args.kv_budget or 1.0, args.seed)
 
 
 def drift_eval(args, student, run) -> dict:
@@ -948,6 +970,8 @@ def _check(p, a: Args):
         p.error(f"--device must be auto, cpu, cuda or mps, not {a.device!r}")
     if a.dtype not in ("auto", "float32", "bfloat16", "float16"):
         p.error(f"--dtype must be auto, float32, bfloat16 or float16, not {a.dtype!r}")
+    if a.engine not in ("hf", "vllm"):
+        p.error(f"--engine must be hf or vllm, not {a.engine!r}")
     if a.method not in METHODS:
         p.error(f"--method must be one of {', '.join(METHODS)}, not {a.method!r}")
     if rollouts_per_task(a) > 1 and a.rollouts_per_step % a.group:

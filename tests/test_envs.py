@@ -191,9 +191,13 @@ def test_env_values_name_a_shipped_world_or_a_users_class(tmp_path):
     assert envs.environment_class("tools") is envs.ToolWorld
     assert envs.environment_class("code").__name__ == "CodeWorld"
     mine = tmp_path / "mine.py"
-    mine.write_text("import envs\n\nclass Mine(envs.Environment):\n    pass\n\nclass NotOne:\n    pass\n")
+    mine.write_text("import envs\n\nclass Mine(envs.Environment):\n    def reset(self, task):\n        return []\n\n"
+                    "    def step(self, reply):\n        return envs.StepResult([], True)\n\n"
+                    "    def reward(self):\n        return 0.0\n\nclass Empty(envs.Environment):\n    pass\n\n"
+                    "class NotOne:\n    pass\n")
     assert envs.environment_class(f"{mine}:Mine").__name__ == "Mine"
     for bad, said in (("bogus", "expected tools or code"), (f"{mine}:NotOne", "no class 'NotOne'"),
+                      (f"{mine}:Empty", "does not implement reset, step, reward"),
                       ("nofile.py:X", "no such file"), ("no_such_module:X", "cannot import")):
         with pytest.raises(ValueError, match=said):
             envs.environment_class(bad)
