@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -208,7 +209,6 @@ class Worker:
     def request(self, **req) -> dict | None:
         if self.proc is None:
             return None
-        import selectors
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()

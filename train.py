@@ -925,6 +925,7 @@ def parse_args(argv=None) -> Args:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in dataclasses.fields(Args):
         flag, doc = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        doc += f" (registered: {', '.join(METHODS)})" if f.name == "method" else ""   # a fork's own methods too
         if f.type in ("bool", bool):
             p.add_argument(flag, action="store_true", help=doc)
         elif f.type == "bool | None":                          # --x / --no-x, default None: decided later
