@@ -169,6 +169,9 @@ def show_episodes(args: train.Args, n: int, path: str) -> str:
         terms = show.episode_terms(student, composer, chat, eps, lat["same"], args.top_m)
         shift = show.teacher_shift_terms(composer, chat, eps, lat["same"], lat["other"])
     same, other = show.reference_lines(exps["same"]), show.reference_lines(exps["other"])
+    alike = sum(a == b for a, b in zip(exps["same"], exps["other"]))   # a world of one variant: nothing to compare
+    warn = (f" Warning: on {alike} of {len(eps)} episodes the other-variant references are the same entries as the "
+            "retrieved ones (a world with one variant?), so their rows are 0 by construction." if alike else "")
     sections = [
         ("The student's episodes and its teacher",
          "Each reply token of the student (its own sample, temperature as in training), coloured by its term of "
@@ -178,12 +181,13 @@ def show_episodes(args: train.Args, n: int, path: str) -> str:
          [show.episode_html(tok, ep, t, r, None, len(eps), show.largest_kl(terms)) for ep, t, r in
           zip(eps, terms, same)]),
         ("The world check, token by token",
-         "The same tokens, coloured by log p_T(a) behind same-shop references minus behind other shops' "
-         "references (red: the same shop's experience makes the teacher surer of the student's token; blue: "
-         "less sure; full colour at 3 nats). The list: the other shops' references.",
+         "The same tokens, coloured by log p_T(a) behind the retrieved references minus behind references of other "
+         "variants only (the tool world's shops, the code world's judges; red: the task's own variant's experience "
+         "makes the teacher surer of the student's token; blue: less sure; full colour at 3 nats). The list: the "
+         "other variants' references." + warn,
          [show.episode_html(tok, ep, t, r, s, len(eps)) for ep, t, r, s in zip(eps, terms, other, shift)])]
     with open(path, "w", encoding="utf-8") as f:
-        f.write(show.page(f"LOPD, token by token: {args.out}", sections))
+        f.write(show.page(f"{train.student_row(args)} and its teacher, token by token: {args.out}", sections))
     return path
 
 

@@ -124,7 +124,7 @@ def episode_html(tok, ep, terms: dict, refs: list[str], shift: list[float] | Non
         tip = (f"KL {x['kl']:.4f} · δ {x['delta']:+.3f} · p_S {x['p_s']:.3f} · p_T {x['p_t']:.3f} · "
                f"teacher's top 5: {alts}")
         if shift is not None:
-            tip += f" · same − other shop {shift[t]:+.2f} nats"
+            tip += f" · same − other variant {shift[t]:+.2f} nats"
             bg = _colour(shift[t], 3.0, negative=True)
         else:
             bg = _colour(x["kl"], scale)
