@@ -251,7 +251,6 @@ class EnvScalerWorld(Environment):
     max_steps: int = 30                         # the paper's 30 environment steps (B.2)
     limits: code_env.SandboxLimits = field(default_factory=lambda: LIMITS)
     task: EnvScalerTask | None = None
-    paper_defaults = {"max_env_steps": 30}
 
     def reset(self, task: EnvScalerTask) -> list[dict]:
         """The first messages; the worker starts at the first step (a prompt rendered for scoring needs none)."""

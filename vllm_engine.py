@@ -56,10 +56,8 @@ class VLLMGenerator:
         """Each context's next reply: (ids, their log-probs at temperature 1, ended with an end-of-turn id?)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        greedy = cfg.temperature == 0
-        params = SamplingParams(temperature=cfg.temperature, top_p=1.0 if greedy else cfg.top_p,
-                                top_k=0 if greedy else cfg.top_k, max_tokens=cfg.max_new_tokens, logprobs=0,
-                                stop_token_ids=eos, ignore_eos=False)
+        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,   # 0: greedy
+                                max_tokens=cfg.max_new_tokens, logprobs=0, stop_token_ids=eos)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(c)) for c in contexts], params, use_tqdm=False)
         rows = []
         for out in outs:
