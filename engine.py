@@ -259,7 +259,7 @@ class SampleConfig:
                                   # fit (train.py --max-len; B.2's 40,960 for real models, 768 for the toy)
     batch_size: int = 64          # episodes generated together (train.py --gen-batch, or the memory plan's)
     sort_by_length: bool = False  # batch tasks of similar length together (real models: less left padding)
-    generator: object = None      # a serving engine for the student's replies (vllm_engine, --engine vllm); None: ours
+    generator: object = None      # a serving engine that samples the replies (vllm_engine, --engine vllm); None: ours
 
 
 def left_pad(rows, pad_id, device):
@@ -426,7 +426,8 @@ def _shared_prefix(rows) -> int:
 
 
 @torch.no_grad()
-def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=None, conversations=None, keys=None):
+def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=None, conversations=None, keys=None,
+                     embeds=None):
     """Sample one reply per context. Returns per row (new ids, their log-probs at temperature 1, finished?).
 
     `conversations` (a `Conversations`) keeps each context's KV cache from an earlier call, under `keys` (one per
@@ -434,13 +435,22 @@ def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=Non
     `embed_fn(ids, attention_mask) -> inputs_embeds` replaces the placeholder embeddings with latents (inject.py).
     The log-probs are those of the raw logits; no loss reads them (GRPO's π_old is the detached re-scored policy,
     ρ = 1): they are kept with the episode as a check that re-scoring reproduces sampling. With cfg.generator (a
-    serving engine holding the student's weights, --engine vllm) the engine samples the replies instead."""
-    if cfg.generator is not None and embed_fn is None:
-        return cfg.generator.generate(contexts, cfg, eos_ids(model, tokenizer))
+    serving engine, --engine vllm) the engine samples the replies from `model`'s weights instead, from each
+    context's ids or, given `embeds` (per context its (n_i, d) input embeddings, latents included), from those."""
+    if cfg.generator is not None:
+        return cfg.generator.generate(model, contexts, cfg, eos_ids(model, tokenizer), embeds)
     conv = conversations if conversations is not None else Conversations(model, tokenizer, embed_fn)
     keys = list(range(len(contexts))) if keys is None else list(keys)
     logits = conv.resume(keys, contexts) if conv.cache is not None else conv.start(keys, contexts)   # (B, V)
     return conv.decode(logits, cfg, eos_ids(model, tokenizer))
+
+
+def context_embeds(model, embed_fn, contexts, rows) -> list:
+    """Each context's input embeddings, the latents of its task (rows index the rollout's tasks) in its span:
+    per context (n_i, d)."""
+    device = next(model.parameters()).device
+    return [embed_fn(torch.tensor([c], device=device), torch.ones((1, len(c)), dtype=torch.long, device=device),
+                     [r])[0] for c, r in zip(contexts, rows)]
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -481,8 +491,11 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, prompt_fn=None, embed_f
                              lambda ids, att, rows=which: embed_fn(ids, att, rows))
         while not all(ep.done for ep in eps):
             live = [i for i, ep in enumerate(eps) if not ep.done]
+            embeds = None                      # a serving engine is sent the latent prompts as embeddings
+            if cfg.generator is not None and embed_fn is not None:
+                embeds = context_embeds(model, embed_fn, [eps[i].ids for i in live], [which[i] for i in live])
             replies = generate_replies(model, tokenizer, [eps[i].ids for i in live], cfg, conversations=conv,
-                                       keys=live)
+                                       keys=live, embeds=embeds)
             texts = [tokenizer.decode(new, skip_special_tokens=False).replace(tokenizer.eos_token, "")
                      for new, _, _ in replies]
             n_before = [len(envs[i].trace) for i in live]

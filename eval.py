@@ -222,6 +222,7 @@ def load_eval_student(args):
     -> (model, tokenizer, row name)."""
     device, dtype = runtime.pick_device(args.device, args.dtype)
     model, tok = train.load_backbone(args, device, dtype)
+    train.start_engine(args, model, runtime.free_memory(device))          # --engine vllm
     ckpt = runtime.latest_checkpoint(args.out)
     if ckpt is None:
         return model, tok, "vanilla (the run has no checkpoint)"
@@ -353,12 +354,15 @@ def main(argv=None):
     p.add_argument("--show", type=int, nargs="?", const=5, default=0, metavar="N",
                    help="write OUT/show.html: N held-out episodes of the student (default 5), each token coloured by "
                         "what the teacher knows (show.py)")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="what generates the rollouts (train.py --engine): hf, or vllm (vllm_engine.py)")
     a = p.parse_args(argv)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
-    args = dataclasses.replace(train.load_args(a.run), out=a.run)     # the folder given, wherever it was trained
+    # the folder given, wherever it was trained; the engine this command asks for, whichever trained it
+    args = dataclasses.replace(train.load_args(a.run), out=a.run, engine=a.engine)
     if a.tasks and a.tasks[0].startswith("bfcl-v3"):
         with runtime.one_line_errors():
             return eval_bfcl(args, bfcl_categories(a.tasks[0]), a.n_test, a.temperature)

@@ -180,9 +180,9 @@ class Args:
     cold_qformer_clip: float = arg(30.0, "the QFormer's cold-start clip with --cold-optim split (the official "
                                          "qformer_grad_clip: 30)")
     # -- engineering (runtime.py): device, runtime.precision, memory, checkpoints
-    engine: str = arg("hf", "what generates the joint stage's student rollouts: hf (engine.Conversations, the "
-                            "readable path) | vllm (a vLLM engine synced after every step: vllm_engine.py, installed "
-                            "in its own virtualenv as docs/real-models.md says)")
+    engine: str = arg("hf", "what generates every rollout: hf (engine.Conversations, the readable path) | vllm (a "
+                            "vLLM engine loaded with the rolling-out model's weights, the student's after every step, "
+                            "and checked: vllm_engine.py, installed in its own virtualenv as docs/real-models.md says)")
     device: str = arg("auto", "auto | cpu | cuda | mps")
     dtype: str = arg("auto", "auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16")
     memory: float = arg(0, "GB the memory plan may fill (0 = what the device has free once the backbone is loaded: "
@@ -197,7 +197,8 @@ class Args:
                                   "cold start (engine.micro_batches). Default: what the memory plan fits; 0 = no limit"
                                   " but --micro-batch (the toy's)")
     kv_budget: float = arg(None, "GB of KV cache that generation may fill: it batches as many conversations of "
-                                 "--max-len tokens as fit; default: the memory plan's --gen-batch")
+                                 "--max-len tokens as fit; default: the memory plan's --gen-batch (--engine vllm: "
+                                 "the engine's cache, default a quarter of the free memory)")
     gen_batch: int = arg(None, "episodes generated together: their KV caches grow with it times the conversation "
                                "(Qwen3-4B in bf16: ~147 KB a token). Default: as many as the memory plan fits (the "
                                "toy: 64)")
@@ -248,6 +249,7 @@ PAPER_DEFAULTS = {"latents": 32, "composer_input": "task+reference", "cold_steps
                   "max_new_tokens": 10000, "max_env_steps": 30, "max_len": 40960, "eval_every": 0,
                   "text_context": "system", "loss_chunk": 1024}   # budgets: the memory plan (fit_machine)
 METHODS = {"lopd": lopd.METHOD, **baselines.METHODS}     # what --method runs: lopd, rft, grpo, opsd, sdpo
+GENERATOR = None     # --engine vllm: this process's serving engine (`start_engine`), in every sample_config
 
 
 def main(argv=None):
@@ -260,7 +262,7 @@ def main(argv=None):
 def _main(argv=None):
     t0 = time.time()
     args = parse_args(argv)
-    _, world, _ = runtime.dist_setup(args.device, args.dist_timeout)
+    _, world, backend = runtime.dist_setup(args.device, args.dist_timeout)
     runtime.check_world(args, world, rollouts_per_task(args))
     run = prepare(args)
     student = None
@@ -272,7 +274,7 @@ def _main(argv=None):
         write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, table=table)
         print("\n" + markdown_table(rows, table=table))
         print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
-    if dist.is_initialized():
+    if backend != "none":                # torchrun's group (an in-process vLLM engine owns and ends its own)
         dist.destroy_process_group()
 
 
@@ -290,6 +292,7 @@ def prepare(args: Args, record: bool = True):
     model, tok = load_backbone(args, device, dtype)
     fit_context(args, model)
     plan = fit_machine(args, model, device)
+    start_engine(args, model, plan.free)
     if record and runtime.rank() == 0:   # atomically: another rank may be reading it in check_same_world
         runtime.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
         runtime.write_json(os.path.join(args.out, "memory_plan.json"), dataclasses.asdict(plan))
@@ -375,6 +378,9 @@ def memory_plan(args: Args, model, free: int, device_type: str) -> runtime.Memor
     `device_type` device (cuda, cpu, ...)."""
     costs = runtime.step_costs(model.config, next(model.parameters()).element_size(), trained_parameters(args, model),
                                args.n_ret, args.loss_chunk, args.max_len)
+    if args.engine == "vllm":           # the engine's own fp32 copy of the weights and its KV cache, for the whole run
+        engine_bytes = 4 * sum(p.numel() for p in model.parameters()) + engine_kv_bytes(args, free)
+        costs = dataclasses.replace(costs, resident=costs.resident + engine_bytes)
     given = {k: getattr(args, k) for k in ("grad_ckpt", "token_budget", "gen_batch")}
     cap = runtime.CPU_TOKENS if device_type == "cpu" else None    # a longer forward is no faster there
     return runtime.plan_memory(costs, free, args.max_len, given, cap=cap)
@@ -473,7 +479,7 @@ def sample_config(args: Args, temperature=None) -> engine.SampleConfig:
                              top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                              max_len=max_len,
                              batch_size=args.gen_batch or engine.SampleConfig.batch_size,
-                             sort_by_length=not is_toy(args))
+                             sort_by_length=not is_toy(args), generator=GENERATOR)
 
 
 def load_splits(args: Args, record: bool = True):
@@ -713,9 +719,6 @@ def joint_training(run):
     elif runtime.world() > 1 and not isinstance(student, runtime.LoraStudent):   # a caller's own full student
         student = runtime.shard_student(student)
     composer.qformer.to(getattr(torch, args.qformer_dtype))     # --qformer-dtype (float32 unless asked)
-    generator = start_engine(args, student)                     # --engine vllm; None: engine.Conversations
-    if generator is not None:
-        run["sample"] = dataclasses.replace(run["sample"], generator=generator)
     opts = make_optimizers(args, student, composer)
     task_rng, beta, start = random.Random(args.seed + 2), 0.0, 0
     gens = len(run["episodes"]) if method.uses_bank else 0   # honest budgets: the bank's rollouts count
@@ -731,8 +734,8 @@ def joint_training(run):
             beta, m, spent = method.step(args, run, state, student, opts, beta, task_rng)
         runtime.assert_same(beta, "β")          # Δ was summed over ranks, so the dual step agrees everywhere
         gens += spent
-        if generator is not None:                # the engine's weights follow the student's, checked
-            m["engine/gap"] = generator.sync(student)
+        if GENERATOR is not None:                # --engine vllm: the engine's weights follow the student's, checked
+            m["engine/gap"] = GENERATOR.sync(student)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             m.update(drift_eval(args, student, run))
         log(args.method, step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)
@@ -741,18 +744,27 @@ def joint_training(run):
     return student
 
 
-def start_engine(args, student):
-    """--engine vllm: a vLLM engine on the student's weights (vllm_engine.py), or None for --engine hf."""
-    if args.engine == "hf":
-        return None
-    if args.student_lora or runtime.world() > 1:
-        raise UserError("--engine vllm syncs a full student in one process: leave out --student-lora and torchrun")
-    if is_toy(args):
-        raise UserError("--engine vllm: vLLM's Qwen3 has no attention-output bias, which the toy backbone has "
-                        "(vllm_engine.py): give a --model folder, or --engine hf")
+def engine_kv_bytes(args: Args, free: int) -> int:
+    """--engine vllm: the engine's KV cache, allocated once for the whole run (the memory plan counts it beside the
+    trained weights): --kv-budget GB, else a quarter of the memory free once θ̄ is loaded."""
+    return int(args.kv_budget * runtime.GB) if args.kv_budget else free // 4
+
+
+def start_engine(args, model, free: int):
+    """--engine vllm: this process's vLLM engine (GENERATOR, vllm_engine.py) on θ̄'s folder (`model`, loaded), its
+    KV cache `engine_kv_bytes` of the `free` bytes."""
+    global GENERATOR
+    if args.engine == "hf" or GENERATOR is not None:
+        return
+    if runtime.world() > 1:
+        raise UserError("--engine vllm runs in one process for now: leave out torchrun, or use --engine hf")
     import vllm_engine
-    context = getattr(student.config, "max_position_embeddings", None) or args.max_len   # a prompt may pass --max-len
-    return vllm_engine.VLLMGenerator(args.model, student, context, args.kv_budget or 1.0, args.seed)
+    context = getattr(model.config, "max_position_embeddings", None) or args.max_len   # a prompt may pass --max-len
+    kv, one = engine_kv_bytes(args, free), context * runtime.kv_bytes_per_token(model.config, 4)
+    if kv < one:
+        raise UserError(f"--engine vllm: its KV cache of {kv / runtime.GB:.2f} GB holds less than one conversation of "
+                        f"the model's {context} tokens ({one / runtime.GB:.2f} GB): raise --kv-budget")
+    GENERATOR = vllm_engine.VLLMGenerator(args.model or toy_backbone(args), model.config, context, kv, args.seed)
 
 
 def drift_eval(args, student, run) -> dict:

