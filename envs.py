@@ -531,7 +531,7 @@ class Environment:
         task_id   unique; retrieval never returns a task's own bank entries (eq. 16)
         text      the user message: what the student sees
         variant   the family of hidden rules it follows ("" if none): --retrieval other skips it, bank recall reads it
-        schema    the kind of task ("" if none): the cold start draws schema-balanced batches (A.2)
+        schema    the kind of task ("" if none): the cold start (A.2) draws schema-balanced batches (our choice)
     """
     # -- what the learner reads: prompts, tools, retrieval --------------------------------------------------------
     system_prompt: str = ""            # the first message (reset's to write; an empty one may be left out)

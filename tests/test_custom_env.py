@@ -1,5 +1,6 @@
-"""A world of the user's own (docs/adding-an-environment.md): the doc's example file, exactly as printed there, is
-loaded with --env FILE.py:CLASS, unit-checked, and trained end to end by train.py; wrong --env values are one line.
+"""A world of the user's own (docs/adding-an-environment.md): the doc's two example files, exactly as printed there
+(greeter.py, single-turn; pantry.py, multi-turn with tools), are loaded with --env FILE.py:CLASS, unit-checked and
+trained end to end by train.py (pantry by the doc's own smoke command); wrong --env values are one line.
 
 Run: python -m pytest tests/test_custom_env.py -q      (about a minute on 2 CPU cores: one tiny train.py run)
 """
@@ -21,23 +22,27 @@ DOC = os.path.join(ROOT, "docs", "adding-an-environment.md")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def example() -> tuple[str, str, str]:
-    """The doc's one ```python block -> (its source, its file name, the Environment subclass it defines)."""
+def example(file: str = "greeter.py") -> tuple[str, str, str]:
+    """The doc's ```python block whose docstring names `file` -> (its source, its file name, the Environment
+    subclass it defines)."""
     blocks = re.findall(r"^```python\n(.*?)^```", open(DOC, encoding="utf-8").read(), flags=re.S | re.M)
-    assert len(blocks) == 1, f"expected one python block in {DOC}, found {len(blocks)}"
-    source = blocks[0]
-    name = re.match(r'"""(\w+\.py):', source).group(1)                 # the docstring names the file
-    cls = re.search(r"^class (\w+)\(envs\.Environment\):", source, flags=re.M).group(1)
-    return source, name, cls
+    named = [b for b in blocks if b.startswith(f'"""{file}:')]          # the docstring names the file
+    assert len(named) == 1, f"expected one python block of {file} in {DOC}, found {len(named)}"
+    cls = re.search(r"^class (\w+)\(envs\.Environment\):", named[0], flags=re.M).group(1)
+    return named[0], file, cls
+
+
+def write_example(folder, file: str = "greeter.py") -> str:
+    """The example written to a file of its own: --env's value for it, FILE.py:CLASS."""
+    source, name, cls = example(file)
+    path = folder / name
+    path.write_text(source)
+    return f"{path}:{cls}"
 
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory) -> str:
-    """The example written to a file of its own: --env's value for it, FILE.py:CLASS."""
-    source, name, cls = example()
-    path = tmp_path_factory.mktemp("world") / name
-    path.write_text(source)
-    return f"{path}:{cls}"
+    return write_example(tmp_path_factory.mktemp("world"))
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +62,11 @@ def right_reply(names, task) -> str:
     return names["OFFICES"][task.variant].format(names["SCHEMAS"][task.schema][1].format(task.guest))
 
 
-def test_the_example_is_one_short_file():
-    source, name, cls = example()
+@pytest.mark.parametrize("file, most", [("greeter.py", 60), ("pantry.py", 90)])
+def test_each_example_is_one_short_file(file, most):
+    source, name, cls = example(file)
     lines = source.splitlines()
-    assert 30 <= len(lines) <= 60, len(lines)                            # "a 40-line example" (envs.py)
+    assert 30 <= len(lines) <= most, len(lines)
     assert max(map(len, lines)) <= 118
     compile(source, name, "exec")
     assert f"--env {name}:{cls}" in open(DOC, encoding="utf-8").read()   # the doc's command runs this file
@@ -197,3 +203,68 @@ def test_a_world_file_imports_its_neighbours(tmp_path):
         "    def reward(self):\n        return 0.0\n")
     cls = envs.environment_class(f"{tmp_path / 'neighbour_world.py'}:N")
     assert cls().reset(None)[0]["content"] == "hi"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pantry.py: multi-turn, with tools
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pantry(tmp_path_factory):
+    spec = write_example(tmp_path_factory.mktemp("pantry"), "pantry.py")
+    return spec, envs.environment_class(spec)
+
+
+def play(cls, task, replies) -> tuple:
+    """An episode of `replies` (stopping where the world says done) -> (environment, observations per step)."""
+    env, seen = cls(), []
+    env.reset(task)
+    for reply in replies:
+        result = env.step(reply)
+        seen.append(result.observations)
+        if result.done:
+            break
+    return env, seen
+
+
+def test_pantry_tools_turns_and_its_kitchens_rules(pantry):
+    _, cls = pantry
+    tr, _ = splits(cls, n_train=30, n_test=5)
+    check = lambda t: envs.format_call("check_stock", {"item": t.schema})                   # noqa: E731
+    order = lambda t, q=None: envs.format_call("order", {"item": t.schema, "qty": q or t.qty})  # noqa: E731
+    north = next(t for t in tr if t.variant == "north")
+    south = next(t for t in tr if t.variant == "south")
+    assert [tool["function"]["name"] for tool in cls.tools] == ["check_stock", "order"]
+    env, seen = play(cls, north, [check(north), order(north), "Done."])                   # the north rule kept
+    assert env.reward() == 1.0 and seen[0][0].endswith("in stock") and seen[2] == []
+    env, seen = play(cls, north, [order(north), check(north) + order(north), "Done."])    # broken, then kept
+    assert seen[0] == ["Error: check the stock first"] and env.reward() == 0.5
+    env, seen = play(cls, south, [check(south), order(south), "Done."])                   # the north rule, in south
+    assert seen[0][0].startswith("Error") and env.reward() == 0.5
+    env, _ = play(cls, south, [order(south), "Done."])
+    assert env.reward() == 1.0
+    env, _ = play(cls, south, [order(south, south.qty % 9 + 1), "Done."])                  # the wrong quantity
+    assert env.reward() == 0.0
+    for bad in ("<tool_call>{not json", "<tool_call>\n{\"name\": \"order\", \"arguments\": 3}\n</tool_call>",
+                envs.format_call("order", {"item": "eggs", "qty": "two"}), envs.format_call("steal", {})):
+        env, seen = play(cls, north, [bad])                                             # never raises
+        assert seen[0] and all(o.startswith("Error") for o in seen[0]) and env.reward() == 0.0
+        json.dumps([list(t) for t in env.trace])
+    env = cls.for_run(train.parse_args(["--max-env-steps", "2"]), toy=False)
+    env.reset(north)
+    assert not env.step(check(north)).done and env.step(check(north)).done           # the step cap of the flag
+
+
+def test_the_docs_smoke_command_runs_pantry_for_two_steps(pantry, tmp_path):
+    """The doc's CPU smoke command, as printed, with the example's path and a fresh --out."""
+    spec, _ = pantry
+    text = open(DOC, encoding="utf-8").read()
+    line = next(x for x in text.splitlines() if x.startswith("python train.py --env pantry.py:Pantry --model "))
+    argv = line.split()[2:]
+    argv[argv.index("--env") + 1] = spec
+    argv[argv.index("--out") + 1] = str(tmp_path / "run")
+    res = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["stage"] == "lopd"] == [0, 1]
+    assert "| LOPD student |" in (tmp_path / "run" / "results.md").read_text()

@@ -108,7 +108,7 @@ OUTSIDE = re.compile(r"DESIGN\.md|lopd-paper[\w-]*\.md|(?:^|[^\w/]|\.\./|/work/)
 ROOTED = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs|tests|assets|\.ci|paper)/[\w.*<>{}/-]*)")
 LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")             # a markdown link or image: [text](target)
 CITED = re.compile(r',\s*"([^"\n]+)"')                        # `docs/design.md, "Correctness traps"`
-# A README section cited by name: `README "Two commands"`, `README.md, "Status"`, `README's "Reading order"` (the
+# A README section cited by name: `README "Run and test"`, `README.md, "Status"`, `README's "Reading order"` (the
 # start of a heading is enough: "Reading order" names "Reading order: the paper's math in the code").
 README_CITED = re.compile(r"\bREADME(?:\.md)?(?:'s)?(?:,\s*|\s+)\"([^\"\n]+)\"")
 
@@ -222,7 +222,7 @@ def test_the_reference_check_can_fail():
     fine = ("[web](https://x.org/y.md) [up](#roles-and-memory) [run](runs/toy/results.md) `runs/x/OUT.md`\n"
             "`docs/FILE.md`, `assets/toy-backbone-kK`, tests/fixtures/*.jsonl, --out /shared/runs/q8,\n"
             '[design](docs/design.md#correctness-traps), docs/design.md, "Correctness traps".\n'
-            'README "Two commands", README\'s "Reading order", README.md, "Status".\n')
+            'README "Run and test", README\'s "Reading order", README.md, "Status".\n')
     assert dangling(fine) == []
 
 
