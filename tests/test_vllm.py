@@ -124,7 +124,8 @@ def test_prompt_embeddings_give_hugging_faces_replies(student_and_engine):
     """A span of each prompt replaced by random vectors (latents): the engine's greedy replies from the embeddings
     against engine.Conversations' from the same embed_fn."""
     student, gen = student_and_engine
-    tok = __import__("transformers").AutoTokenizer.from_pretrained(toy.SHIPPED)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(toy.SHIPPED)
     contexts = [[5, 6, 0, 0, 0, 7, 8], [9, 0, 0, 0, 10, 11, 12, 13]]
     latents, starts = torch.randn(2, 3, student.config.hidden_size), [2, 1]
 
