@@ -680,6 +680,7 @@ def bench_engines(rollouts: int, tokens: int, steps: int):
     a second of each, measured in one run, the engine's start and first weight load outside the clock."""
     import vllm_engine
     model, tok, name, path = rollout_model()
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu")    # a GPU times both engines on it
     make_env, tasks = tool_world(rollouts, steps)
     threads, rate = torch.get_num_threads(), {}
     for how in ("hf", "vllm"):                           # HF first: vLLM's start binds the process's threads

@@ -48,7 +48,8 @@ fill) end the run with one line naming the cause and what to change, and exit st
 
 Under torchrun (runtime.py, "Data parallel"): each rank rolls out an equal slice of each batch, normalisers and Δ
 are summed over ranks before the backward, gradients are summed; the full student is sharded with FSDP2; rank 0
-alone logs and writes; checkpoints hold full state dicts, resumable on any number of ranks.
+alone logs and writes; checkpoints hold full state dicts, resumable on any number of ranks. --engine vllm: one
+engine a rank (vllm_engine.py), the sharded student's weights gathered into each at points every rank passes.
 """
 from __future__ import annotations
 
@@ -274,7 +275,8 @@ def _main(argv=None):
         write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, table=table)
         print("\n" + markdown_table(rows, table=table))
         print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
-    if backend != "none":                # torchrun's group (an in-process vLLM engine owns and ends its own)
+    close_engine()                       # --engine vllm: ends the process group too (torchrun's, under torchrun)
+    if backend != "none" and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -727,6 +729,7 @@ def joint_training(run):
     if ckpt:
         beta, start, gens = runtime.load_checkpoint(ckpt, student, composer, opts, task_rng, state.get("ema"))
         say(f"resumed from {ckpt} at step {start}")
+    serve(student)                           # --engine vllm: the student's weights, on every rank at once
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
                      leave=False, disable=runtime.rank() != 0):
         t0, run["step"] = time.time(), step                  # the step, for --task-order epoch
@@ -756,15 +759,29 @@ def start_engine(args, model, free: int):
     global GENERATOR
     if args.engine == "hf" or GENERATOR is not None:
         return
-    if runtime.world() > 1:
-        raise UserError("--engine vllm runs in one process for now: leave out torchrun, or use --engine hf")
     import vllm_engine
     context = getattr(model.config, "max_position_embeddings", None) or args.max_len   # a prompt may pass --max-len
     kv, one = engine_kv_bytes(args, free), context * runtime.kv_bytes_per_token(model.config, 4)
     if kv < one:
         raise UserError(f"--engine vllm: its KV cache of {kv / runtime.GB:.2f} GB holds less than one conversation of "
                         f"the model's {context} tokens ({one / runtime.GB:.2f} GB): raise --kv-budget")
-    GENERATOR = vllm_engine.VLLMGenerator(args.model or toy_backbone(args), model.config, context, kv, args.seed)
+    GENERATOR = vllm_engine.VLLMGenerator(args.model or toy_backbone(args), model.config, context, kv,
+                                          args.seed + 10007 * runtime.rank(), torchrun=runtime.world() > 1)
+
+
+def serve(model):
+    """--engine vllm: `model`'s weights into the engine if it holds another's. Every rank calls this at the same
+    points for the student (FSDP2-sharded under torchrun: its weights are gathered by all ranks at once)."""
+    if GENERATOR is not None:
+        GENERATOR.serve(model)
+
+
+def close_engine():
+    """--engine vllm: shut the engine down; vLLM's shutdown also ends the process group it joined."""
+    global GENERATOR
+    if GENERATOR is not None:
+        GENERATOR.close()
+        GENERATOR = None
 
 
 def drift_eval(args, student, run) -> dict:
@@ -846,6 +863,8 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
         if name not in which or (name == "student" and student is None):
             continue
         runtime.seed_everything(args.seed + 1)
+        if name == "student":
+            serve(student)                   # --engine vllm: every rank, even one with no task here
         whole = runtime.gathered(student) if name == "student" else contextlib.nullcontext()   # FSDP2: weights
         with runtime.precision(composer.peft), whole:
             eps = go() if tasks else []       # torchrun: a rank may get no held-out task

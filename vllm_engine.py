@@ -32,9 +32,14 @@ the fp32 student. θ̄ in bf16 (CUDA) is compared within `LOW_PRECISION_TOLERANC
 (train.py `engine_kv_bytes`: --kv-budget GB, else a quarter of the free memory); the memory plan counts it and the
 engine's weights beside the trained ones.
 
-Deviations and limits. vLLM samples with its own random stream (seeded by --seed), so an --engine vllm run draws
-other episodes than an --engine hf run. torchrun is refused (one engine per rank, each synced from the gathered
-student, is the planned design). The toy backbone's attention output projection has a bias (Hugging Face's Qwen3
+torchrun. One engine per rank, on the rank's device, inside torchrun's process group (vLLM's "external_launcher",
+one rank per engine); each rank generates its own slice of the batch. The FSDP2-sharded student reaches the
+engines one whole tensor at a time, every rank gathering at once, at points every rank passes (`serve`, `sync`);
+θ̄ is replicated and loads lazily, as in one process. The check's gap is the largest over the ranks, so a stale
+engine anywhere stops them all.
+
+Deviations and limits. vLLM samples with its own random stream (seeded by --seed, rank r by --seed + 10007 r), so
+an --engine vllm run draws other episodes than an --engine hf run. The toy backbone's attention output projection has a bias (Hugging Face's Qwen3
 with `attention_bias`) that vLLM's Qwen3 lacks; `register_biased_qwen3` adds it for such checkpoints.
 """
 from __future__ import annotations
@@ -43,6 +48,7 @@ import os
 
 import torch
 
+import runtime
 from runtime import UserError
 
 TOLERANCE = 1e-4                # the largest |log-prob difference| allowed between the engine and an fp32 model
@@ -53,7 +59,9 @@ CHECK_IDS = 512                 # the fixed sequence's length: its first half sp
 class VLLMGenerator:
     """One in-process vLLM engine that serves whichever model rolls out."""
 
-    def __init__(self, path: str, config, max_len: int, kv_bytes: int, seed: int = 0):
+    def __init__(self, path: str, config, max_len: int, kv_bytes: int, seed: int = 0, torchrun: bool = False):
+        """torchrun: this rank's own engine, on its own device (cuda:LOCAL_RANK), inside torchrun's process group
+        (vLLM's "external_launcher" with one rank per engine: no traffic between the engines)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # in-process: weights move without a copy
         try:
             from vllm import LLM
@@ -64,7 +72,7 @@ class VLLMGenerator:
         overrides = {"architectures": [register_biased_qwen3()]} if biased else None
         self.llm = LLM(model=path, dtype="float32", enable_prefix_caching=True, max_model_len=max_len,
                        enforce_eager=True, seed=seed, kv_cache_memory_bytes=int(kv_bytes), enable_prompt_embeds=True,
-                       hf_overrides=overrides)
+                       hf_overrides=overrides, distributed_executor_backend="external_launcher" if torchrun else None)
         self.vocab = config.vocab_size
         self.serving = None             # which model's weights the engine holds (`_key`); None: the folder's
 
@@ -74,7 +82,10 @@ class VLLMGenerator:
         from vllm import SamplingParams
         from vllm.inputs import EmbedsPrompt, TokensPrompt
         if self.serving != _key(model):
-            self.sync(model)
+            if _sharded(model):           # its weights are gathered by every rank at once: see `serve`
+                raise RuntimeError("--engine vllm: a sharded student reached the engine unsynced; call serve(student) "
+                                   "on every rank before its rollouts")
+            self.sync(model, every_rank=False)     # this rank alone (it may be the only one rolling out)
         params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,   # 0: greedy
                                 max_tokens=cfg.max_new_tokens, logprobs=0, stop_token_ids=eos)
         prompts = ([TokensPrompt(prompt_token_ids=list(c)) for c in contexts] if embeds is None else
@@ -87,16 +98,32 @@ class VLLMGenerator:
             rows.append((ids, logps, bool(ids) and ids[-1] in eos))
         return rows
 
-    def sync(self, model, weights: dict | None = None, reset_cache: bool = True) -> float:
+    def serve(self, model) -> float | None:
+        """`model`'s weights into the engine unless it holds them already (-> the check's gap, or None). Under
+        torchrun every rank calls this at the same points for the FSDP2-sharded student (before the joint stage,
+        before its evaluation row), since its weights are gathered by all ranks at once; `generate` loads only
+        replicated models (θ̄) by itself, where a rank may roll out alone (a rank with no held-out task)."""
+        fresh = runtime.all_true(self.serving == _key(model))    # torchrun: one rank stale, every rank syncs
+        return None if fresh else self.sync(model)
+
+    def sync(self, model, weights: dict | None = None, reset_cache: bool = True, every_rank: bool = True) -> float:
         """`model`'s weights into the engine (`weights` overrides them: tests), its prefix cache reset, then
-        `check`. -> the largest log-prob gap the check found."""
+        `check`. every_rank: all ranks sync at once (a sharded student's tensors are gathered whole in turn, the
+        gap is the largest over the ranks). -> the largest log-prob gap the check found."""
         state = weights_of(model) if weights is None else weights
-        self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(state.items())))
+        pairs = state.items() if isinstance(state, dict) else state       # (name, tensor), FSDP2's gathered lazily
+        self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(pairs)))
         if reset_cache:
             self.llm.reset_prefix_cache()
         self.serving = _key(model)
-        low = any(v.dtype != torch.float32 for v in state.values() if v.is_floating_point())
-        return self.check(model, LOW_PRECISION_TOLERANCE if low else TOLERANCE)
+        held = state if isinstance(state, dict) else model.state_dict()  # dtypes only (a shard's are the whole's)
+        low = any(v.dtype != torch.float32 for v in held.values() if v.is_floating_point())
+        return self.check(model, LOW_PRECISION_TOLERANCE if low else TOLERANCE, every_rank)
+
+    def close(self):
+        """Shut the engine down now (its finalizer would at exit). It ends the process group it joined as well:
+        torchrun's under torchrun, its own otherwise."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """The engine's log-probs of ids[1:] after their prefixes, (len(ids) − 1,)."""
@@ -106,7 +133,7 @@ class VLLMGenerator:
                                 use_tqdm=False)[0]
         return torch.tensor([d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])])
 
-    def check(self, model, tolerance: float = TOLERANCE) -> float:
+    def check(self, model, tolerance: float = TOLERANCE, every_rank: bool = False) -> float:
         """The engine against `model`, a RuntimeError beyond `tolerance`: the log-probs of a fixed sequence (its
         weights), and of a greedy continuation of the sequence's first half (its prefix cache: the first half was
         cached by the previous check, so a cache left unreset after a sync answers from the old keys)."""
@@ -121,18 +148,25 @@ class VLLMGenerator:
         got = torch.cat([self.logprobs(ids), torch.tensor([d[t].logprob for t, d in zip(cont, o.logprobs)])])
         want = torch.cat([model_logprobs(model, ids), model_logprobs(model, head + cont)[len(head) - 1:]])
         gap = float((got - want).abs().max())
+        if every_rank:                  # torchrun: every rank stops, or none does
+            gap = runtime.all_max(gap)
         if gap > tolerance:
             raise RuntimeError(f"--engine vllm: the engine's log-probs differ from the model's by {gap:.2e} (more "
                                f"than {tolerance:g}): its weights or its prefix cache are stale")
         return gap
 
 
-def weights_of(model) -> dict:
+def weights_of(model):
     """The Hugging Face-named weights of what `model` computes now: a plain model's state_dict() (a tied head
     under both names); a peft model's base weights with W + Σ_a B_a A_a s_a folded in for each LoRA adapter a
-    active now (none inside adapter_disabled); a runtime.LoraStudent's with its own adapter active."""
+    active now (none inside adapter_disabled); a runtime.LoraStudent's with its own adapter active. -> a dict; for
+    an FSDP2-sharded student (name, whole tensor) pairs, each gathered when the engine reads it (a collective:
+    every rank reads at once), so no rank holds a second whole copy."""
     if "peft" in vars(model):                       # runtime.LoraStudent: its adapter is active in its own calls
         return model._run(weights_of, model.peft)
+    if _sharded(model):                             # FSDP2 (torchrun): each tensor gathered whole, all ranks in turn
+        from torch.distributed.tensor import DTensor
+        return ((k, (v.full_tensor() if isinstance(v, DTensor) else v).detach()) for k, v in model.state_dict().items())
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
     if not isinstance(model, PeftModel):
@@ -150,6 +184,11 @@ def weights_of(model) -> dict:
         k = k.replace(".base_layer.", ".")
         out[k] = v.detach() + deltas[k].to(v.dtype) if k in deltas else v.detach()
     return out
+
+
+def _sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
 
 
 def _key(model) -> tuple:

