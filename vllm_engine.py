@@ -39,8 +39,9 @@ engines one whole tensor at a time, every rank gathering at once, at points ever
 engine anywhere stops them all.
 
 Deviations and limits. vLLM samples with its own random stream (seeded by --seed, rank r by --seed + 10007 r), so
-an --engine vllm run draws other episodes than an --engine hf run. The toy backbone's attention output projection has a bias (Hugging Face's Qwen3
-with `attention_bias`) that vLLM's Qwen3 lacks; `register_biased_qwen3` adds it for such checkpoints.
+an --engine vllm run draws other episodes than an --engine hf run. The toy backbone's attention output projection
+has a bias (Hugging Face's Qwen3 with `attention_bias`) that vLLM's Qwen3 lacks; `register_biased_qwen3` adds it
+for such checkpoints.
 """
 from __future__ import annotations
 
