@@ -29,6 +29,7 @@ import engine  # noqa: E402
 import runtime  # noqa: E402
 import toy  # noqa: E402
 import vllm_engine  # noqa: E402
+from test_distributed import TORCHRUN, ok, start  # noqa: E402  (torchrun in its own session, killed on timeout)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -201,9 +202,7 @@ def main(path, out):
     got["stale"] = caught(lambda: gen.check(student, every_rank=True))                  # every rank, no sync
     got["synced"] = gen.sync(student)
     if r == 1:                                        # rank 1's engine alone back to θ̄'s weights
-        w = vllm_engine.weights_of(base)
-        gen.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(w.items())))
-        gen.llm.reset_prefix_cache()
+        gen.sync(base, every_rank=False)
     got["one_stale"] = caught(lambda: gen.check(student, every_rank=True))
     got["synced_again"] = gen.sync(student)
     if r == 0:                                        # rank 0 rolls out alone (rank 1 has no task): θ̄ loads lazily
@@ -220,27 +219,13 @@ if __name__ == "__main__":
 '''
 
 
-def torchrun(cmd: list, timeout: int) -> str:
-    """`torchrun --standalone --nproc-per-node 2 cmd` in its own session, killed whole on timeout (a hang fails)."""
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             *cmd], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        pytest.fail(f"torchrun {' '.join(cmd)} still running after {timeout} s: a rank waits for another")
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
 def test_one_engine_per_rank_takes_the_sharded_students_weights(llama, tmp_path):
     """torchrun, two ranks: each its own engine; the FSDP2 student gathered into both after an optimizer step and
     checked on both (the check fails on both without the sync, and on both when one rank's engine alone is stale);
-    a rank that rolled out θ̄ alone is made to sync
-    the student with the other rank by `serve`, and refuses to load the sharded student by itself."""
+    a rank that rolled out θ̄ alone is made to sync the student with the other rank by `serve`, and refuses to load
+    the sharded student by itself. A hang (a rank waiting for another) fails at the timeout."""
     (tmp_path / "ranks.py").write_text(RANKS)
-    torchrun([str(tmp_path / "ranks.py"), ROOT, llama, str(tmp_path)], timeout=600)
+    ok(start([*TORCHRUN, str(tmp_path / "ranks.py"), ROOT, llama, str(tmp_path)], tmp_path / "ranks"), timeout=600)
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     for g in got:
         assert g["first"] < vllm_engine.TOLERANCE and g["synced"] < vllm_engine.TOLERANCE
@@ -255,11 +240,11 @@ def test_two_lopd_steps_under_torchrun_one_engine_per_rank(tmp_path):
     """train.py --engine vllm under torchrun (two ranks, gloo): the joint stage's check after every step, and a drift
     evaluation of one held-out task, so rank 1 has none and still syncs the student's row with rank 0."""
     out = tmp_path / "ranks"
-    torchrun(["train.py", "--engine", "vllm", "--out", str(out), "--n-train", "8", "--n-test", "3", "--bank-rollouts",
-              "1", "--bank-threshold", "0", "--max-new-tokens", "8", "--max-env-steps", "2", "--latents", "2",
-              "--n-ret", "1", "--cold-steps", "1", "--cold-batch", "2", "--steps", "2", "--rollouts-per-step", "2",
-              "--micro-batch", "2", "--eval-every", "1", "--eval-tasks", "1", "--device", "cpu", "--kv-budget",
-              "0.25", "--no-thinking"], timeout=900)
+    ok(start([*TORCHRUN, "train.py", "--engine", "vllm", "--out", str(out), "--n-train", "8", "--n-test", "3",
+              "--bank-rollouts", "1", "--bank-threshold", "0", "--max-new-tokens", "8", "--max-env-steps", "2",
+              "--latents", "2", "--n-ret", "1", "--cold-steps", "1", "--cold-batch", "2", "--steps", "2",
+              "--rollouts-per-step", "2", "--micro-batch", "2", "--eval-every", "1", "--eval-tasks", "1", "--device",
+              "cpu", "--kv-budget", "0.25", "--no-thinking"], tmp_path / "train"), timeout=900)
     steps = [json.loads(line) for line in open(out / "metrics.jsonl") if '"stage": "lopd"' in line]
     assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
     assert all(0 <= s["engine/gap"] < vllm_engine.TOLERANCE for s in steps) and os.path.isfile(out / "results.md")
