@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import code_env
+import sandbox
 import engine
 import envs
 import losses
@@ -699,7 +700,7 @@ def bench_engines(rollouts: int, tokens: int, steps: int):
 
 
 def bench_verifier(n: int, workers: int | None = None):
-    """The code verifier (envs.py): programs per second with `workers` parallel runs (default: the core count),
+    """The code verifier (code_env.py on sandbox.py): programs per second with `workers` parallel runs (default: the core count),
     and the sandbox's overhead per program against a bare `python -c` of the same program."""
     import os
     import subprocess
@@ -712,7 +713,7 @@ def bench_verifier(n: int, workers: int | None = None):
     assert all(ok for ok, _ in results)
     t0 = time.perf_counter()
     for _ in range(10):
-        code_env.run_sandboxed(code, "2 3\n")
+        sandbox.run_sandboxed(code, "2 3\n")
     sandboxed = (time.perf_counter() - t0) / 10
     t0 = time.perf_counter()
     for _ in range(10):

@@ -31,16 +31,19 @@ its ground truth cannot pass: multi_turn_base_154 (5 user turns, 6 ground-truth 
 
 Deviations from BFCL's own runner, each for safety or for the learner:
 1. Calls are executed from the parsed name and arguments (envs.parse_tool_calls), never from a string: a name must
-   be one of the task's functions (its API classes' function docs), and a call of anything else, `__import__`
-   included, is an error observation that the checker never sees. BFCL's executor `eval`s call strings; its checker
-   still does, on strings this file builds with `repr` of the parsed JSON values (`call_string`), so nothing the
-   model wrote reaches `eval` as code. A held-out function called before its turn runs, as it does in BFCL (the
-   ground truth of miss_func_49 calls `tail` two turns before it is listed).
+   be one of the task's functions (its API classes' function docs), every argument name one of that function's
+   declared parameters, every value a plain JSON value (`literal_problem`); anything else is an error observation
+   that is never executed and that the checker never sees. BFCL's executor `eval`s call strings; its checker still
+   does, on strings `call_string` builds from those checked names and `repr` of those values, so nothing the model
+   wrote reaches `eval` as code. And all of it, the task's API classes called with the model's values and BFCL's
+   checker, runs in a confined worker process (`WORKER`, sandbox.py), never in the trainer: a value that costs
+   hours (MathAPI.power(10, 10**12)) costs the episode, at the worker's limits. A held-out function called before
+   its turn runs, as it does in BFCL (the ground truth of miss_func_49 calls `tail` two turns before it is listed).
 2. A reply whose call does not parse gets an error observation and the turn goes on (the project's rule for a
    malformed call); BFCL ends the turn there.
-3. The checker caches instances in its module's globals by (model name, task id, class): every check uses a name of
-   its own and removes its instances afterwards, so episodes never share state. `BFCL_PROJECT_ROOT` points at a
-   scratch folder, so importing BFCL writes nothing into site-packages.
+3. The checker caches instances in its module's globals by (model name, task id, class): each episode has a worker
+   of its own and every check in it a name of its own, so episodes never share state. `BFCL_PROJECT_ROOT` points at
+   a scratch folder, so importing BFCL writes nothing into site-packages.
 4. The paper serves models in BFCL's function-calling mode, where held-out functions are added to the tool list and
    the prompt is rendered again; here they arrive in a user message (BFCL's prompting path), since a conversation
    whose ids were sampled is never re-rendered. The tools of the first turn are the template's, as in FC mode.
@@ -52,14 +55,15 @@ import copy
 import importlib
 import importlib.util
 import inspect
-import itertools
 import json
+import math
 import os
 import random
 import tempfile
 from dataclasses import dataclass, field
 
 import inject
+import sandbox
 from envs import Environment, StepResult, parse_tool_calls
 from runtime import UserError
 
@@ -82,7 +86,9 @@ CLASSES = {"GorillaFileSystem": ("gorilla_file_system", "gorilla_file_system.jso
            "TradingBot": ("trading_bot", "trading_bot.json"), "TravelAPI": ("travel_booking", "travel_booking.json"),
            "VehicleControlAPI": ("vehicle_control", "vehicle_control.json")}
 STATELESS = ("MathAPI",)                    # BFCL builds these without a scenario
-_checks = itertools.count()
+# An episode's worker: BFCL's own long-context file systems and its checker's replays fit these with room to spare
+LIMITS = sandbox.SandboxLimits(wall_s=30.0, cpu_s=300, memory_mb=2048, output_kb=4096)
+MAX_DEPTH = 32                              # how deeply a call's argument values may nest
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,7 +166,12 @@ def ast_check(task: BFCLTask, calls: list) -> bool:
         sys.modules[stub.__name__] = stub
     from bfcl_eval.eval_checker.ast_eval.ast_checker import ast_checker
     output = [{name: args} for name, args in calls]
-    return bool(ast_checker(task.entry["function"], output, task.ground_truth, "Python", task.variant, "lopd")["valid"])
+    try:     # the checker compares the parsed values with the possible answers (no eval); a value it cannot
+        #      compare (a type it did not expect) is a wrong answer, not the run's end
+        return bool(ast_checker(task.entry["function"], output, task.ground_truth, "Python", task.variant,
+                                "lopd")["valid"])
+    except Exception:
+        return False
 
 
 def function_docs(class_name: str) -> list[dict]:
@@ -201,9 +212,44 @@ def public_methods(objects: dict) -> dict:
             if not n.startswith("_")}
 
 
-def call_string(name: str, args: dict) -> str:
-    """A parsed call as the string BFCL's checker reads: the name checked by the caller, values by `repr` of JSON
-    values (str, numbers, booleans, None, lists, dicts), so the string is a literal call and nothing else."""
+def literal_problem(name: str, args: dict, doc: dict) -> str | None:
+    """Why a parsed call cannot become a literal call string, or None: its name must be the doc's, each argument
+    name an identifier among the doc's declared parameters, each value a plain JSON value (str, a finite number,
+    bool, None, lists, objects with string keys) nested at most MAX_DEPTH deep."""
+    declared = doc["parameters"].get("properties", {})
+    if name != doc["name"] or not name.isidentifier():
+        return f"the function is {doc['name']!r}, not {name!r}"
+    for key, value in args.items():
+        if not (isinstance(key, str) and key.isidentifier() and key in declared):
+            return f"{name} has no parameter {key!r}; its parameters are {', '.join(declared) or 'none'}"
+        if not _plain(value, MAX_DEPTH):
+            return f"the value of {key!r} is not a plain JSON value (or nests deeper than {MAX_DEPTH})"
+    return None
+
+
+def _plain(v, depth: int) -> bool:
+    if v is None or isinstance(v, (str, bool, int)):
+        return True
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if depth <= 0:
+        return False
+    if isinstance(v, list):
+        return all(_plain(x, depth - 1) for x in v)
+    return isinstance(v, dict) and all(isinstance(k, str) and _plain(x, depth - 1) for k, x in v.items())
+
+
+def call_string(name: str, args: dict, doc: dict) -> str:
+    """A parsed call as the string BFCL's checker evaluates: `literal_problem` must find nothing (else ValueError),
+    so the string is name(key=repr(value), ...) of declared names and plain values: a literal call, nothing else."""
+    problem = literal_problem(name, args, doc)
+    if problem:
+        raise ValueError(problem)
+    return f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+
+
+def call_text(name: str, args: dict) -> str:
+    """A call as text for a trace or the bank (read, never evaluated)."""
     return f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
 
 
@@ -223,37 +269,81 @@ def ground_truth_calls(task: BFCLTask) -> list[list[tuple[str, dict]]]:
     return turns
 
 
-def check(task: BFCLTask, decoded: list) -> dict:
-    """BFCL's multi_turn_checker on decoded calls (per turn, per step, a list of call strings) -> its verdict
-    {"valid": bool, ...}. Each check runs under a model name of its own and drops its cached instances afterwards."""
-    package_dir()
-    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
-    from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
-    name = f"lopd_{os.getpid()}_{next(_checks)}"
+# The worker: the task's API instances, the model's calls on them and BFCL's checker, in a confined process; one JSON
+# request a line, one JSON answer. What BFCL's code prints is swallowed.
+WORKER = r'''
+import copy, importlib, inspect, io, json, os, sys, traceback
+os.environ["BFCL_PROJECT_ROOT"] = os.getcwd()
+answer, sys.stdout = sys.stdout, io.StringIO()
+SOURCE = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code."
+methods = {}
+
+def start(entry, modules, stateless):
+    long = "long_context" in entry["id"]
+    for name in entry["involved_classes"]:
+        obj = getattr(importlib.import_module(SOURCE + modules[name]), name)()
+        if name not in stateless:
+            obj._load_scenario(copy.deepcopy(entry["initial_config"].get(name, {})), long_context=long)
+        methods.update({n: m for n, m in inspect.getmembers(obj, inspect.ismethod) if not n.startswith("_")})
+    return {"ok": True}
+
+def dumps(result):
+    if isinstance(result, dict):
+        try:
+            return json.dumps(result)
+        except (TypeError, ValueError):
+            pass
+    return str(result)
+
+def call(name, args):
     try:
-        return multi_turn_checker(decoded, task.ground_truth, task.entry, task.variant, name)
-    finally:
-        cache = vars(multi_turn_utils)
-        for key in [k for k in cache if k.startswith(name)]:
-            del cache[key]
+        result = methods[name](**args)
+        return {"text": result if isinstance(result, str) else dumps(result), "ok": True}
+    except Exception as err:
+        return {"text": "Error during execution: %s" % err, "ok": False}
+
+def check(prefixes, variant):
+    from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
+    return {"valid": [bool(multi_turn_checker(decoded, truth, entry, variant, "lopd_%d" % i)["valid"])
+                      for i, (entry, truth, decoded) in enumerate(prefixes)]}
+
+for line in sys.stdin:
+    req = json.loads(line)
+    try:
+        out = {"start": lambda: start(req["entry"], req["modules"], req["stateless"]),
+               "call": lambda: call(req["name"], req["args"]),
+               "check": lambda: check(req["prefixes"], req["variant"])}[req["op"]]()
+    except BaseException:
+        out = {"ok": False, "error": traceback.format_exc()[-2000:]}
+    sys.stdout.seek(0), sys.stdout.truncate()
+    answer.write(json.dumps(out) + "\n")
+    answer.flush()
+'''
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The environment
 # ----------------------------------------------------------------------------------------------------------------
+GONE = "Error: the functions did not answer (a call hung, crashed or broke a sandbox limit); the episode ends"
+
+
 @dataclass
 class BFCLWorld(Environment):
-    """A BFCL-v3 multi-turn task as an episode (the module docstring says how it runs and how it is scored)."""
+    """A BFCL-v3 multi-turn task as an episode (the module docstring says how it runs and how it is scored). The
+    task's API instances live in the episode's worker (`WORKER`), started at its first call; a worker that hangs,
+    dies or answers nonsense ends the episode, failed."""
     system_prompt: str = ""
     framing: tuple = inject.AGENTIC_FRAMING
     results: str = "behaviour"
     log: dict | None = None        # task_id -> {"passed", "turns_passed", "turns"} once an episode is scored (eval.py)
     task: BFCLTask | None = None
     max_steps: int = MAX_STEPS_PER_TURN     # steps a turn may take before BFCL's forced quit
+    limits: sandbox.SandboxLimits = field(default_factory=lambda: LIMITS)
+    untrusted_code = True                   # the model's values reach BFCL's code: in a confined worker
 
     def reset(self, task: BFCLTask) -> list[dict]:
+        self.close()
         self.task, self.trace, self.turn, self.steps_in_turn, self.quit = task, [], 0, 0, False
-        self.methods = public_methods(instances(task.entry))
         held = {n for names in task.entry.get("missed_function", {}).values() for n in names}
         self.docs = {d["name"]: d for c in task.entry["involved_classes"] for d in function_docs(c)}
         self.listed = [n for n in self.docs if n not in held]     # what the prompt lists so far
@@ -271,28 +361,42 @@ class BFCLWorld(Environment):
             return StepResult([f"Model has been forced to quit after {self.max_steps} steps."], True, 0, 1)
         observations, errors, executed = [], 0, []
         for name, args in calls:
-            if name is None:                                      # a call that did not parse: args is the error
-                observations, errors = observations + [f"Error: {args}"], errors + 1
-            elif name not in self.docs:                           # deviation 1: never executed, never checked
-                observations.append(f"Error: no function {name!r} is available; the functions are "
-                                    f"{', '.join(self.listed)}")
-                errors += 1
-            else:
-                text, ok = self._execute(name, args)
-                observations, errors = observations + [text], errors + (not ok)
-                executed.append(call_string(name, args))          # BFCL's checker runs it again, from the string
+            problem = self._problem(name, args)
+            if problem:                                           # deviation 1: never executed, never checked
+                observations, errors = observations + [f"Error: {problem}"], errors + 1
+                continue
+            answer = self._execute(name, args)
+            if answer is None:                                    # the worker is gone: the episode ends, failed
+                self.quit = True
+                return StepResult(observations + [GONE], True, len(calls), errors + 1)
+            observations, errors = observations + [answer["text"]], errors + (not answer["ok"])
+            executed.append(call_string(name, args, self.docs[name]))   # BFCL's checker runs it again
         self.decoded[self.turn].append(executed)
         return StepResult(observations, False, len(calls), errors)
 
-    def _execute(self, name: str, args: dict) -> tuple[str, bool]:
-        """One of the task's functions called on its instances -> (its result as text, ran without error?)."""
-        try:
-            result = self.methods[name](**args)
-            text, ok = (result if isinstance(result, str) else _dumps(result)), True
-        except Exception as err:                                  # a wrong argument is the model's mistake
-            text, ok = f"Error during execution: {err}", False
-        self.trace.append((name, args, text))
-        return text, ok
+    def _problem(self, name, args) -> str | None:
+        """Why a parsed call is not executed: it did not parse, names no function of the task, or is no literal call
+        of it (`literal_problem`); None for a call that runs."""
+        if name is None:                                          # a call that did not parse: args is the error
+            return str(args).removeprefix("Error: ")
+        if name not in self.docs:
+            return f"no function {name!r} is available; the functions are {', '.join(self.listed)}"
+        return literal_problem(name, args, self.docs[name])
+
+    def _execute(self, name: str, args: dict) -> dict | None:
+        """One of the task's functions called on its instances, in the worker -> {"text": its result as text, "ok":
+        ran without error}, or None once the worker is gone."""
+        if getattr(self, "worker", None) is None:
+            self.worker = sandbox.Worker(WORKER, self.limits)
+            started = self.worker.request(op="start", entry=self.task.entry, stateless=list(STATELESS),
+                                          modules={k: v[0] for k, v in CLASSES.items()})
+            if not (started and started.get("ok") is True):
+                return None
+        answer = self.worker.request(op="call", name=name, args=args)
+        if not (answer and isinstance(answer.get("text"), str) and isinstance(answer.get("ok"), bool)):
+            return None
+        self.trace.append((name, args, answer["text"]))
+        return answer
 
     def _next_turn(self) -> StepResult:
         self.turn, self.steps_in_turn = self.turn + 1, 0
@@ -307,25 +411,38 @@ class BFCLWorld(Environment):
         return StepResult([], False, user=user)
 
     def reward(self) -> float:
-        """The fraction of turns whose prefix BFCL's checker passes (0 after a forced quit); BFCL's verdict on the
-        whole task goes to `log`."""
+        """The fraction of turns whose prefix BFCL's checker passes (0 after a forced quit or a worker gone); BFCL's
+        verdict on the whole task goes to `log`."""
         turns = len(self.task.ground_truth)
-        passed = [not self.quit and check(self._prefix(k + 1), self.decoded[:k + 1])["valid"] for k in range(turns)]
+        passed = [False] * turns if self.quit else self._checked(turns)
         if self.log is not None:
             self.log[self.task.task_id] = {"passed": bool(passed[-1]), "turns_passed": sum(passed), "turns": turns}
+        self.close()
         return sum(passed) / turns
 
-    def _prefix(self, k: int) -> BFCLTask:
-        """The task cut to its first k turns, for the checker."""
-        entry = {**self.task.entry, "question": self.task.entry["question"][:k]}
-        return BFCLTask(self.task.task_id, self.task.text, self.task.variant, self.task.schema, entry,
-                        self.task.ground_truth[:k])
+    def _checked(self, turns: int) -> list[bool]:
+        """BFCL's multi_turn_checker on each prefix of k turns (the task and the decoded calls cut to k turns), in the
+        episode's worker; all False when the worker gives no verdict."""
+        prefixes = [({**self.task.entry, "question": self.task.entry["question"][:k]}, self.task.ground_truth[:k],
+                     self.decoded[:k]) for k in range(1, turns + 1)]
+        if getattr(self, "worker", None) is None:
+            self.worker = sandbox.Worker(WORKER, self.limits)
+        answer = self.worker.request(op="check", prefixes=prefixes, variant=self.task.variant)
+        valid = answer.get("valid") if answer else None
+        if not (isinstance(valid, list) and len(valid) == turns and all(isinstance(v, bool) for v in valid)):
+            return [False] * turns
+        return valid
+
+    def close(self):
+        """Stop the episode's worker, if it runs."""
+        if getattr(self, "worker", None) is not None:
+            self.worker = self.worker.close()
 
     def trace_text(self) -> str:
-        return "\n".join(f"{i + 1}. {call_string(n, a)} -> {str(r)[:200]}" for i, (n, a, r) in enumerate(self.trace))
+        return "\n".join(f"{i + 1}. {call_text(n, a)} -> {str(r)[:200]}" for i, (n, a, r) in enumerate(self.trace))
 
     def oracle_trace(self, task) -> str:
-        return "\n".join(call_string(n, a) for turn in ground_truth_calls(task) for n, a in turn)
+        return "\n".join(call_text(n, a) for turn in ground_truth_calls(task) for n, a in turn)
 
     # -- the run --------------------------------------------------------------------------------------------------
     @classmethod
@@ -373,13 +490,3 @@ class BFCLSingleWorld(Environment):
         if self.log is not None:
             self.log[self.task.task_id] = {"passed": self.passed, "turns_passed": int(self.passed), "turns": 1}
         return float(self.passed)
-
-
-def _dumps(result) -> str:
-    """A tool's result as BFCL passes it on: a dict as JSON where it can be, anything else as str()."""
-    if isinstance(result, dict):
-        try:
-            return json.dumps(result)
-        except (TypeError, ValueError):
-            return str(result)
-    return str(result)

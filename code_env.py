@@ -1,8 +1,9 @@
-"""The code domain (paper §4.1 "coding", A.5, B.3): problems, the benchmarks' loaders, the sandbox, CodeWorld.
+"""The code domain (paper §4.1 "coding", A.5, B.3): problems, the benchmarks' loaders, verification, CodeWorld.
 
 Single-turn problems behind the same interface as the tool world (`envs.Environment`): the A.5 coding system
-prompt, a program in the reply, reward 1 if every test passes in the sandbox (`run_sandboxed`, `verify`,
-`verify_many`), else 0. A reader of the tool world never needs this file; a reader of the code experiments does.
+prompt, a program in the reply, reward 1 if every test passes in the sandbox (sandbox.py: a process the kernel
+confines; `verify`, `verify_many`), else 0. A reader of the tool world never needs this file; a reader of the code
+experiments does.
 
     python train.py --env code                         # the toy code world, its shipped toy backbone, CPU
     python train.py --env code --tasks DIR --model M   # TACO, LiveCodeBench or EvalPlus as released
@@ -18,8 +19,6 @@ What is here, in order:
                                 against canonical_solution on base_input + plus_input within atol; the expected
                                 outputs are computed once in the sandbox and cached in TASKS.expected.json; base and
                                 plus reported apart), and plain HumanEval (prompt, test, entry_point)
-  the sandbox                   its layers are listed above `SandboxLimits`; docs/real-models.md ("The code
-                                verifier") says what it does not protect against
   the call-based driver         `run_calls`: call-based tests in one sandboxed process, outputs compared here
   CodeWorld                     the environment: reset -> [system, user]; step(reply) verifies and ends the episode
   the toy code world            `make_code_splits`: ten families of one-line programs, four judges with unstated
@@ -51,6 +50,7 @@ from decimal import Decimal
 
 import inject
 import runtime
+from sandbox import SandboxLimits, run_sandboxed
 from envs import CONVENTIONS, SHOP_NAMES, Environment, StepResult, read_jsonl
 
 TOY_CODE_SYSTEM_PROMPT = "Write the Python program only."
@@ -126,8 +126,7 @@ NO_SYSTEM_PROMPT = EVALPLUS + ("HumanEval",)
 # used as stored (EvalPlus turns some lists back into tuples/sets per task: evalplus/data/mbpp.py
 # mbpp_deserialize_inputs); EvalPlus's oracles for Mbpp/581 and Mbpp/558 (code of their own) are not reproduced;
 # a blank last line of a functional input is not an argument; TACO's int-key rule keeps the arguments after the
-# first; time limits are the sandbox's (per call: SandboxLimits.wall_s; EvalPlus: max(wall_s, 4 x the reference));
-# numpy cannot be imported in the sandbox (its import sets environment variables, which the guard refuses).
+# first; time limits are the sandbox's (per call: SandboxLimits.wall_s; EvalPlus: max(wall_s, 4 x the reference)).
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -175,7 +174,7 @@ def _lcb_prelude() -> str:
 
 def _taco_prelude() -> str:
     """The imports TACO's harness puts before every program (metrics/testing_util.py: synthesize_cb_code). Its numpy
-    import is tried only: the sandbox's guard refuses what numpy's import does to the environment."""
+    import is tried only, as numpy may not be installed."""
     return "\n".join([
         "import sys", "import time", "import itertools",
         "from itertools import accumulate, product, permutations, combinations", "import collections",
@@ -348,143 +347,6 @@ def load_problems(path: str, limits: SandboxLimits | None = None) -> list[CodePr
     if any(p.evalplus for p in problems):
         evalplus_expected(problems, path + ".expected.json", limits or SandboxLimits())
     return problems
-
-
-# -- the sandbox -------------------------------------------------------------------------------------------------
-# What it does, layer by layer (docs/real-models.md, "The code domain and its sandbox" says what it does NOT protect
-# against):
-#   1. a separate process (`python -I`: no user site, no PYTHON* variables), in its own session and process group;
-#   2. a fresh temporary working directory, deleted afterwards;
-#   3. kernel limits set in the child before the program runs: CPU seconds (SIGXCPU), address space (memory: a
-#      MemoryError), file size (stdout and stderr are files, so endless output dies of SIGXFSZ), no core dumps,
-#      no new processes (RLIMIT_NPROC; the kernel does not enforce it for root);
-#   4. no network: a new, empty network namespace where the kernel allows it (root, or unprivileged user
-#      namespaces); otherwise the Python guard below only;
-#   5. a Python-level guard: fork/exec/spawn/kill/setsid and file removal raise, the subprocess, multiprocessing,
-#      socket and ctypes modules cannot be imported, and open() for writing outside the working directory raises
-#      (for EnvScaler's worker, the 5th argument, reading too: envscaler_env.py);
-#   6. a wall-time limit, after which (and after every run) the whole process group is killed with SIGKILL.
-@dataclass
-class SandboxLimits:
-    wall_s: float = 5.0        # wall-clock seconds per run
-    cpu_s: int = 4             # CPU seconds per run
-    memory_mb: int = 512       # address-space cap
-    output_kb: int = 256       # cap on stdout, stderr and any file written
-
-
-@dataclass
-class RunResult:
-    status: str                # ok | error (non-zero exit) | timeout | cpu limit | output limit | killed
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-
-SANDBOX_GUARD = r'''
-import builtins, io, os, resource, sys
-cpu, mem, fsize, python_guard, _reads = (int(x) for x in (sys.argv[1:6] + ["0"])[:5])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
-try:   # a new, empty network namespace: CLONE_NEWNET, else CLONE_NEWUSER | CLONE_NEWNET (unprivileged)
-    import ctypes
-    _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.unshare(0x40000000) != 0:
-        _libc.unshare(0x10000000 | 0x40000000)
-    del _libc, ctypes
-except Exception:
-    pass
-WORK = os.getcwd()
-_open, _os_open = builtins.open, os.open
-src = _open("prog.py").read()
-def _inside(path):
-    real = os.path.realpath(os.fsdecode(path))
-    return real == WORK or real.startswith(WORK + os.sep)
-def _guarded_open(file, mode="r", *a, **k):
-    if not isinstance(file, int) and any(c in mode for c in "wax+") and not _inside(file):
-        raise PermissionError(f"sandbox: writing outside the working directory is refused: {file}")
-    if _reads and not isinstance(file, int) and not _inside(file):
-        raise PermissionError(f"sandbox: reading outside the working directory is refused: {file}")
-    return _open(file, mode, *a, **k)
-def _guarded_os_open(path, flags, *a, **k):
-    if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC) and not _inside(path):
-        raise PermissionError(f"sandbox: writing outside the working directory is refused: {path}")
-    if _reads and not _inside(path):
-        raise PermissionError(f"sandbox: reading outside the working directory is refused: {path}")
-    return _os_open(path, flags, *a, **k)
-def _refused(name):
-    def f(*a, **k):
-        raise PermissionError(f"sandbox: os.{name} is refused")
-    return f
-if python_guard:
-    builtins.open = io.open = _guarded_open
-    os.open = _guarded_os_open
-    for _name in ("fork", "forkpty", "system", "popen", "execv", "execve", "execl", "execle", "execlp", "execlpe",
-                  "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
-                  "spawnvpe", "posix_spawn", "posix_spawnp", "kill", "killpg", "setsid", "setpgid", "setpgrp",
-                  "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate", "chmod",
-                  "chown", "lchown", "symlink", "link", "putenv", "unsetenv", "chdir", "fchdir", "chroot"):
-        if hasattr(os, _name):
-            setattr(os, _name, _refused(_name))
-    for _mod in ("subprocess", "_posixsubprocess", "multiprocessing", "socket", "_socket", "ctypes", "_ctypes",
-                 "pty", "asyncio"):
-        sys.modules[_mod] = None
-sys.argv = ["prog.py"]
-del cpu, mem, fsize, python_guard
-exec(compile(src, "prog.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
-'''
-
-
-def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(),
-                  python_guard: bool = True) -> RunResult:
-    """Run `code` as a Python program in the sandbox with `stdin`; never raises on anything the program does.
-    python_guard=False keeps only the OS layers (process, limits, namespace, group kill): for tests of those."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    import time
-    cap = limits.output_kb * 1024
-    with tempfile.TemporaryDirectory(prefix="lopd-run-") as io_dir, \
-            tempfile.TemporaryDirectory(prefix="lopd-sandbox-") as work:
-        with open(os.path.join(work, "prog.py"), "w") as f:
-            f.write(code)
-        paths = {k: os.path.join(io_dir, k) for k in ("stdin", "stdout", "stderr")}
-        with open(paths["stdin"], "w") as f:
-            f.write(stdin)
-        cmd = [sys.executable, "-I", "-c", SANDBOX_GUARD, str(limits.cpu_s), str(limits.memory_mb << 20), str(cap),
-               str(int(python_guard))]
-        t0 = time.time()
-        with open(paths["stdin"]) as fin, open(paths["stdout"], "w") as fout, open(paths["stderr"], "w") as ferr:
-            proc = subprocess.Popen(cmd, cwd=work, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
-                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
-            try:
-                proc.wait(timeout=limits.wall_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                try:                                   # the whole group, stragglers included
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
-        seconds = time.time() - t0
-        sizes = [os.path.getsize(paths[k]) for k in ("stdout", "stderr")]
-        out, err = (_read_capped(paths[k], cap) for k in ("stdout", "stderr"))
-    rc = proc.returncode
-    status = ("timeout" if timed_out else "output limit" if max(sizes) >= cap else "ok" if rc == 0 else
-              "error" if rc > 0 else {-signal.SIGXCPU: "cpu limit", -signal.SIGXFSZ: "output limit"}.get(rc, "killed"))
-    return RunResult(status, rc, out, err, seconds)
-
-
-def _read_capped(path: str, cap: int) -> str:
-    with open(path, "rb") as f:
-        return f.read(cap).decode("utf-8", "replace")
 
 
 def _same_output(got: str, want: str) -> bool:
@@ -825,14 +687,34 @@ def verify_many(pairs, limits: SandboxLimits = SandboxLimits(), workers: int | N
         return list(pool.map(lambda pc: verify(pc[0], pc[1], limits), pairs))
 
 
-CODE_BLOCK_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
+FENCE_OPEN_RE = re.compile(r"```(?:python|py)?\s*\n")
 
 
 def extract_code(reply: str) -> str:
-    """The program in a reply: the last fenced block, else the whole reply (thinking stripped)."""
-    reply = re.sub(r"<think>.*?</think>", "", reply, flags=re.S)
-    blocks = CODE_BLOCK_RE.findall(reply)
-    return blocks[-1] if blocks else reply
+    """The program in a reply: the last fenced block, else the whole reply (thinking stripped). What the regexes
+    <think>.*?</think> and ```(?:python|py)?\\s*\\n(.*?)``` find, in time linear in the reply (`without_thinking`,
+    `fenced_blocks`): a reply of many unclosed fences or tags costs one pass, not one per fence."""
+    blocks = fenced_blocks(without_thinking(reply))
+    return blocks[-1] if blocks else without_thinking(reply)
+
+
+def without_thinking(reply: str) -> str:
+    """The reply with each <think>...</think> block removed (an unclosed one is kept)."""
+    out, i = [], 0
+    while (start := reply.find("<think>", i)) >= 0 and (end := reply.find("</think>", start + 7)) >= 0:
+        out.append(reply[i:start])
+        i = end + len("</think>")
+    return "".join(out) + reply[i:]
+
+
+def fenced_blocks(text: str) -> list[str]:
+    """The body of each fenced code block (an opening fence, optionally python or py, then a newline; the body up to
+    the next fence), left to right."""
+    blocks, i = [], 0
+    while (m := FENCE_OPEN_RE.search(text, i)) and (end := text.find("```", m.end())) >= 0:
+        blocks.append(text[m.end():end])
+        i = end + 3
+    return blocks
 
 
 @dataclass
@@ -846,6 +728,7 @@ class CodeWorld(Environment):
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     max_steps: int = 1
     parallel_steps = True          # engine.rollout verifies a batch's programs in threads (one process each)
+    untrusted_code = True          # the model's programs, and a benchmark's reference solutions
     task: CodeProblem | None = None
     steps: int = 0
     passed: bool = False

@@ -398,9 +398,21 @@ def load_tasks(path: str) -> list[Task]:
 #                    keyword arguments and literal values (as the official code's olmo3 protocol parses it)
 # A tokenizer with a `response_template` (transformers >= 5 reads it from tokenizer_config.json) parses its own
 # replies (`parse_with_template`); where it finds no call, the formats above are tried.
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-OLMO_CALLS_RE = re.compile(r"<function_calls>(.*?)</function_calls>", re.S)
 PYTHON_TAG = "<|python_tag|>"
+
+
+def tagged_blocks(text: str, open_tag: str, close_tag: str) -> list[str]:
+    """The text between each `open_tag` and the first `close_tag` after it, left to right (what the regex
+    open(.*?)close finds), in one pass: a reply of n unclosed tags costs n steps, not n² (the regex retries the
+    search for a close tag from every open tag)."""
+    blocks, i = [], 0
+    while (start := text.find(open_tag, i)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:                        # no close tag after this one, so none after any later one either
+            break
+        blocks.append(text[start + len(open_tag):end])
+        i = end + len(close_tag)
+    return blocks
 
 
 def _call_from_object(obj, key: str = "arguments"):
@@ -413,7 +425,7 @@ def _call_from_object(obj, key: str = "arguments"):
     if isinstance(args, str):                                                # arguments sent as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):    # not JSON, an integer past Python's digit limit, or nested too deep
             return None, f"Error: '{key}' is not valid JSON"
     if not isinstance(args, dict):
         return None, f"Error: '{key}' must be an object"
@@ -423,13 +435,13 @@ def _call_from_object(obj, key: str = "arguments"):
 def _json_call(body: str, key: str = "arguments"):
     try:
         return _call_from_object(json.loads(body), key)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):        # not JSON, an integer past Python's digit limit, or nested too deep
         return None, "Error: tool call is not valid JSON"
 
 
 def parse_qwen_calls(text: str):
     """Qwen3 / Hermes: each <tool_call> block; an unterminated one is an error."""
-    calls = [_json_call(body) for body in TOOL_CALL_RE.findall(text)]
+    calls = [_json_call(body) for body in tagged_blocks(text, "<tool_call>", "</tool_call>")]
     if text.count("<tool_call>") > len(calls):
         calls.append((None, "Error: unterminated <tool_call>"))
     return calls
@@ -445,7 +457,7 @@ def parse_llama_calls(text: str):
     while i < len(body):
         try:
             obj, i = decoder.raw_decode(body, i)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return calls + [(None, "Error: tool call is not valid JSON")]
         calls.append(_call_from_object(obj, "parameters"))
         while i < len(body) and body[i] in " \t\r\n;":
@@ -463,7 +475,7 @@ def _literal(node):
 
 def parse_olmo_calls(text: str):
     """Olmo 3: each line inside <function_calls> is name(key=literal, ...)."""
-    calls, blocks = [], OLMO_CALLS_RE.findall(text)
+    calls, blocks = [], tagged_blocks(text, "<function_calls>", "</function_calls>")
     for block in blocks:
         for line in filter(None, (x.strip() for x in block.splitlines())):
             try:
@@ -473,8 +485,8 @@ def parse_olmo_calls(text: str):
                 if any(k.arg is None for k in node.keywords):
                     raise ValueError("**kwargs is not allowed")
                 calls.append((node.func.id, {k.arg: _literal(k.value) for k in node.keywords}))
-            except (SyntaxError, ValueError) as err:
-                calls.append((None, f"Error: malformed function call {line[:60]!r} ({err})"))
+            except (SyntaxError, ValueError, RecursionError, MemoryError) as err:   # the parser's own limits too
+                calls.append((None, f"Error: malformed function call {line[:60]!r} ({str(err)[:200]})"))
     if text.count("<function_calls>") > len(blocks):
         calls.append((None, "Error: unterminated <function_calls>"))
     return calls
@@ -486,8 +498,8 @@ def parse_with_template(text: str, response_template: dict):
     from transformers.utils.chat_parsing import parse_response
     try:
         parsed = parse_response(text, response_template, prefix="")
-    except ValueError as err:
-        return [(None, f"Error: tool call could not be parsed ({str(err).splitlines()[0]})")]
+    except (ValueError, RecursionError) as err:
+        return [(None, f"Error: tool call could not be parsed ({(str(err).splitlines() or [''])[0][:200]})")]
     return [_call_from_object(c) for c in parsed.get("tool_calls") or []]
 
 
@@ -540,6 +552,9 @@ class Environment:
     #                                    A world whose tasks list their own tools sets them in reset (BFCL)
     retrieval_instruction: str = retrieval.DEFAULT_INSTRUCTION   # the retriever's query prompt (eq. 15)
     parallel_steps: bool = False       # True: a batch's step() calls run in threads (CodeWorld: one sandbox each)
+    untrusted_code: bool = False       # True: step() runs code nobody here wrote, or feeds a model's values to a
+    #                                    benchmark's code, in sandbox.py's confined processes; train.py checks first
+    #                                    that this machine can confine them (CodeWorld, BFCL, EnvScaler)
     response_template: dict | None = None   # the tokenizer's reply parser; engine.rollout sets it where there is one
     # -- what train.py reads: the run ------------------------------------------------------------------------------
     toy_world: str | None = None       # the toy backbone that knows this world (toy.py --world): tools | code | None

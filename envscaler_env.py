@@ -23,9 +23,10 @@ return True on the final state, rounded to 4 places. At --max-env-steps (30) the
 the official episode ends unscored. Results report mean reward and full-pass rate (`results = "behaviour"`).
 
 The dataset's code is written by a model, so none of it runs in the trainer: each episode has a worker process
-(`WORKER`) under code_env.py's sandbox (its own process group, CPU and memory limits, no network where the kernel
-allows, no new processes, no file access outside its scratch directory, a wall-clock limit per request). A worker
-that hangs, dies or breaks a limit costs its episode (an error observation and reward 0), not the run.
+(`WORKER`) that the kernel confines (sandbox.py: no file read outside the interpreter's folders, no write outside
+its scratch directory, no network, no new processes, no signal to another process; CPU and memory limits, a
+wall-clock limit per request). A worker that hangs, dies, breaks a limit or answers anything but an answer costs its
+episode (an error observation and reward 0), not the run.
 
 Deviations from the official code:
 1. A method name starting with "_" is not a tool (the official code would call any attribute).
@@ -35,16 +36,12 @@ Deviations from the official code:
 from __future__ import annotations
 
 import json
+import math
 import os
-import selectors
-import signal
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass, field
 
-import code_env
 import inject
+import sandbox
 from envs import Environment, StepResult, parse_tool_calls
 from runtime import UserError
 
@@ -59,7 +56,7 @@ SYSTEM_PROMPT = (
     "- It is recommended to first call query tools to gather sufficient information, then use modification tools "
     "to complete the task. Adjust actions promptly based on the feedback from the environment, i.e., the tool "
     "results.\n")
-LIMITS = code_env.SandboxLimits(wall_s=10.0, cpu_s=60, memory_mb=1024, output_kb=1024)   # per episode; per request
+LIMITS = sandbox.SandboxLimits(wall_s=10.0, cpu_s=60, memory_mb=1024, output_kb=1024)   # per episode; per request
 
 # The worker: reads one JSON request a line, answers one JSON line. What the environment code prints is swallowed.
 WORKER = r'''
@@ -190,67 +187,38 @@ def system_prompt(env: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The sandboxed worker
-# ----------------------------------------------------------------------------------------------------------------
-class Worker:
-    """One episode's environment code, in its own sandboxed process; every request answers within LIMITS.wall_s
-    or the worker is killed. -> request(...) returns the worker's answer, or None once it is gone."""
-
-    def __init__(self, limits: code_env.SandboxLimits = LIMITS):
-        self.limits, self.work = limits, tempfile.TemporaryDirectory(prefix="lopd-envscaler-")
-        with open(os.path.join(self.work.name, "prog.py"), "w") as f:
-            f.write(WORKER)
-        cmd = [sys.executable, "-I", "-c", code_env.SANDBOX_GUARD, str(limits.cpu_s), str(limits.memory_mb << 20),
-               str(limits.output_kb * 1024), "1", "1"]                  # the Python guard, reads kept inside too
-        self.proc = subprocess.Popen(cmd, cwd=self.work.name, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True, text=True,
-                                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
-
-    def request(self, **req) -> dict | None:
-        if self.proc is None:
-            return None
-        try:
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
-            with selectors.DefaultSelector() as sel:
-                sel.register(self.proc.stdout, selectors.EVENT_READ)
-                line = self.proc.stdout.readline() if sel.select(self.limits.wall_s) else ""
-            return json.loads(line) if line else self.close()
-        except (OSError, ValueError):
-            return self.close()
-
-    def close(self) -> None:
-        """Kill the worker's whole process group and remove its directory (None, for `request`)."""
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            self.proc.wait()
-            for stream in (self.proc.stdin, self.proc.stdout):
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-            self.proc = None
-            self.work.cleanup()
-        return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # The environment
 # ----------------------------------------------------------------------------------------------------------------
 GONE = "Error: the environment did not answer (it hung, crashed or broke a sandbox limit); the episode ends"
+STATUSES = ("ok", "invalid", "raised")
+
+
+def call_answer(answer) -> dict | None:
+    """A worker's answer to a call, if it is one ({"status": ok | invalid | raised, "text": str}), else None."""
+    if isinstance(answer, dict) and answer.get("status") in STATUSES and isinstance(answer.get("text", ""), str):
+        return answer
+    return None
+
+
+def reward_answer(answer) -> float | None:
+    """A worker's answer to the checklist, if it is one (a reward in [0, 1]), else None."""
+    value = answer.get("reward") if isinstance(answer, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 <= value <= 1:
+        return float(value)
+    return None
 
 
 @dataclass
 class EnvScalerWorld(Environment):
-    """An EnvScaler scenario as an episode (the module docstring gives the official rules it follows)."""
+    """An EnvScaler scenario as an episode (the module docstring gives the official rules it follows). Whatever the
+    worker answers (a tool that raised, a checklist that could not run, a hang, a death, a line that is not an
+    answer), the episode gets an error observation or ends scored; `step` never raises."""
     framing: tuple = inject.AGENTIC_FRAMING
     results: str = "behaviour"
     max_steps: int = 30                         # the paper's 30 environment steps (B.2)
-    limits: code_env.SandboxLimits = field(default_factory=lambda: LIMITS)
+    limits: sandbox.SandboxLimits = field(default_factory=lambda: LIMITS)
     task: EnvScalerTask | None = None
+    untrusted_code = True                       # the dataset's class code and check functions
 
     def reset(self, task: EnvScalerTask) -> list[dict]:
         """The first messages; the worker starts at the first step (a prompt rendered for scoring needs none)."""
@@ -261,11 +229,11 @@ class EnvScalerWorld(Environment):
 
     def _start(self) -> bool:
         """The episode's worker: the class code executed, the instance built and its initial state kept."""
-        self.worker = Worker(self.limits)
+        self.worker = sandbox.Worker(WORKER, self.limits)
         scenario = self.task.scenario
         started = self.worker.request(op="start", code=self.task.env["env_class_code"],
                                       cls=scenario["env_class_name"], config=scenario["init_config"])
-        return bool(started and started.get("ok"))
+        return bool(started and started.get("ok") is True)
 
     def step(self, reply: str) -> StepResult:
         self.steps += 1
@@ -273,22 +241,27 @@ class EnvScalerWorld(Environment):
             return self._end(GONE)
         calls = parse_tool_calls(reply, self.response_template)
         if not calls:                                            # "Task Completed": scored by the checklist
-            answer = self.worker.request(op="reward", checklist=self.task.scenario["checklist_with_func"])
-            self._reward = answer["reward"] if answer else 0.0
-            return StepResult([], True)
+            reward = reward_answer(self.worker.request(op="reward",
+                                                       checklist=self.task.scenario["checklist_with_func"]))
+            return StepResult([], True) if self._scored(reward) else self._end(GONE)
         name, args = calls[0]                                    # the official parser reads the first call only
         if name is None:                                         # malformed: an observation, the episode goes on
             return self._capped(StepResult([f"Error: malformed response. {args}"], False, len(calls), 1))
-        answer = self.worker.request(op="call", name=name, args=args)
-        if answer is None:
+        answer = call_answer(self.worker.request(op="call", name=name, args=args))
+        if answer is None:                                       # hung, died, or answered nonsense
             return self._end(GONE, len(calls))
         self.trace.append((name, args, answer.get("text", "")))
         if answer["status"] == "invalid":
             return self._capped(StepResult([f"Error: '{name}' is not a valid tool of this environment."], False,
                                            len(calls), 1))
         if answer["status"] == "raised":                         # the official rule: a raising tool ends it, 0
-            return self._end("Error: <Exception>\n" + answer["text"], len(calls))
-        return self._capped(StepResult([answer["text"]], False, len(calls), 0))
+            return self._end("Error: <Exception>\n" + answer.get("text", ""), len(calls))
+        return self._capped(StepResult([answer.get("text", "")], False, len(calls), 0))
+
+    def _scored(self, reward: float | None) -> bool:
+        """Keep the checklist's reward; False (reward 0) when the worker gave none."""
+        self._reward = reward or 0.0
+        return reward is not None
 
     def _capped(self, result: StepResult) -> StepResult:
         """At the step cap the episode ends unscored (reward 0), as the official one does."""

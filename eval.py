@@ -44,6 +44,7 @@ import code_env
 import engine
 import lopd
 import runtime
+import sandbox
 import show
 import train
 
@@ -356,13 +357,21 @@ def main(argv=None):
                         "what the teacher knows (show.py)")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                    help="what generates the rollouts (train.py --engine): hf, or vllm (vllm_engine.py)")
+    p.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="run untrusted code (programs, environments, BFCL's calls) even where the kernel cannot "
+                        "confine it (train.py --unsafe-no-sandbox); asked again here, whatever the run was trained with")
     a = p.parse_args(argv)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     # the folder given, wherever it was trained; the engine this command asks for, whichever trained it
-    args = dataclasses.replace(train.load_args(a.run), out=a.run, engine=a.engine)
+    args = dataclasses.replace(train.load_args(a.run), out=a.run, engine=a.engine,
+                               unsafe_no_sandbox=a.unsafe_no_sandbox)
+    with runtime.one_line_errors():            # programs, environments and BFCL's calls run confined, or not at all
+        train.check_sandbox(args)
+        if a.tasks:
+            sandbox.check_confinement(f"--tasks {' '.join(a.tasks)}")
     if a.tasks and a.tasks[0].startswith("bfcl-v3"):
         with runtime.one_line_errors():
             return eval_bfcl(args, bfcl_categories(a.tasks[0]), a.n_test, a.temperature)

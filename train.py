@@ -219,6 +219,10 @@ class Args:
                                    "watchdog (10 minutes) would end the job")
     save_every: int = arg(10, "write a checkpoint every N iterations")
     resume: bool = arg(False, "continue from OUT/ckpt if present")
+    unsafe_no_sandbox: bool = arg(False, "run a world's untrusted code (the code world's programs, EnvScaler's "
+                                         "environments, BFCL's calls) even where this machine's kernel cannot confine "
+                                         "it (no Landlock or seccomp: sandbox.py), with process limits only. Only on "
+                                         "a machine you would let that code wreck")
     tensorboard: str = arg("", "also write every metric of metrics.jsonl as TensorBoard scalars under this folder (a "
                                "sub-folder per run: experiments.py's runs land in one TensorBoard); needs pip install "
                                "tensorboard. metrics.jsonl stays the source")
@@ -597,7 +601,10 @@ def bank_recall(ret, test) -> dict:
     for e in ret.bank:
         counts[e["meta"]["schema"]] = counts.get(e["meta"]["schema"], 0) + 1
     qs = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "variant": t.variant} for t in test]
-    k = min(3, len(ret.bank))                                                 # a bank of fewer than 3: recall@len
+    own = max((ret.count_by_task.get(q["task_id"], 0) for q in qs), default=0)   # a test task that is also trained
+    k = min(3, len(ret.bank) - own)                  # retrieval never returns a task's own entries (eq. 16)
+    if k < 1:
+        return {"schemas_in_bank": len(counts)}
     covered = [q for q in qs if counts.get(q["schema"], 0) >= k]
     schema = lambda q, e: q["schema"] == e["meta"]["schema"]                  # noqa: E731
     return {"recall3_schema": retrieval.recall_at_k(ret, qs, k, schema),
@@ -1031,6 +1038,7 @@ def _check(p, a: Args):
         p.error(f"--conventions must be 1, 2, 3 or 4 (hidden conventions per shop), not {a.conventions}")
     if environment(a).check_args(a):
         raise UserError(environment(a).check_args(a))
+    check_sandbox(a)
     if a.chat_template and not os.path.isfile(a.chat_template):
         p.error(f"--chat-template {a.chat_template!r}: no such file (give a Jinja chat-template file)")
     if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
@@ -1041,6 +1049,17 @@ def _check(p, a: Args):
                                                                                   "rollouts_per_step", "gen_batch",
                                                                                   "top_m") else 0):
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+
+
+def check_sandbox(args: Args):
+    """A world that runs untrusted code needs the kernel's confinement (sandbox.py): a one-line UserError before
+    any model loads where this machine has none, unless --unsafe-no-sandbox (which sets sandbox.UNSAFE_ENV, so that
+    every process of the run, workers and torchrun ranks included, reads the same)."""
+    import sandbox
+    if args.unsafe_no_sandbox:
+        os.environ[sandbox.UNSAFE_ENV] = "1"
+    if environment(args).untrusted_code:
+        sandbox.check_confinement(f"--env {args.env}")
 
 
 def rollouts_per_task(args: Args) -> int:

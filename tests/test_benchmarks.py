@@ -18,9 +18,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import code_env  # noqa: E402
+import sandbox  # noqa: E402
 
 FIX = os.path.join(ROOT, "tests", "fixtures")
-FAST = code_env.SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=512, output_kb=64)
+FAST = sandbox.SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=512, output_kb=64)
 
 # task_id -> (a right program, a wrong program, the reason the wrong one must fail for)
 PROGRAMS = {

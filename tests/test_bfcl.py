@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import sys
-import types
+import time
 
 import pytest
 import torch
@@ -95,24 +95,86 @@ def test_empty_and_truncated_replies_fail_every_task(tok, tasks, how, monkeypatc
         assert all(e.tool_calls == 0 for e in eps)
 
 
-def test_a_name_the_task_lacks_is_an_error_observation_and_never_runs(tasks, monkeypatch):
+def test_a_name_the_task_lacks_is_an_error_observation_and_never_runs(tasks):
     env = bfcl_env.BFCLWorld()
     env.reset(next(t for t in tasks if t.task_id == "multi_turn_base_0"))
     r = env.step(envs.format_call("__import__", {"name": "os"}) + envs.format_call("eval", {"source": "1"}))
     assert r.errors == 2 and all(o.startswith("Error: no function") for o in r.observations)
     assert env.decoded[0] == [[]] and env.trace == []                 # nothing ran, nothing goes to the checker
-    # a string that is code stays a string: the checker's eval sees repr(), a literal
-    called, probe = [], types.ModuleType("lopd_probe")
-    probe.hit = lambda: called.append(1) or "."
-    monkeypatch.setitem(sys.modules, "lopd_probe", probe)
-    assert eval("__import__('lopd_probe').hit()") and called == [1]   # the probe fires when the string is code
-    called.clear()
-    r = env.step(envs.format_call("cd", {"folder": "__import__('lopd_probe').hit()"}))
-    assert env.decoded[0][-1] == ["cd(folder=\"__import__('lopd_probe').hit()\")"]
-    bfcl_env.check(env.task, env.decoded)
-    assert not called
+    r = env.step(envs.format_call("cd", {"folder": "__import__('os').system('true')"}))
+    assert env.decoded[0][-1] == ["cd(folder=\"__import__('os').system('true')\")"]   # a string stays a string
     r = env.step("<tool_call>\n{not json}\n</tool_call>")             # malformed: an observation, the turn goes on
     assert r.errors == 1 and not r.done and r.user is None
+    env.close()
+
+
+def injections(path: str) -> list[str]:
+    """The argument-name injection of issue 46 (a key that is code, for BFCL's checker to eval), written in every
+    call format the parsers read: Qwen3's tag, an OpenAI-style object, arguments as a JSON string, Llama 3's bare
+    JSON (and after <|python_tag|>), Olmo 3's call (whose parser only yields identifier keys)."""
+    key = f"folder=__import__('os').system('touch {path}'),x"
+    args = {key: "a"}
+    return [f"<tool_call>{json.dumps({'name': 'cd', 'arguments': args})}</tool_call>",
+            f"<tool_call>{json.dumps({'function': {'name': 'cd', 'arguments': args}})}</tool_call>",
+            f"<tool_call>{json.dumps({'name': 'cd', 'arguments': json.dumps(args)})}</tool_call>",
+            json.dumps({"name": "cd", "parameters": args}),
+            "<|python_tag|>" + json.dumps({"name": "cd", "parameters": args}),
+            f"<function_calls>cd(**{{{key!r}: 'a'}})</function_calls>"]
+
+
+def test_code_in_an_argument_name_never_runs_in_any_call_format(tasks, tmp_path):
+    """Each injection is an error observation: never executed, never handed to the checker, and the scoring of the
+    episode (BFCL's checker, which evals call strings) creates no file. The same key through `call_string` is a
+    ValueError: no string of it can be built."""
+    task = next(t for t in tasks if t.task_id == "multi_turn_base_0")
+    target = tmp_path / "X"
+    for reply in injections(str(target)):
+        env = bfcl_env.BFCLWorld()
+        env.reset(task)
+        r = env.step(reply)
+        assert r.errors == 1 and r.observations[0].startswith("Error:") and not r.done, (reply, r)
+        assert env.decoded[0] in ([[]], []) and env.trace == [], reply
+        env.step("Done.")
+        env.reward()
+        assert not target.exists(), reply
+    doc = {d["name"]: d for d in bfcl_env.function_docs("GorillaFileSystem")}["cd"]
+    with pytest.raises(ValueError, match="has no parameter"):
+        bfcl_env.call_string("cd", {f"folder=__import__('os').system('touch {target}'),x": "a"}, doc)
+    assert bfcl_env.call_string("cd", {"folder": "a'); b('"}, doc) == "cd(folder=\"a'); b('\")"
+
+
+@pytest.mark.parametrize("args, problem", [
+    ({"folder": "x"}, None), ({}, None), ({"folder": [1, 2.5, None, True, {"k": "v"}]}, None),
+    ({"folder=1,x": "a"}, "has no parameter"), ({"fold": "a"}, "has no parameter"), ({"__class__": "a"}, "no parameter"),
+    ({"folder": float("nan")}, "not a plain JSON value"), ({"folder": float("inf")}, "not a plain JSON value"),
+    ({"folder": ("tu", "ple")}, "not a plain JSON value"), ({"folder": {1: "a"}}, "not a plain JSON value"),
+    ({"folder": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "nests deeper"),
+])
+def test_only_declared_names_and_plain_values_make_a_call_string(args, problem):
+    doc = {d["name"]: d for d in bfcl_env.function_docs("GorillaFileSystem")}["cd"]
+    got = bfcl_env.literal_problem("cd", args, doc)
+    assert (got is None) if problem is None else (problem in got), got
+    if problem is None:            # the string evaluates to the same call: a literal, nothing else
+        import ast
+        node = ast.parse(bfcl_env.call_string("cd", args, doc), mode="eval").body
+        assert {k.arg: ast.literal_eval(k.value) for k in node.keywords} == args
+
+
+def test_a_value_that_costs_hours_costs_the_episode_not_the_run(tasks):
+    """MathAPI.power(10, 10**12) would compute for hours in the trainer; in the episode's worker it is cut at the
+    worker's wall-clock limit, the episode ends failed, and the next one runs as usual."""
+    task = next(t for t in tasks if "MathAPI" in t.entry["involved_classes"])
+    env = bfcl_env.BFCLWorld(limits=bfcl_env.sandbox.SandboxLimits(wall_s=2.0, cpu_s=10, memory_mb=1024,
+                                                                   output_kb=4096))
+    env.reset(task)
+    t0 = time.time()
+    r = env.step(envs.format_call("power", {"base": 10, "exponent": 10 ** 12}))
+    assert r.done and r.observations[-1] == bfcl_env.GONE and time.time() - t0 < 10
+    assert env.reward() == 0.0
+    env.reset(task)
+    assert json.loads(env.step(envs.format_call("power", {"base": 2, "exponent": 10})).observations[0]) == \
+        {"result": 1024}
+    env.close()
 
 
 def test_held_out_functions_arrive_at_their_turn_in_a_user_message(tok, tasks):
@@ -134,17 +196,22 @@ def test_held_out_functions_arrive_at_their_turn_in_a_user_message(tok, tasks):
     assert set(names) <= set(env.listed)
 
 
-def test_checks_leave_no_cached_instances_and_reset_starts_fresh(tasks):
+def test_episodes_share_no_state_and_reset_starts_fresh(tasks):
+    """Each episode's instances live in a worker of its own: the same mkdir twice succeeds in two episodes and fails
+    the second time within one; no BFCL instance is ever cached in the trainer's process."""
     from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
     task = next(t for t in tasks if "GorillaFileSystem" in t.entry["involved_classes"])
     env, seen = bfcl_env.BFCLWorld(), []
-    for _ in range(2):                           # the same task twice: a shared instance would refuse the second mkdir
+    for _ in range(2):
         env.reset(task)
         seen.append(env.step(envs.format_call("mkdir", {"dir_name": "lopd_probe"})).observations)
         env.reward()
     assert seen[0] == seen[1] and "rror" not in seen[0][0]
+    env.reset(task)
+    env.step(envs.format_call("mkdir", {"dir_name": "lopd_probe"}))
     assert env.step(envs.format_call("mkdir", {"dir_name": "lopd_probe"})).observations != seen[0]   # it can fail
-    assert not [k for k in vars(multi_turn_utils) if k.startswith("lopd_")]
+    env.close()
+    assert not [k for k in vars(multi_turn_utils) if k.endswith("_instance")]
 
 
 def test_every_tool_schema_is_json_schema():

@@ -1,12 +1,10 @@
-"""Tests for the code domain (code_env.py): the sandboxed verifier, problem loading, CodeWorld.
+"""Tests for the code domain (code_env.py): the verifier's limits, problem loading, CodeWorld.
 
 Run: python -m pytest tests/test_code.py -q      (about 20 s; each case runs real programs in the sandbox)
-Every hostile program below is run for real. What the sandbox does not protect against is in README
-("The code verifier").
+The ways out of the sandbox are tried in tests/test_escape.py; what it does not cover is in sandbox.py's docstring.
 """
 import json
 import os
-import socket
 import sys
 import time
 
@@ -15,42 +13,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import code_env  # noqa: E402
 import engine  # noqa: E402
+import sandbox  # noqa: E402
 
-FAST = code_env.SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_kb=64)
+FAST = sandbox.SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_kb=64)
 
 
 def run(code, stdin="", limits=FAST, **kw):
-    return code_env.run_sandboxed(code, stdin, limits, **kw)
-
-
-# The sandbox starts each program in a session of its own (start_new_session), and its children stay in it (the
-# guard refuses setsid). A program below prints its session id first; what is left of it afterwards is the live
-# processes of that session. Counting every process on the machine instead failed on a busy CI host.
-SESSION = "import os\nprint(os.getsid(0), flush=True)\n"
-
-
-def live_in_session(sid):
-    """Processes of session `sid` that are alive (not zombies), read from /proc: stat's fields after the name are
-    state, ppid, pgrp, session."""
-    n = 0
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:                                  # gone while we read
-            continue
-        state, _, _, session = stat[stat.rindex(")") + 2:].split()[:4]
-        n += int(session) == sid and state not in "ZX"
-    return n
-
-
-def left_behind(r, wait_s=2.0):
-    """The live processes of the session `r`'s program printed on its first line, polled until none or `wait_s`."""
-    sid = int(r.stdout.split()[0])
-    deadline = time.time() + wait_s
-    while live_in_session(sid) and time.time() < deadline:
-        time.sleep(0.05)
-    return live_in_session(sid)
+    return sandbox.run_sandboxed(code, stdin, limits, **kw)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -63,7 +32,7 @@ def test_busy_infinite_loop_dies_of_its_cpu_limit():
 
 def test_sleeping_program_dies_at_the_wall_limit():
     t0 = time.time()
-    r = run("import time\ntime.sleep(60)\n", limits=code_env.SandboxLimits(wall_s=1.0))
+    r = run("import time\ntime.sleep(60)\n", limits=sandbox.SandboxLimits(wall_s=1.0))
     assert r.status == "timeout" and time.time() - t0 < 2.5
 
 
@@ -80,73 +49,12 @@ def test_endless_output_is_capped():
     assert len(r.stdout) <= FAST.output_kb * 1024 and r.seconds < FAST.wall_s
 
 
-def test_writes_outside_the_working_directory_are_refused(tmp_path):
-    target, keep = tmp_path / "outside.txt", tmp_path / "keep.txt"
-    keep.write_text("precious")
-    for code in (f"open({str(target)!r}, 'w').write('x')\n",
-                 f"import os\nos.close(os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT))\n",
-                 f"import os\nos.remove({str(keep)!r})\n",
-                 f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')\n"):
-        r = run(code)
-        assert r.status == "error" and "sandbox" in r.stderr, (code, r)
-    assert not target.exists() and keep.read_text() == "precious"
+def test_the_programs_own_directory_is_writable_and_numpy_imports():
+    """Its scratch directory is its own (what it may not do anywhere else: tests/test_escape.py), and the site-packages
+    it may read hold numpy, which TACO's prelude imports."""
     inside = run("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())\n")
-    assert inside.status == "ok" and inside.stdout.strip() == "ok"      # its own directory is writable
-
-
-@pytest.fixture
-def listener():
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    srv.settimeout(0.3)
-    yield srv
-    srv.close()
-
-
-def connect_code(port):
-    return (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-            "s.sendall(b'leak')\nprint('connected')\n")
-
-
-def assert_no_connection(srv):
-    with pytest.raises(socket.timeout):
-        srv.accept()
-
-
-def test_network_is_unreachable(listener):
-    r = run(connect_code(listener.getsockname()[1]))
-    assert r.status == "error" and "connected" not in r.stdout
-    assert_no_connection(listener)
-
-
-def test_network_namespace_alone_blocks_the_network(listener):
-    """The OS layer without the Python guard (the socket module importable): the namespace must block it."""
-    probe = run("import ctypes\nprint(ctypes.CDLL(None).unshare(0x40000000) == 0 or "
-                "ctypes.CDLL(None).unshare(0x50000000) == 0)\n", python_guard=False)
-    if probe.stdout.strip() != "True":
-        pytest.skip("this kernel allows no new network namespace here: only the Python guard blocks the network")
-    r = run(connect_code(listener.getsockname()[1]), python_guard=False)
-    assert r.status == "error" and "connected" not in r.stdout, r
-    assert_no_connection(listener)
-
-
-def test_fork_bomb_is_survived_and_leaves_no_process():
-    for bomb in ("import os\nwhile True:\n    os.fork()\n",
-                 "import subprocess\nwhile True:\n    subprocess.Popen(['sleep', '100'])\n",
-                 "import multiprocessing\nwhile True:\n    multiprocessing.Process(target=print).start()\n"):
-        r = run(SESSION + bomb)
-        assert r.status == "error", (bomb, r)
-        assert left_behind(r) == 0, bomb                 # nothing of it left behind
-    assert run("print(1 + 1)\n").stdout.strip() == "2"  # and the verifier still works
-
-
-def test_stragglers_of_the_process_group_are_killed():
-    """Even without the Python guard a child that outlives the program dies with the group."""
-    code = SESSION + "import time\nif os.fork() == 0:\n    time.sleep(60)\nprint('parent done')\n"
-    r = run(code, python_guard=False)
-    assert r.status == "ok" and "parent done" in r.stdout
-    assert left_behind(r) == 0                           # the sleeping child was killed with the group
+    assert inside.status == "ok" and inside.stdout.strip() == "ok"
+    assert run("import numpy\nprint(numpy.arange(4).sum())\n", limits=sandbox.SandboxLimits()).stdout == "6\n"
 
 
 # ------------------------------------------------------------------------------------------------------------

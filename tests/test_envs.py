@@ -201,3 +201,60 @@ def test_env_values_name_a_shipped_world_or_a_users_class(tmp_path):
                       ("nofile.py:X", "no such file"), ("no_such_module:X", "cannot import")):
         with pytest.raises(ValueError, match=said):
             envs.environment_class(bad)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The call parsers: what the regexes found, in one pass
+# ------------------------------------------------------------------------------------------------------------
+def test_tagged_blocks_and_extract_code_find_what_the_regexes_found():
+    """Brute force against the regexes the parsers used before (quadratic on unclosed tags), on random replies of
+    tags, fences and text."""
+    import re
+
+    import code_env
+    tool_re = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+    fence_re = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
+
+    def old_extract(reply):
+        reply = re.sub(r"<think>.*?</think>", "", reply, flags=re.S)
+        blocks = fence_re.findall(reply)
+        return blocks[-1] if blocks else reply
+    rng = random.Random(0)
+    tags = ["<tool_call>", "</tool_call>", "x", "{}", "\n"]
+    fences = ["```", "```python\n", "```py\n", "```py \n  \n", "```js\n", "````\n", "<think>", "</think>", "x = 1\n",
+              "\n", " ", "`", "python", "\t\n"]
+    for _ in range(5000):
+        text = "".join(rng.choice(tags) for _ in range(rng.randrange(12)))
+        assert envs.tagged_blocks(text, "<tool_call>", "</tool_call>") == tool_re.findall(text), text
+        reply = "".join(rng.choice(fences) for _ in range(rng.randrange(12)))
+        assert code_env.extract_code(reply) == old_extract(reply), reply
+
+
+@pytest.mark.parametrize("tag", ["<tool_call>", "<function_calls>", "```python\n", "<think>", "{"])
+def test_a_reply_of_100k_unclosed_tags_parses_in_well_under_a_second(tag):
+    """A degenerate sample at a long budget: 100k unclosed tags (a megabyte or more). The regexes took over 600 s."""
+    import time
+
+    import code_env
+    reply = tag * 100_000
+    t0 = time.perf_counter()
+    calls = envs.parse_tool_calls(reply)
+    code_env.extract_code(reply)
+    assert time.perf_counter() - t0 < 1.0
+    assert all(name is None for name, _ in calls)                   # unterminated or malformed: error observations
+
+
+@pytest.mark.parametrize("reply", [
+    '<tool_call>{"name": "x", "arguments": ' + "[" * 100_000 + "}</tool_call>",          # nested past the recursion
+    '<tool_call>{"name": "x", "arguments": {"a": ' + "1" * 5000 + "}}</tool_call>",    # past int's digit limit
+    '<tool_call>{"name": "x", "arguments": "' + "[" * 100_000 + '"}</tool_call>',       # the same, as a JSON string
+    '{"name": "x", "parameters": {"a": ' + "[" * 100_000 + "}}",
+    "<function_calls>f(a=" + "[" * 1000 + ")</function_calls>",
+    "<function_calls>f(a=" + "1" * 5000 + ")</function_calls>",
+])
+def test_a_call_the_parsers_cannot_read_is_an_error_observation(reply):
+    (name, why), = envs.parse_tool_calls(reply)
+    assert name is None and why.startswith("Error")
+    env = ToolWorld()
+    env.reset(hand_task())
+    assert env.step(reply).errors == 1                              # and the world's step says so, no exception

@@ -16,9 +16,9 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import code_env  # noqa: E402
 import envs  # noqa: E402
 import envscaler_env as es  # noqa: E402
+import sandbox  # noqa: E402
 from runtime import UserError  # noqa: E402
 
 LIBRARY = '''
@@ -53,6 +53,20 @@ class Hostile:
     def spin(self):
         while True:
             self.n += 1
+
+    def keep_a_generator(self):
+        self.gen = (i for i in range(3))        # the state can no longer be deep-copied
+        return "kept"
+
+    def forge(self):
+        import os
+        os.write(1, b'{"reward": 1.0}\\n{"reward": 1.0}\\n')   # answers of its own, on the protocol's stream
+        return "forged"
+
+    def flood(self):
+        import os
+        os.write(1, b"x" * (1 << 20))           # a megabyte and no newline: no answer, ever
+        return "flooded"
 '''
 LOOPS_AT_DEFINITION = "while True:\n    pass\n"
 TOOL = lambda name, props: {"name": name, "description": name, "parameters": {"type": "object", "properties": props}}   # noqa: E731
@@ -74,7 +88,8 @@ def write_dataset(folder) -> str:
                                   TOOL("borrow", {"book_id": {"type": "string"}, "user": {"type": "string"}}),
                                   TOOL("audit", {})])},
             {"env_id": "hostile", "env_class_code": HOSTILE, "environment_introduction": "", "constraints_rules": [],
-             "tools": [TOOL("peek", {}), TOOL("spin", {})]},
+             "tools": [TOOL("peek", {}), TOOL("spin", {}), TOOL("keep_a_generator", {}), TOOL("forge", {}),
+                       TOOL("flood", {})]},
             {"env_id": "looping", "env_class_code": LOOPS_AT_DEFINITION, "environment_introduction": "",
              "constraints_rules": [], "tools": []}]
     with open(os.path.join(folder, "env_metadata.json"), "w") as f:
@@ -100,7 +115,7 @@ def tasks(tmp_path_factory):
 
 
 def world(**kw):
-    return es.EnvScalerWorld(limits=code_env.SandboxLimits(wall_s=2.0, cpu_s=10, memory_mb=512, output_kb=256), **kw)
+    return es.EnvScalerWorld(limits=sandbox.SandboxLimits(wall_s=2.0, cpu_s=10, memory_mb=512, output_kb=256), **kw)
 
 
 def call(name, **args):
@@ -158,7 +173,7 @@ def test_hostile_code_costs_its_episode_not_the_run(tasks):
     env = world()
     env.reset(tasks["peek"])
     r = env.step(call("peek"))                                   # reading outside its directory is refused
-    assert r.done and "reading outside the working directory is refused" in r.observations[0]
+    assert r.done and "PermissionError" in r.observations[0] and "/etc/hostname" in r.observations[0]
     assert env.reward() == 0.0
     env.reset(tasks["peek"])
     t0 = time.time()
@@ -175,7 +190,7 @@ def test_hostile_code_costs_its_episode_not_the_run(tasks):
 
 
 def test_a_prompt_needs_no_worker(tasks, monkeypatch):
-    monkeypatch.setattr(es, "Worker", lambda *a: pytest.fail("a worker was started to render a prompt"))
+    monkeypatch.setattr(sandbox, "Worker", lambda *a: pytest.fail("a worker was started to render a prompt"))
     env = world()
     env.reset(tasks["lend-1"])
     assert env.tools and env.reward() == 0.0
@@ -191,3 +206,44 @@ def test_bad_files_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="needs env_metadata.json, train.jsonl and test.jsonl"):
         es.load_scenarios(os.path.join(folder, "train.jsonl"))
     assert "give --tasks DIR" in es.EnvScalerWorld.check_args(type("A", (), {"tasks": "", "conventions": 2})())
+
+
+def test_every_answer_a_worker_can_give_costs_the_episode_not_the_run(tasks):
+    """A state that cannot be copied (the checklist's worker raises), an answer of the wrong kind written on the
+    protocol's own stream, a flood without a newline, a worker killed under the trainer: each ends its episode with
+    an error observation, `step` and `reward` never raise, and the next episode scores as before. (Environment code
+    that forges well-formed answers in the right order can still fool its own checklist: sandbox.py, "the verdict".)"""
+    env = world()
+    env.reset(tasks["peek"])
+    assert env.step(call("keep_a_generator")).observations == ["kept"]
+    r = env.step("Task Completed")                               # the worker answers {"ok": False, "status": "raised"}
+    assert r.done and r.observations == [es.GONE] and env.reward() == 0.0
+    env.reset(tasks["peek"])
+    r = env.step(call("forge"))                                  # a reward line where a call's answer belongs
+    assert r.done and r.observations == [es.GONE] and env.reward() == 0.0
+    env.reset(tasks["peek"])
+    t0 = time.time()
+    r = env.step(call("flood"))
+    assert r.done and r.observations == [es.GONE] and env.reward() == 0.0 and time.time() - t0 < 10
+    env.reset(tasks["lend-1"])
+    env.step(call("find_book", title="Dune"))
+    os.kill(env.worker.proc.pid, 9)                              # the worker dies between two requests
+    r = env.step(call("borrow", book_id="b1", user="ana"))
+    assert r.done and r.observations == [es.GONE] and env.reward() == 0.0
+    env.reset(tasks["lend-1"])
+    env.step(call("borrow", book_id="b1", user="ana"))
+    assert env.step("Task Completed").done and env.reward() == 0.75
+
+
+@pytest.mark.parametrize("answer, ok", [({"status": "ok", "text": "x"}, True), ({"status": "raised", "text": "t"}, True),
+                                        ({"ok": False, "status": "raised"}, True), ({"status": "weird"}, False),
+                                        ({"status": "ok", "text": 3}, False), (None, False), ([1], False)])
+def test_call_answers_are_checked(answer, ok):
+    assert (es.call_answer(answer) is not None) == ok
+
+
+@pytest.mark.parametrize("answer, value", [({"reward": 0.5}, 0.5), ({"reward": 1}, 1.0), ({"reward": 1.5}, None),
+                                          ({"reward": float("nan")}, None), ({"reward": True}, None),
+                                          ({"ok": False, "status": "raised"}, None), (None, None)])
+def test_reward_answers_are_checked(answer, value):
+    assert es.reward_answer(answer) == value

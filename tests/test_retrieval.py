@@ -347,3 +347,20 @@ def test_missing_faiss_fails_only_when_building(monkeypatch, bank):
     monkeypatch.setitem(sys.modules, "faiss", None)
     with pytest.raises(ImportError, match="pip install faiss-cpu"):
         Retriever(bank, doc_vectors=np.eye(len(bank), dtype=np.float32))
+
+
+def test_bank_recall_takes_the_self_exclusion_into_account():
+    """train.bank_recall on a bank of 3 whose test task also trained (2 of its own entries there): recall@3 would ask
+    for 3 entries of other tasks where 1 exists, and raised 'experience bank too small'; k is now what the bank
+    holds beside the task's own entries, by hand: 1 entry, of the same schema."""
+    import train
+    from envs import Task
+    bank = [retrieval.make_entry(tid, "t", "1. a -> b", 1.0, {"schema": s, "variant": "v"})
+            for tid, s in (("both", "x"), ("both", "x"), ("other", "x"))]
+    r = Retriever(bank, doc_vectors=np.eye(3, 2, dtype=np.float32))
+    r.query_cache = {"both": np.array([1, 0], np.float32)}
+    test = [Task("both", "v", "x", "t", {}, {}, [])]
+    got = train.bank_recall(r, test)
+    assert got["recall3_schema"] == 1.0 and got["recall3_variant"] == 1.0 and got["schemas_in_bank"] == 1
+    with pytest.raises(ValueError, match="experience bank too small"):       # what a k of 3 would ask
+        retrieval.recall_at_k(r, [{"task_id": "both", "task": "t"}], 3, lambda q, e: True)
