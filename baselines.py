@@ -31,15 +31,15 @@ Notation: B trajectories, T tokens, V vocabulary, G rollouts per task (a group),
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 import engine
 import losses
 import runtime
-from engine import Method, draw_tasks
-from losses import _fp32, bucket_reverse_kl, supervised_logprobs, topm_tail
+from engine import Method
+from losses import bucket_reverse_kl, fp32, supervised_logprobs, topm_tail
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -67,18 +67,14 @@ def rft_step(student, tokenizer, episodes, opt, cfg: BaselineConfig):
     """One step of rejection fine-tuning: the NLL of successful bank episodes' own ω tokens, normalised by the
     batch's token count, on the student's optimizer. What differs from `lopd_step`: no rollout, no retrieval,
     no teacher and no composer; the targets are tokens the base already produced. Returns metrics."""
-    device = next(student.parameters()).device
-    n_tokens = runtime.all_sum(sum(sum(e.mask) for e in episodes))
+    device, n_tokens = next(student.parameters()).device, engine.supervised_tokens(episodes)
 
     def part_loss(idx):
         logp, _, omega = engine.student_logprobs(student, tokenizer, engine.pick(episodes, idx), device,
                                                  cfg.loss_chunk)                                # (b, Tc)
         loss = losses.nll(logp, omega, n_tokens)      # the masked NLL; micro-batch parts add up to the batch mean
         return loss, {"loss/rft": loss.item()}
-    student.train()
-    m, ok = engine.accumulate(episodes, part_loss, cfg.micro_batch, cfg.token_budget)
-    student.eval()
-    ok = engine.optimizer_step((opt, None), student, None, cfg.clip, ok)
+    m, ok = engine.update(student, (opt, None), episodes, part_loss, cfg)
     return {**m, "skipped": int(not ok), "tokens": n_tokens}
 
 
@@ -90,12 +86,12 @@ def group_advantages(rewards, group: int, eps: float = 1e-4):
 
     rewards (B,) with B = n_groups·G, rows of one group adjacent -> (B,) fp32. std is the unbiased sample std
     (as TRL's GRPOTrainer); a group whose rewards are all equal gets Â = 0 (no signal)."""
-    r = _fp32(rewards).reshape(-1, group)                               # (n_groups, G)
+    r = fp32(rewards).reshape(-1, group)                               # (n_groups, G)
     mean, std = r.mean(1, keepdim=True), r.std(1, keepdim=True)         # (n_groups, 1) each
     return ((r - mean) / (std + eps)).reshape(-1)                       # (B,)
 
 
-def ppo_clip_loss(logp, logp_old, advantages, mask, eps_lo=0.2, eps_hi=0.2, n_tokens=None):
+def ppo_clip_loss(logp, logp_old, advantages, mask, *, eps_lo=0.2, eps_hi=0.2, n_tokens=None):
     """GRPO's clipped surrogate, token level: −Σ ω·min(ρ Â, clip(ρ, 1−ε_lo, 1+ε_hi) Â) / n_tokens,
     ρ = π/π_old.
 
@@ -104,7 +100,7 @@ def ppo_clip_loss(logp, logp_old, advantages, mask, eps_lo=0.2, eps_hi=0.2, n_to
     n_tokens: the whole batch's Σ ω when micro-batching. With one update per batch ρ = 1 and the clip never
     binds: the gradient is then Σ ω Â ∇log π / n_tokens, plain REINFORCE with a group baseline."""
     ratio = torch.exp(logp - logp_old.detach())                         # (B, T) ρ
-    adv = _fp32(advantages).unsqueeze(1)                                # (B, 1)
+    adv = fp32(advantages).unsqueeze(1)                                # (B, 1)
     # the pessimistic bound: min of the unclipped and the clipped surrogate
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps_lo, 1 + eps_hi) * adv)   # (B, T)
     n = mask.sum() if n_tokens is None else n_tokens
@@ -122,19 +118,16 @@ def grpo_step(student, chat: engine.Chat, tasks, opt, cfg: BaselineConfig):
         eps = engine.rollout(student, chat, group_tasks, cfg.sample)
     rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
     adv = group_advantages(rewards, cfg.group)                                       # (B,) groups never split
-    device, n_tokens = next(student.parameters()).device, runtime.all_sum(sum(sum(e.mask) for e in eps))
+    device, n_tokens = next(student.parameters()).device, engine.supervised_tokens(eps)
 
     def part_loss(idx):
         logp, _, omega = engine.student_logprobs(student, chat.tokenizer, engine.pick(eps, idx), device,
                                                  cfg.loss_chunk)
-        loss, clipped = ppo_clip_loss(logp, logp.detach(), adv[idx].to(device), omega, cfg.clip_eps, cfg.clip_eps,
-                                      n_tokens)                                              # logp: (b, Tc)
+        loss, clipped = ppo_clip_loss(logp, logp.detach(), adv[idx].to(device), omega, eps_lo=cfg.clip_eps,
+                                      eps_hi=cfg.clip_eps, n_tokens=n_tokens)                     # logp: (b, Tc)
         # the clipped fraction of the batch's ω tokens: each part's share adds up
         return loss, {"loss/grpo": loss.item(), "grpo/clip_frac": clipped * float(omega.sum()) / n_tokens}
-    student.train()
-    m, ok = engine.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget)
-    student.eval()
-    ok = engine.optimizer_step((opt, None), student, None, cfg.clip, ok)
+    m, ok = engine.update(student, (opt, None), eps, part_loss, cfg)
     zero = runtime.all_sum(int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()))
     return {"reward/student": engine.summarize_all(eps)["reward"], **m, "grpo/zero_adv_groups": zero,
             "skipped": int(not ok), "tokens": n_tokens}, eps
@@ -171,9 +164,10 @@ def _text_teacher_logits(teacher: TextTeacher, chat, eps, texts, where, device):
         return engine.continuation_logits(teacher.model, chat.tokenizer, prefixes, eps, device)[0]   # (B, Tc, V)
 
 
-def _distill_loss(student, teacher: TextTeacher, chat, eps, texts, cfg, device, n_tokens):
+def _distill_loss(student, teacher: TextTeacher, chat, eps, texts, *, cfg, n_tokens):
     """One micro-batch's loss_fn(p_S, p_T): the teacher behind its text, the student behind its own prompt, on the
     same ids. cfg.loss_chunk > 0: both forwards return hidden states and the loss applies the heads in chunks."""
+    device = next(student.parameters()).device
     if not cfg.loss_chunk:
         lt = _text_teacher_logits(teacher, chat, eps, texts, cfg.context, device)           # (b, Tc, V)
         ls, _, omega = engine.student_logits(student, chat.tokenizer, eps, device)            # (b, Tc, V)
@@ -184,23 +178,19 @@ def _distill_loss(student, teacher: TextTeacher, chat, eps, texts, cfg, device, 
         ht = _text_teacher_logits(teacher, chat, eps, texts, cfg.context, device)           # (b, Tc, d)
         hs, _, omega = engine.student_logits(student, chat.tokenizer, eps, device)            # (b, Tc, d)
     return losses.rowwise_from_hidden(teacher.loss_fn, hs, ht, runtime.lm_head(student), runtime.lm_head(t_model),
-                                      omega, n_tokens, cfg.loss_chunk)
+                                      omega, n_tokens=n_tokens, chunk=cfg.loss_chunk)
 
 
-def _distill_step(student, teacher: TextTeacher, chat, eps, texts, opt, cfg):
+def _distill_step(student, teacher: TextTeacher, chat, eps, texts, *, opt, cfg):
     """Shared by OPSD and SDPO: rows with a text context are distilled, normalised by their token count."""
-    device = next(student.parameters()).device
     rows = [i for i, x in enumerate(texts) if x is not None]
-    n_tokens = runtime.all_sum(sum(sum(eps[i].mask) for i in rows))
+    n_tokens = engine.supervised_tokens(engine.pick(eps, rows))
 
     def part_loss(idx):
-        loss = _distill_loss(student, teacher, chat, engine.pick(eps, idx), [texts[i] or "" for i in idx], cfg,
-                             device, n_tokens)
+        loss = _distill_loss(student, teacher, chat, engine.pick(eps, idx), [texts[i] or "" for i in idx], cfg=cfg,
+                             n_tokens=n_tokens)
         return loss, {"loss/distill": loss.item()}
-    student.train()
-    m, ok = engine.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget, rows=rows)
-    student.eval()
-    ok = engine.optimizer_step((opt, None), student, None, cfg.clip, ok)
+    m, ok = engine.update(student, (opt, None), eps, part_loss, cfg, rows=rows)
     return {**m, "context/rows": runtime.all_sum(len(rows)), "skipped": int(not ok), "tokens": n_tokens}
 
 
@@ -231,13 +221,13 @@ def opsd_pool(bank, tasks, make_env, success: float = 1.0) -> dict:
     return pool, len(filled)
 
 
-def opsd_step(student, base, chat: engine.Chat, tasks, pool, opt, cfg: BaselineConfig):
+def opsd_step(student, base, chat: engine.Chat, tasks, *, pool, opt, cfg: BaselineConfig):
     """OPSD: the frozen base θ̄ sees a successful trajectory of the SAME task as text; forward KL, full vocabulary.
     pool: task_id -> trace text (`opsd_pool`); a task missing from it gives no teacher signal."""
     with runtime.gathered(student):
         eps = engine.rollout(student, chat, tasks, cfg.sample)
     texts = [pool.get(t.task_id) for t in tasks]
-    m = _distill_step(student, TextTeacher(base, OPSD_CONTEXT, forward_kl_full), chat, eps, texts, opt, cfg)
+    m = _distill_step(student, TextTeacher(base, OPSD_CONTEXT, forward_kl_full), chat, eps, texts, opt=opt, cfg=cfg)
     return {"reward/student": engine.summarize_all(eps)["reward"], **m}, eps
 
 
@@ -285,7 +275,7 @@ def sdpo_step(student, ema_teacher, chat: engine.Chat, tasks, opt, cfg: Baseline
 
     def loss_fn(ls, lt, omega, n_tokens):
         return reverse_kl_student_topk(ls, lt, omega, cfg.top_k, n_tokens)
-    m = _distill_step(student, TextTeacher(ema_teacher, SDPO_CONTEXT, loss_fn), chat, eps, texts, opt, cfg)
+    m = _distill_step(student, TextTeacher(ema_teacher, SDPO_CONTEXT, loss_fn), chat, eps, texts, opt=opt, cfg=cfg)
     ema_update(ema_teacher.parameters(), student.parameters(), cfg.ema_rate)   # shard by shard under FSDP2
     return {"reward/student": engine.summarize_all(eps)["reward"], **m}, eps
 
@@ -294,59 +284,59 @@ def sdpo_step(student, ema_teacher, chat: engine.Chat, tasks, opt, cfg: Baseline
 # The baselines as train.py runs them (--method): what each keeps across steps, and one step (engine.Method)
 # ----------------------------------------------------------------------------------------------------------------
 def baseline_config(args, sample: engine.SampleConfig = None) -> BaselineConfig:
-    """The baselines' settings from train.py's Args, with the rollouts' sampling (train.sample_config)."""
-    return BaselineConfig(group=args.group, clip_eps=args.clip_eps, top_k=args.top_m, ema_rate=args.ema_rate,
-                          success=args.bank_threshold, context=args.text_context, micro_batch=args.micro_batch,
-                          clip=args.clip, loss_chunk=args.loss_chunk or 0, token_budget=args.token_budget or 0,
-                          sample=sample or engine.SampleConfig())
+    """The baselines' settings from train.py's Args, with the rollouts' sampling (train.sample_config). Most have a
+    flag of the same name; SDPO's top-K is LOPD's M, "success" the bank's threshold, "context" --text-context."""
+    same = [f.name for f in fields(BaselineConfig) if f.name not in ("top_k", "success", "context", "sample")]
+    return BaselineConfig(**{k: getattr(args, k) for k in same}, top_k=args.top_m, success=args.bank_threshold,
+                          context=args.text_context, sample=sample or engine.SampleConfig())
 
 
-def rft_setup(args, run) -> dict:
-    return {"successes": [e for e in run["episodes"] if e.reward >= args.bank_threshold]}
+def rft_setup(run: engine.Run) -> dict:
+    return {"successes": [e for e in run.episodes if e.reward >= run.args.bank_threshold]}
 
 
-def rft_train_step(args, run, state, student, opts, beta, task_rng):
+def rft_train_step(run: engine.Run, state: dict, student, opts, step: int):
     """The control: the same optimizer and step count, no teacher, no new rollouts."""
-    batch = runtime.shard(task_rng.choices(state["successes"], k=args.rollouts_per_step))
-    return beta, rft_step(student, run["tok"], batch, opts[0], baseline_config(args)), 0
+    batch = runtime.shard(run.task_rng.choices(state["successes"], k=run.args.rollouts_per_step))
+    return rft_step(student, run.tok, batch, opts[0], baseline_config(run.args)), 0
 
 
-def grpo_train_step(args, run, state, student, opts, beta, task_rng):
-    tasks = draw_tasks(args, run, task_rng, args.group)
-    m, _ = grpo_step(student, run["chat"], tasks, opts[0], baseline_config(args, run["sample"]))
-    return beta, m, args.rollouts_per_step // args.group * args.group
+def grpo_train_step(run: engine.Run, state: dict, student, opts, step: int):
+    G = run.args.group
+    m, _ = grpo_step(student, run.chat, run.tasks(step, G), opts[0], baseline_config(run.args, run.sample))
+    return m, run.args.rollouts_per_step // G * G
 
 
-def opsd_setup(args, run) -> dict:
-    pool, n_oracle = opsd_pool(run["retriever"].bank, run["train"], run["chat"].make_env, args.bank_threshold)
-    run["log"]("opsd_pool", tasks=len(pool), from_oracle=n_oracle)
+def opsd_setup(run: engine.Run) -> dict:
+    pool, n_oracle = opsd_pool(run.retriever.bank, run.train, run.chat.make_env, run.args.bank_threshold)
+    run.log("opsd_pool", tasks=len(pool), from_oracle=n_oracle)
     return {"pool": pool}
 
 
-def opsd_train_step(args, run, state, student, opts, beta, task_rng):
-    tasks = draw_tasks(args, run, task_rng)
-    m, _ = opsd_step(student, run["composer"].base_forward, run["chat"], tasks, state["pool"], opts[0],
-                     baseline_config(args, run["sample"]))
-    return beta, m, args.rollouts_per_step
+def opsd_train_step(run: engine.Run, state: dict, student, opts, step: int):
+    m, _ = opsd_step(student, run.composer.base_forward, run.chat, run.tasks(step), pool=state["pool"], opt=opts[0],
+                     cfg=baseline_config(run.args, run.sample))
+    return m, run.args.rollouts_per_step
 
 
-def sdpo_setup(args, run) -> dict:
+def sdpo_setup(run: engine.Run) -> dict:
     """SDPO's EMA teacher starts at θ̄: a frozen full copy, built as the student is (sharded under torchrun)."""
-    if run.get("source") is not None:
-        return {"ema": runtime.full_student(args, run["source"], frozen=True).eval()}
-    ema = copy.deepcopy(run["student"]).requires_grad_(False).eval()     # a caller that brings its own student
+    if run.source is not None:
+        return {"ema": runtime.full_student(run.args, run.source, frozen=True).eval()}
+    ema = copy.deepcopy(run.student).requires_grad_(False).eval()        # a caller that brings its own student
     return {"ema": runtime.shard_student(ema, frozen=True) if runtime.world() > 1 else ema}
 
 
-def sdpo_train_step(args, run, state, student, opts, beta, task_rng):
-    tasks = draw_tasks(args, run, task_rng, args.group)
-    m, _ = sdpo_step(student, state["ema"], run["chat"], tasks, opts[0], baseline_config(args, run["sample"]))
-    return beta, m, args.rollouts_per_step // args.group * args.group
+def sdpo_train_step(run: engine.Run, state: dict, student, opts, step: int):
+    G = run.args.group
+    m, _ = sdpo_step(student, state["ema"], run.chat, run.tasks(step, G), opts[0],
+                     baseline_config(run.args, run.sample))
+    return m, run.args.rollouts_per_step // G * G
 
 
 METHODS = {
     "rft": Method(rft_setup, rft_train_step, "RFT student", uses_bank=True),
-    "grpo": Method(lambda args, run: {}, grpo_train_step, "GRPO student", per_task="group"),
+    "grpo": Method(lambda run: {}, grpo_train_step, "GRPO student", per_task="group"),
     "opsd": Method(opsd_setup, opsd_train_step, "OPSD student", uses_bank=True),
     "sdpo": Method(sdpo_setup, sdpo_train_step, "SDPO student", per_task="group", keeps_ema=True),
 }

@@ -56,12 +56,12 @@ Deviations from the paper and the official code
 5. Optional, and the toy world's default (train.py --composer-input reference): `task_conditional=False` drops
    the current task from the encoder input, so the encoder reads "Reference past trajectory: \n{m_j}" alone.
    Why: in the toy world the task names its shop, and a task-conditional composer learned each shop's conventions
-   from that name during the cold start. Its latents then changed by 2-4% between a same-shop and an other-shop
-   reference, and the world check (train.world_check) could not tell it from a composer given no reference. Without
-   the task, whatever the latents carry comes from the experience. Real models keep A.2's format.
+   from that name during the cold start, and the world check (eval.world_check) could not tell it from a composer
+   given no reference (docs/toy-world.md, "What each failed design taught"). Without the task, whatever the latents
+   carry comes from the experience. Real models keep A.2's format.
 6. The QFormer's weights are fp32; the official code holds them in bf16, where an AdamW step of lr 1e-5 leaves
    most entries unchanged (below half a bf16 ulp; tests/test_official_settings.py). `train.py --qformer-dtype
-   bfloat16` holds them in bf16 in the joint stage (experiments.py absorb measures what that changes).
+   bfloat16` holds them in bf16 in the joint stage (scripts/experiments.py absorb measures what that changes).
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import shutil
 import tempfile
 import warnings
@@ -78,11 +79,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 
 import inject
 import losses
+import runtime
 
 ENCODER_TEMPLATE = "Task to solve: \n{task}\n\nReference past trajectory: \n{experience}"   # A.5
 REFERENCE_TEMPLATE = "Reference past trajectory: \n{experience}"   # task_conditional=False (deviation, see above)
@@ -206,57 +207,6 @@ def _attach_lora(model, cfg: ComposerConfig, adapter_path: str | None):
     return model
 
 
-@contextlib.contextmanager
-def keep_grad_flags(peft):
-    """Restore every LoRA parameter's requires_grad on exit. peft rewrites them whenever adapters are switched or
-    re-enabled: set_adapter and the exit of disable_adapter() mark only the active adapter trainable, which would
-    freeze a LoRA student after every teacher forward (and unfreeze a frozen composer; measured)."""
-    flags = [(p, p.requires_grad) for n, p in peft.named_parameters() if "lora_" in n]
-    try:
-        yield
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
-
-
-@contextlib.contextmanager
-def active_adapter(peft, name: str):
-    """Make the PEFT adapter `name` the active one inside the block; requires_grad flags stay as they were."""
-    prev = peft.active_adapter
-    if prev == name:
-        yield
-        return
-    with keep_grad_flags(peft):              # restores them after switching back
-        with keep_grad_flags(peft):          # restores them right after the switch
-            peft.set_adapter(name)
-        try:
-            yield
-        finally:
-            peft.set_adapter(prev)
-
-
-def adapter_state(module) -> list:
-    """What decides a forward of `module` under PEFT: each LoRA layer inside it, whether its adapters are off
-    (`disable_adapter`) and which are active (`set_adapter`). A checkpointed layer's recompute restores it
-    (`restored_adapter_state`; runtime.checkpointing), since the backward runs after adapter_disabled() and
-    active_adapter() have closed."""
-    return [(m, m._disable_adapters, m._active_adapter) for m in module.modules() if isinstance(m, BaseTunerLayer)]
-
-
-@contextlib.contextmanager
-def restored_adapter_state(state):
-    """Inside the block each LoRA layer is as `adapter_state` saw it; after it, as it was. requires_grad flags are
-    not touched (peft's own switches rewrite them, which would change what a recompute differentiates)."""
-    now = [(m, m._disable_adapters, m._active_adapter) for m, _, _ in state]
-    try:
-        for m, off, active in state:
-            m._disable_adapters, m._active_adapter = off, active
-        yield
-    finally:
-        for m, off, active in now:
-            m._disable_adapters, m._active_adapter = off, active
-
-
 class Composer(nn.Module):
     """Φ_φ(x, E) -> c_φ (B, J·K, d). Holds the backbone (as a PeftModel) and the QFormer.
 
@@ -293,7 +243,7 @@ class Composer(nn.Module):
         """Run θ̄ alone: the composer's LoRA is off inside (teacher forwards, generation behind latents; A.4)."""
         self._disabled += 1
         try:
-            with keep_grad_flags(self.peft), self.peft.disable_adapter():
+            with runtime.keep_grad_flags(self.peft), self.peft.disable_adapter():
                 yield
         finally:
             self._disabled -= 1
@@ -324,7 +274,8 @@ class Composer(nn.Module):
         """Final hidden states of the LoRA encoder. -> hidden (N, T, d), attention mask (N, T), right-padded."""
         if self._disabled:
             raise RuntimeError("Composer.encode called inside adapter_disabled(): the encoder needs its LoRA")
-        with active_adapter(self.peft, self.cfg.adapter_name):   # another adapter (a LoRA student) may be active
+        # another adapter (a LoRA student) may be active
+        with runtime.active_adapter(self.peft, self.cfg.adapter_name):
             return self._encode(texts)
 
     def _encode(self, texts: list[str]):
@@ -429,6 +380,18 @@ def cold_start_loss(composer: Composer, batch, latents, n_tokens=None, head=None
         return losses.masked_nll(logits[:, :-1], ids[:, first:], omega[:, first:], n_tokens)   # logits t -> t+1
     logp = losses.token_logprobs_from_hidden(logits[:, :-1], head, ids[:, first:], omega[:, first:], chunk)
     return losses.nll(logp, omega[:, first:], n_tokens)                                     # as masked_nll
+
+
+def schema_balanced_sampler(bank, rng: random.Random):
+    """Draw bank entries with every schema (task family) equally likely, then uniformly within it.
+
+    docs/design.md, "What a prototype measured": with a plain uniform draw the cold start learns only the families
+    the base already solves often. Entries without a schema (real environments) form one family."""
+    groups = {}
+    for e in bank:
+        groups.setdefault(e.get("meta", {}).get("schema", ""), []).append(e)
+    keys = sorted(groups)
+    return lambda n: [rng.choice(groups[rng.choice(keys)]) for _ in range(n)]
 
 
 def cold_start_batch(chat, episodes, n_latents: int):

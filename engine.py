@@ -49,17 +49,76 @@ import torch.nn.functional as F
 import inject
 import losses
 import runtime
-from envs import DONE_TEXT, Environment, ToolWorld, format_call
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Chat rendering: prompt ids and observation ids from the tokenizer's own chat template
 # ----------------------------------------------------------------------------------------------------------------
+# Tools in the prompt (`chat_text`, used by every prompt: the student's, the teacher's, the baselines'). The tool
+# schemas go to the chat template as `tools=`, which Qwen3's renders in its system turn. Some templates drop `tools=`
+# silently (SmolLM2's, most base-model templates); the model then never learns that tools exist. `template_lists_tools`
+# renders the same messages with and without a tool: equal text means the template ignores them. Such a template gets
+# the tools in the system message as the official code writes them for every model: a "# Tools" block with one JSON
+# schema a line inside <tools></tools>, and the <tool_call>{"name": ..., "arguments": ...}</tool_call> reply format.
+def tools_block(tools) -> str:
+    """The tool list and the reply format as text, in the official code's layout (JSON schema a line)."""
+    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + schemas +
+            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+
+
+def with_tools_in_system(messages, tools) -> list[dict]:
+    """A copy of `messages` whose system message ends with `tools_block` (a system message is added if none)."""
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + tools_block(tools)}, *messages[1:]]
+    return [{"role": "system", "content": tools_block(tools)}, *messages]
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+_LISTS_TOOLS = {}       # chat template text -> does it render `tools=`? (checked once per template)
+
+
+def template_lists_tools(tokenizer) -> bool:
+    """Does the chat template render `tools=`? The same two messages, rendered with and without a tool."""
+    key = str(tokenizer.chat_template)
+    if key not in _LISTS_TOOLS:
+        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        render = lambda tools: tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,  # noqa: E731
+                                                             add_generation_prompt=True)
+        _LISTS_TOOLS[key] = render([_PROBE_TOOL]) != render(None)
+        if not _LISTS_TOOLS[key]:
+            print("chat template ignores tools=: the tool schemas and the <tool_call> format go into the system "
+                  "prompt (engine.tools_block, as the official code writes them)")
+    return _LISTS_TOOLS[key]
+
+
+def chat_text(tokenizer, messages, tools=None, enable_thinking=False) -> str:
+    """The chat template's text of `messages` plus the assistant header; tools by `tools=`, or in the system
+    message when the template ignores `tools=`."""
+    if tools and not template_lists_tools(tokenizer):
+        messages, tools = with_tools_in_system(messages, tools), None
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+
+
 def prompt_ids(tokenizer, messages, tools=None, enable_thinking=False) -> list[int]:
     """Token ids of the first messages plus the assistant generation header. The tools go to the template, or
-    into the system message if the template ignores `tools=` (inject.chat_text)."""
-    text = inject.chat_text(tokenizer, messages, tools, enable_thinking)
+    into the system message if the template ignores `tools=` (`chat_text`)."""
+    text = chat_text(tokenizer, messages, tools, enable_thinking)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def latent_prompt_ids(tokenizer, messages, n: int, framing=inject.AGENTIC_FRAMING, tools=None,
+                      enable_thinking=False) -> tuple[list[int], int]:
+    """The teacher's prompt (eq. 17): `messages` with the framed sentinel in the first user message
+    (inject.latent_messages), rendered like `prompt_ids`, then split around n placeholder ids
+    (inject.latent_prompt_ids). -> (ids, start): ids[start:start + n] are the placeholders."""
+    text = chat_text(tokenizer, inject.latent_messages(messages, framing), tools, enable_thinking)
+    return inject.latent_prompt_ids(tokenizer, text, n)
 
 
 _MARK = "\x00REPLY\x00"
@@ -101,7 +160,7 @@ class Chat:
         context_prompt(messages, tools, text, ...)   a trajectory as text: OPSD's and SDPO's teachers (baselines.py)
     """
     tokenizer: object
-    make_env: object = ToolWorld           # () -> a fresh Environment
+    make_env: object                       # () -> a fresh environment (worlds/common.py: Environment)
     thinking: bool = False
     framing: tuple = field(init=False, default=())
 
@@ -122,15 +181,15 @@ class Chat:
         return observation_ids(self.tokenizer, results, self.thinking, user)
 
     def latent_prompt(self, messages, tools, n: int) -> tuple[list[int], int]:
-        """(ids, start): the prompt with n placeholder ids at ids[start:start + n] (inject.latent_prompt_ids)."""
-        return inject.latent_prompt_ids(self.tokenizer, messages, n, self.framing, tools, self.thinking)
+        """(ids, start): the prompt with n placeholder ids at ids[start:start + n] (`latent_prompt_ids`)."""
+        return latent_prompt_ids(self.tokenizer, messages, n, self.framing, tools, self.thinking)
 
     def context_prompt(self, messages, tools, text: str, template: str, where: str) -> list[int]:
         """The prompt with a trajectory as TEXT, where LOPD's teacher has latents (OPSD, SDPO).
 
         where="system": template.format(text=text) is appended to the system message; "user": to the first user
         message; "span": the text's own ids fill the framed placeholder span of A.5, exactly where LOPD's latents
-        go. The toy backbone learned to read a reference only there (toy.py, "in-context reading")."""
+        go. The toy backbone learned to read a reference only there (worlds/toy_backbone.py, "in-context reading")."""
         if where == "span":
             ref = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             ids, s = self.latent_prompt(messages, tools, len(ref))
@@ -172,6 +231,18 @@ class Episode:
         self.mask += [int(sampled)] * len(ids)
         self.logps += logps if logps is not None else [0.0] * len(ids)
 
+    RECORDED = ("ids", "mask", "logps", "prompt_len", "reward", "steps", "tool_calls", "repeated_calls", "first_len",
+                "errors", "trace")
+
+    def record(self) -> dict:
+        """The episode as a JSON line (OUT/base_rollouts.jsonl): its task's id and the RECORDED fields."""
+        return {"task_id": self.task.task_id, **{k: getattr(self, k) for k in self.RECORDED}}
+
+    @classmethod
+    def from_record(cls, rec: dict, task) -> "Episode":
+        """The episode a `record` was made of, on `task` (the one rec["task_id"] names)."""
+        return cls(task, **{k: v for k, v in rec.items() if k != "task_id"})
+
     def metrics(self) -> dict:
         return {"reward": self.reward, "steps": self.steps, "calls_per_step": self.tool_calls / max(1, self.steps),
                 "first_len": self.first_len, "repeated_calls": self.repeated_calls,
@@ -192,7 +263,7 @@ def summarize_all(episodes) -> dict:
     return _mean_rows(runtime.gather([e.metrics() for e in episodes]))
 
 
-def _record_step(ep: Episode, env: Environment, reply: str, n_new: int):
+def _record_step(ep: Episode, env, reply: str, n_new: int):
     """Execute one reply in the environment and update the episode's counts; returns its StepResult."""
     n_before = len(env.trace)
     return _count_step(ep, env, env.step(reply), n_before, n_new)
@@ -207,7 +278,7 @@ def _step_all(envs_, replies) -> list:
     return [env.step(reply) for env, reply in zip(envs_, replies)]
 
 
-def _count_step(ep: Episode, env: Environment, result, n_before: int, n_new: int):
+def _count_step(ep: Episode, env, result, n_before: int, n_new: int):
     """Update the episode's counts from a step's result (the calls after env.trace[n_before]); -> the result."""
     ep.steps += 1
     ep.first_len = ep.first_len or n_new
@@ -221,21 +292,20 @@ def _count_step(ep: Episode, env: Environment, result, n_before: int, n_new: int
     return result
 
 
-def _finish(ep: Episode, env: Environment):
+def _finish(ep: Episode, env):
     text = env.trace_text()                                       # the bank's experience (A.3)
     ep.done, ep.reward, ep.trace = True, env.reward(), text
 
 
-def scripted_episode(chat: Chat, task, calls, prompt_fn=None) -> Episode:
-    """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one.
-    calls: one (name, arguments) per reply, or a list of them for one reply with several (parallel) calls.
-    prompt_fn(messages, tools) -> ids overrides the prompt, as in `rollout`."""
+def scripted_episode(chat: Chat, task, replies, prompt_fn=None) -> Episode:
+    """Encode a scripted episode (a demonstration) with the same bookkeeping as a sampled one: `replies` are the
+    assistant's texts in order (worlds.common.scripted_replies writes them from tool calls), played until the
+    environment ends the episode. prompt_fn(messages, tools) -> ids overrides the prompt, as in `rollout`."""
     ep, env = Episode(task), chat.make_env()
     msgs = env.reset(task)
     ep.add(prompt_fn(msgs, env.tools) if prompt_fn else chat.prompt(msgs, env.tools), sampled=False)
     ep.prompt_len = len(ep.ids)
-    replies = ["\n".join(format_call(n, a) for n, a in (c if isinstance(c, list) else [c])) for c in calls]
-    for reply in replies + [DONE_TEXT]:
+    for reply in replies:
         ids = reply_ids(chat.tokenizer, reply)
         ep.add(ids, sampled=True)
         result = _record_step(ep, env, reply, len(ids))
@@ -259,7 +329,7 @@ class SampleConfig:
                                   # fit (train.py --max-len; B.2's 40,960 for real models, 768 for the toy)
     batch_size: int = 64          # episodes generated together (train.py --gen-batch, or the memory plan's)
     sort_by_length: bool = False  # batch tasks of similar length together (real models: less left padding)
-    generator: object = None      # a serving engine that samples the replies (vllm_engine, --engine vllm); None: ours
+    generator: object = None      # a serving engine that samples the replies (--engine vllm); None: ours
 
 
 def left_pad(rows, pad_id, device):
@@ -426,7 +496,7 @@ def _shared_prefix(rows) -> int:
 
 
 @torch.no_grad()
-def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, embed_fn=None, conversations=None, keys=None,
+def generate_replies(model, tokenizer, contexts, cfg: SampleConfig, *, embed_fn=None, conversations=None, keys=None,
                      embeds=None):
     """Sample one reply per context. Returns per row (new ids, their log-probs at temperature 1, finished?).
 
@@ -463,7 +533,7 @@ def eos_ids(model, tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] + [i for i in more if i != tokenizer.eos_token_id]
 
 
-def rollout(model, chat: Chat, tasks, cfg: SampleConfig, prompt_fn=None, embed_fn=None,
+def rollout(model, chat: Chat, tasks, cfg: SampleConfig, *, prompt_fn=None, embed_fn=None,
             progress=None) -> list[Episode]:
     """Roll out one episode per task (eq. 1), batched across tasks, turn by turn.
 
@@ -478,7 +548,7 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, prompt_fn=None, embed_f
         which = order[start:start + cfg.batch_size]                          # indices into tasks
         chunk = [tasks[j] for j in which]
         envs = [chat.make_env() for _ in chunk]
-        for env in envs:          # the tokenizer's own reply parser, where it has one (envs.parse_tool_calls)
+        for env in envs:          # the tokenizer's own reply parser, where it has one (common.parse_tool_calls)
             if getattr(tokenizer, "response_template", None):
                 env.response_template = tokenizer.response_template
         eps = [Episode(t) for t in chunk]
@@ -594,7 +664,7 @@ def micro_batches(eps, size: int, token_budget: int = 0) -> list[slice]:
     return out + [slice(0, 0)] * (busiest - len(out))
 
 
-def accumulate(eps, part_loss, micro_batch: int, token_budget: int = 0, rows=None) -> tuple[dict, bool]:
+def accumulate(eps, part_loss, micro_batch: int, token_budget: int = 0, *, rows=None) -> tuple[dict, bool]:
     """The one forward/backward loop of every method's step (and of the cold start): the episodes `rows` of `eps`
     (all by default) in micro-batches (`micro_batches`: at most micro_batch episodes, at most token_budget padded
     tokens), part_loss(indices into eps) -> (loss, metrics) for each, one backward each. part_loss normalises by
@@ -626,6 +696,22 @@ def pick(items, idx) -> list:
     return [items[i] for i in idx]
 
 
+def supervised_tokens(eps) -> int:
+    """Σ ω of the episodes, over every rank's (the whole batch's count a loss is normalised by)."""
+    return runtime.all_sum(sum(sum(e.mask) for e in eps))
+
+
+def update(student, opts, eps, part_loss, cfg, *, composer=None, rows=None) -> tuple[dict, bool]:
+    """A method's update after its rollouts, the same for every method: `accumulate` part_loss over the episodes
+    (`rows` of them, all by default) in cfg.micro_batch / cfg.token_budget passes with the student in train mode,
+    then `optimizer_step` at cfg.clip. opts = (student's optimizer, composer's or None). -> (each metric summed over
+    the parts and ranks, stepped?): False after a non-finite loss or gradient, when nothing was applied."""
+    student.train()
+    metrics, finite = accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget, rows=rows)
+    student.eval()
+    return metrics, optimizer_step(opts, student, composer, cfg.clip, finite)
+
+
 def optimizer_step(opts, student, composer, clip: float, ok: bool = True) -> bool:
     """Clip and step each optimizer. If the loss (ok=False) or any gradient is non-finite, drop all gradients
     (also those of micro-batches that did finish) and return False."""
@@ -645,17 +731,40 @@ def optimizer_step(opts, student, composer, clip: float, ok: bool = True) -> boo
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A method as train.py runs it (--method): what it keeps across steps, one step, and its tasks
+# A method as train.py runs it (--method): what it keeps across steps, one step, and the run it reads
 # ----------------------------------------------------------------------------------------------------------------
-# Every step takes (args, run, state, student, opts, β, task_rng) and returns (β, metrics, generations spent).
-# `run` is train.py's: the tokenizer, the composer, the retriever, the tasks, the bank's episodes, the run's `chat`
-# (a `Chat`) and the sampling settings `sample`. Every method draws rollouts_per_step generations: LOPD and OPSD as
-# one rollout of that many tasks, GRPO and SDPO as G of each. Under torchrun every rank draws the same tasks and keeps
-# its slice.
+@dataclass
+class Run:
+    """What a method reads of the run, made once by train.py (`prepare`) after stages 1-4. Under torchrun every rank
+    holds the same run and draws the same tasks (each keeps its slice: `tasks`)."""
+    args: object                # the run's settings (train.Args): each method builds its config from them
+    tok: object                 # the tokenizer
+    chat: Chat                  # how every prompt of the run renders
+    sample: SampleConfig        # the student's sampling (B.2)
+    composer: object            # the composer, whose backbone is θ̄ with the LoRA off (composer.py)
+    retriever: object           # the experience bank and its index (retrieval.py)
+    train: list                 # the training tasks
+    test: list                  # the held-out tasks
+    episodes: list              # the base rollouts (stage 2): the bank's source, RFT's data
+    log: object                 # runtime.Log: log(stage, **metrics)
+    student: object = None      # a LoRA student made with the composer, or None (train.py builds a full copy)
+    source: object = None       # θ̄'s weights, for a full student or SDPO's EMA teacher (runtime.student_source)
+    task_rng: random.Random = field(default_factory=random.Random)   # the training tasks' draws (checkpointed)
+
+    def tasks(self, step: int, per_task: int = 1) -> list:
+        """Step `step`'s training tasks, rollouts_per_step / per_task of them, this rank's slice (`draw_tasks`)."""
+        a = self.args
+        return draw_tasks(self.train, a.rollouts_per_step // per_task, self.task_rng, order=a.task_order,
+                          seed=a.seed, step=step)
+
+
+# A step takes (run, state, student, opts, step) and returns (metrics, generations spent); `state` is what its setup
+# made (LOPD's c_φ0 cache and β, SDPO's EMA teacher, ...) and it may change it. Every method draws rollouts_per_step
+# generations: LOPD and OPSD as one rollout of that many tasks, GRPO and SDPO as G of each.
 @dataclass
 class Method:
-    setup: object              # (args, run) -> state: what the method keeps across steps
-    step: object               # (args, run, state, student, opts, β, task_rng) -> (β, metrics, generations)
+    setup: object              # (run) -> state: what the method keeps across steps
+    step: object               # (run, state, student, opts, step) -> (metrics, generations)
     label: str                 # its student's row in the results ("LOPD student")
     uses_bank: bool = False    # its data includes the bank: the bank's rollouts count towards its generations
     trains_composer: bool = False   # φ has an optimizer (LOPD, unless --freeze-composer)
@@ -663,16 +772,15 @@ class Method:
     keeps_ema: bool = False    # it keeps an EMA copy of the full student as its teacher (SDPO): memory counts it
 
 
-def draw_tasks(args, run, task_rng, per_task: int = 1) -> list:
-    """This step's tasks: rollouts_per_step / per_task of the training tasks (this rank's slice). --task-order fresh
-    draws them anew each step; epoch walks through shuffled epochs (the official code), so every task comes once
-    before any comes twice. Epoch e's order is a function of the seed and e alone, so a resumed run continues it."""
-    n = args.rollouts_per_step // per_task
-    if args.task_order == "fresh":
-        return runtime.shard(task_rng.sample(run["train"], n))
-    tasks, first = run["train"], run["step"] * n                       # positions first .. first + n − 1
+def draw_tasks(tasks, n: int, rng: random.Random, *, order: str = "fresh", seed: int = 0, step: int = 0) -> list:
+    """n of `tasks` for step `step` (this rank's slice). order "fresh" draws them anew each step from `rng`; "epoch"
+    walks through shuffled epochs (the official code), so every task comes once before any comes twice. Epoch e's
+    order is a function of the seed and e alone, so a resumed run continues it."""
+    if order == "fresh":
+        return runtime.shard(rng.sample(tasks, n))
+    first = step * n                                                   # positions first .. first + n − 1
     epochs = range(first // len(tasks), (first + n - 1) // len(tasks) + 1)      # the one or two it reaches into
-    orders = {e: epoch_order(tasks, args.seed, e) for e in epochs}
+    orders = {e: epoch_order(tasks, seed, e) for e in epochs}
     return runtime.shard([orders[i // len(tasks)][i % len(tasks)] for i in range(first, first + n)])
 
 

@@ -4,13 +4,13 @@
     python eval.py --run runs/toy --world-check      # also: the teacher with other-variant / no references
     python eval.py --run runs/toy --inspect-latents  # what the composer carries (§4.4; `latent_similarity`)
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
-    python eval.py --run runs/toy --show 5           # OUT/show.html: 5 episodes token by token (show.py)
+    python eval.py --run runs/toy --show 5           # OUT/show.html: 5 episodes token by token
     python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks (B.3)
 
 The rows themselves are train.py's stage 6 (`train.evaluate`: vanilla, base + composer, the LOPD student alone,
 each with Table 3's behaviour counts; a code run reports pass@1 and the reply length instead, beside paper Table
-2's Qwen3-4B values where the text gives them). This file loads a run through train.py (`train.load_args`, `train.load_run`)
-and adds what only a finished run can show. It imports train.py; train.py never imports it.
+2's Qwen3-4B values where the text gives them). This file loads a run through train.py (`train.load_args`,
+`train.load_run`) and adds what only a finished run can show. It imports train.py; train.py never imports it.
 
 Latent inspection (§4.4). The paper projects each latent token through the LM head and reads its nearest words.
 On the toy run that prints the same five tokens for every latent of every task, and so does the projection of
@@ -22,8 +22,8 @@ the experience changes in the teacher: the reply tokens of one episode whose tea
 between latents of same-variant references and latents of other variants' references.
 
 Code benchmarks (B.3). `--tasks FILE ...` scores the run's student on benchmark files in their released layouts
-(LiveCodeBench, HumanEval+, MBPP+, TACO; envs.py reads them with their harnesses' rules): pass@1 per benchmark, with
-EvalPlus's base and plus separately, beside the values the paper quotes for Qwen3-4B.
+(LiveCodeBench, HumanEval+, MBPP+, TACO; worlds/tool_world.py reads them with their harnesses' rules): pass@1 per
+benchmark, with EvalPlus's base and plus separately, beside the values the paper quotes for Qwen3-4B.
 
 Deviation: the paper evaluates on EnvScaler's 200 held-out tasks, BFCL-v3 and ACEBench; the toy world's held-out
 split stands in for the first.
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import html
 import json
 import os
 
@@ -40,13 +41,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import code_env
 import engine
 import lopd
+import losses
 import runtime
-import sandbox
-import show
 import train
+from worlds import code_benchmarks, code_world, results, sandbox
 
 
 def final_eval(args: train.Args, n_test: int = 0, temperature=None, controls: bool = False,
@@ -55,13 +55,24 @@ def final_eval(args: train.Args, n_test: int = 0, temperature=None, controls: bo
     with `controls` also the world check's rows; write them into files of their own (`eval_name`), never over the
     training run's results.md. -> (rows, run, tasks)."""
     run = train.load_run(args)
-    tasks = run["test"][:n_test] if n_test else run["test"]
-    rows = train.evaluate(args, run, run["student"], tasks, temperature, keep=keep)
+    tasks = run.test[:n_test] if n_test else run.test
+    rows = train.evaluate(args, run, run.student, tasks, temperature, keep=keep)
     if controls:
-        rows.update({k: v for k, v in train.world_check(args, run, tasks).items() if k not in rows})
-    train.write_results(args.out, rows, table=train.environment(args).results,
+        rows.update({k: v for k, v in world_check(args, run, tasks).items() if k not in rows})
+    results.write_results(args.out, rows, table=train.environment(args).results,
                         name=eval_name(len(tasks), temperature, controls))
     return rows, run, tasks
+
+
+def world_check(args, run, tasks) -> dict:
+    """Does the teacher use the experience? base + composer (φ0) with the same-variant retrieval it was trained
+    on, with references from other variants only, and with no reference (docs/design.md, "The toy world")."""
+    rows = {}
+    for mode, name in (("same", "base + composer"), ("other", "base + composer, other-variant reference"),
+                       ("none", "base + composer, no reference")):
+        margs = dataclasses.replace(args, retrieval=mode)
+        rows[name] = train.evaluate(margs, run, None, tasks, which=("base + composer",))["base + composer"]
+    return rows
 
 
 def eval_name(n_tasks: int, temperature=None, controls: bool = False) -> str:
@@ -78,7 +89,7 @@ def conventions_table(tok, episodes: dict) -> str:
     keys = ("prefix", "prefix_right", "end", "end_right")
     lines = ["| row | pass | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for name, eps in episodes.items():
-        marks = [code_env.code_conventions(e.task, tok.decode(e.ids[e.prompt_len:], skip_special_tokens=True))
+        marks = [code_world.code_conventions(e.task, tok.decode(e.ids[e.prompt_len:], skip_special_tokens=True))
                  for e in eps]
         rates = [sum(m[k] for m in marks) / len(marks) for k in keys]
         passed = sum(e.reward for e in eps) / len(eps)
@@ -108,7 +119,7 @@ def teacher_shift(composer, chat, ep, lat_same, lat_other, top: int = 8) -> list
     same-variant references (lat_same, (n, d)) and from other variants' references (lat_other). Positive: the
     same-variant experience makes the teacher surer of the token the episode took. -> one line per token."""
     tok = chat.tokenizer
-    same, other = (show.teacher_logprobs(composer, chat, [ep], lat[None])[0]
+    same, other = (teacher_logprobs(composer, chat, [ep], lat[None])[0]
                    for lat in (lat_same, lat_other))                          # (Tc,) log π_T(a_t), 0 off ω each
     conts, omega = engine.continuation([ep], lat_same.device)
     move = same - other                                                       # (Tc,) only sampled tokens count
@@ -136,7 +147,7 @@ def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
     """§4.4, what the latents carry: `similarity_table` over the first n_tasks held-out tasks (latents of their
     retrieved references, and of other variants' references), then `teacher_shift` on the first task's greedy
     teacher episode (base + composer with same-variant references)."""
-    composer, ret, chat = run["composer"], run["retriever"], train.chat_of(args, run["tok"])
+    composer, ret, chat = run.composer, run.retriever, train.chat_of(args, run.tok)
     part = tasks[:n_tasks]
     with torch.no_grad(), runtime.precision(composer.peft):
         latents = {mode: lopd.compose(composer, part, lopd.retrieve(ret, part, args.n_ret, mode))   # (N, J·K, d)
@@ -155,54 +166,46 @@ def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
 def show_episodes(args: train.Args, n: int, path: str) -> str:
     """eval.py --show N: the run's student on its first N held-out tasks, each token coloured by its term of eq. (10)
     against the teacher behind same-shop references, then by how much those references move the teacher against
-    other shops' (show.py). Writes a self-contained HTML page to `path`; -> path."""
+    other shops'. Writes a self-contained HTML page to `path`; -> path."""
     run = train.load_run(args)
-    if run["student"] is None:
+    if run.student is None:
         raise runtime.UserError(f"--run {args.out!r} has no checkpoint yet: train it first (python train.py --out "
                                 f"{args.out})")
-    composer, tok, ret, student, tasks = run["composer"], run["tok"], run["retriever"], run["student"], run["test"][:n]
+    composer, tok, ret, student, tasks = run.composer, run.tok, run.retriever, run.student, run.test[:n]
     chat = train.chat_of(args, tok)
     runtime.seed_everything(args.seed + 1)                                  # the evaluation rows' sampling seed
     with torch.no_grad(), runtime.precision(composer.peft), runtime.gathered(student):
         eps = engine.rollout(student, chat, tasks, train.sample_config(args))
         exps = {m: lopd.retrieve(ret, tasks, args.n_ret, m) for m in ("same", "other")}
         lat = {m: lopd.compose(composer, tasks, e) for m, e in exps.items()}         # (N, J·K, d) each
-        terms = show.episode_terms(student, composer, chat, eps, lat["same"], args.top_m)
-        shift = show.teacher_shift_terms(composer, chat, eps, lat["same"], lat["other"])
-    same, other = show.reference_lines(exps["same"]), show.reference_lines(exps["other"])
+        terms = episode_terms(student, composer, chat, eps, lat["same"], args.top_m)
+        shift = teacher_shift_terms(composer, chat, eps, lat["same"], lat["other"])
+    same, other = reference_lines(exps["same"]), reference_lines(exps["other"])
     alike = sum(a == b for a, b in zip(exps["same"], exps["other"]))   # a world of one variant: nothing to compare
     warn = (f" Warning: on {alike} of {len(eps)} episodes the other-variant references are the same entries as the "
             "retrieved ones (a world with one variant?), so their rows are 0 by construction." if alike else "")
     sections = [
         ("The student's episodes and its teacher",
          "Each reply token of the student (its own sample, temperature as in training), coloured by its term of "
-         f"eq. (10): white 0, red {show.largest_kl(terms):.4f} nats, the page's largest. Hover a token for δ "
+         f"eq. (10): white 0, red {largest_kl(terms):.4f} nats, the page's largest. Hover a token for δ "
          "(eq. 11), p_S and p_T of the sampled token, and the teacher's likeliest alternatives. Grey: observations (ω = 0). The list: the J references "
          "the teacher's latents were composed from.",
-         [show.episode_html(tok, ep, t, r, None, len(eps), show.largest_kl(terms)) for ep, t, r in
+         [episode_html(tok, ep, t, r, None, len(eps), largest_kl(terms)) for ep, t, r in
           zip(eps, terms, same)]),
         ("The world check, token by token",
          "The same tokens, coloured by log p_T(a) behind the retrieved references minus behind references of other "
          "variants only (the tool world's shops, the code world's judges; red: the task's own variant's experience "
          "makes the teacher surer of the student's token; blue: less sure; full colour at 3 nats). The list: the "
          "other variants' references." + warn,
-         [show.episode_html(tok, ep, t, r, s, len(eps)) for ep, t, r, s in zip(eps, terms, other, shift)])]
+         [episode_html(tok, ep, t, r, s, len(eps)) for ep, t, r, s in zip(eps, terms, other, shift)])]
     with open(path, "w", encoding="utf-8") as f:
-        f.write(show.page(f"{train.student_row(args)} and its teacher, token by token: {args.out}", sections))
+        f.write(page(f"{train.student_row(args)} and its teacher, token by token: {args.out}", sections))
     return path
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Real code benchmarks (B.3): eval.py --run DIR --tasks FILE [FILE ...]
 # ----------------------------------------------------------------------------------------------------------------
-def paper_value(benchmark: str) -> str:
-    """The Qwen3-4B values the paper's text quotes for a benchmark's aggregate (train.PAPER_TABLE2), e.g.
-    "vanilla 45.61, LOPD 48.78 (LiveCodeBench aggregate)"; "" for TACO (the training set) and our own layout."""
-    agg = "EvalPlus" if benchmark in code_env.EVALPLUS else benchmark
-    vals = [f"{row.replace(' student', '')} {v[agg]}" for row, v in train.PAPER_TABLE2.items() if agg in v]
-    return f"{', '.join(vals)} ({agg} aggregate)" if vals else ""
-
-
 # B.3 (Table 5): the code benchmarks' sampling, thinking on. Real models use it; the toy keeps its run's settings.
 B3_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_new_tokens": 16384}
 B3_THINKING = True
@@ -223,7 +226,7 @@ def load_eval_student(args):
     -> (model, tokenizer, row name)."""
     device, dtype = runtime.pick_device(args.device, args.dtype)
     model, tok = train.load_backbone(args, device, dtype)
-    train.start_engine(args, model, runtime.free_memory(device))          # --engine vllm
+    runtime.start_engine(args, model, args.model or train.toy_backbone(args), runtime.free_memory(device))
     ckpt = runtime.latest_checkpoint(args.out)
     if ckpt is None:
         return model, tok, "vanilla (the run has no checkpoint)"
@@ -231,68 +234,42 @@ def load_eval_student(args):
     return saved.to(device).eval(), tok, f"{train.student_row(args)} ({os.path.basename(ckpt)})"
 
 
-def benchmark_rows(problems, log: dict, source: str) -> list[dict]:
-    """pass@1 per benchmark of one file (one sample per problem), and base pass@1 for EvalPlus, from CodeWorld's
-    log (task_id -> {passed, base, plus}); plus pass@1 is EvalPlus's "base and plus"."""
-    rows = []
-    for bench in dict.fromkeys(p.benchmark or "ours" for p in problems):
-        ids = [p.task_id for p in problems if (p.benchmark or "ours") == bench]
-        row = {"benchmark": bench, "file": source, "problems": len(ids),
-               "pass@1": sum(log[i]["passed"] for i in ids) / len(ids)}
-        if bench in code_env.EVALPLUS:
-            row["base pass@1"] = sum(log[i].get("base", False) for i in ids) / len(ids)
-        rows.append(row)
-    return rows
-
-
-def benchmark_table(rows: list[dict], student: str) -> str:
-    """Markdown: pass@1 (%) per benchmark (EvalPlus: plus, and base beside it) and the paper's value."""
-    lines = [f"Code benchmarks, {student}: pass@1 (%), one sample per problem", "",
-             "| benchmark | file | problems | pass@1 (EvalPlus: plus) | base pass@1 | Qwen3-4B, paper Table 2 |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        base = f"{100 * r['base pass@1']:.2f}" if "base pass@1" in r else ""
-        lines.append(f"| {r['benchmark']} | {r['file']} | {r['problems']} | {100 * r['pass@1']:.2f} | {base} | "
-                     f"{paper_value(r['benchmark'])} |")
-    return "\n".join(lines) + "\n"
-
-
 def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict]:
-    """The run's student on each benchmark file (TACO, LiveCodeBench, HumanEval+, MBPP+ or ours; envs.py): A.5's
+    """The run's student on each benchmark file (TACO, LiveCodeBench, HumanEval+, MBPP+ or ours; worlds/tool_world.py): A.5's
     coding system prompt for TACO / LiveCodeBench, none for EvalPlus (B.3; CodeWorld.reset), B.3's sampling
     (`benchmark_sample_config`). Prints the table and writes OUT/benchmarks.json."""
     model, tok, name = load_eval_student(args)
     cfg, rows = benchmark_sample_config(args, temperature), []
     thinking = bool(args.thinking) if train.is_toy(args) else B3_THINKING
     for path in files:
-        problems = code_env.load_problems(path)
+        problems = code_benchmarks.load_problems(path)
         problems = problems[:n_test] if n_test else problems
         log = {}
-        chat = engine.Chat(tok, functools.partial(code_env.CodeWorld, log=log), thinking)   # log: per problem
+        chat = engine.Chat(tok, functools.partial(code_world.CodeWorld, log=log), thinking)   # log: per problem
         runtime.seed_everything(args.seed + 1)
         with runtime.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}",
                                             leave=False) as bar:
             engine.rollout(model, chat, problems, cfg, progress=bar)
-        rows += benchmark_rows(problems, log, os.path.basename(path))
-    print(benchmark_table(rows, name))
+        rows += results.benchmark_rows(problems, log, os.path.basename(path))
+    print(results.benchmark_table(rows, name))
     with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
         json.dump({"student": name, "rows": rows}, f, indent=1)
     return rows
 
 
 def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]:
-    """The run's student on BFCL-v3 multi-turn (bfcl_env.py): per category BFCL's accuracy (every turn passes its
+    """The run's student on BFCL-v3 multi-turn (bfcl.py): per category BFCL's accuracy (every turn passes its
     checker) and the mean fraction of turns passed (the training reward), then their mean over the categories as
     BFCL averages them. The run's own sampling and budgets. Prints the table and writes OUT/bfcl.json."""
-    import bfcl_env
+    from worlds import bfcl
     model, tok, name = load_eval_student(args)
     cfg, rows = train.sample_config(args, temperature), []
     for cat in categories:
-        single = cat in bfcl_env.SINGLE_TURN                      # one reply, BFCL's AST checker
-        tasks = bfcl_env.load_single_turn([cat]) if single else bfcl_env.load_tasks([cat])
+        single = cat in bfcl.SINGLE_TURN                      # one reply, BFCL's AST checker
+        tasks = bfcl.load_single_turn([cat]) if single else bfcl.load_tasks([cat])
         tasks, log = (tasks[:n_test] if n_test else tasks), {}
-        steps = {} if single else {"max_steps": args.max_env_steps or bfcl_env.MAX_STEPS_PER_TURN}   # B.3: 30
-        world = functools.partial(bfcl_env.BFCLSingleWorld if single else bfcl_env.BFCLWorld, log=log, **steps)
+        steps = {} if single else {"max_steps": args.max_env_steps or bfcl.MAX_STEPS_PER_TURN}   # B.3: 30
+        world = functools.partial(bfcl.BFCLSingleWorld if single else bfcl.BFCLWorld, log=log, **steps)
         chat = engine.Chat(tok, world, bool(args.thinking))
         runtime.seed_everything(args.seed + 1)
         with runtime.precision(model), tqdm(total=len(tasks), desc=f"eval bfcl {cat}", leave=False) as bar:
@@ -301,34 +278,172 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]
         turns = sum(v["turns_passed"] / v["turns"] for v in log.values())     # the training reward per task
         rows.append({"category": cat, "tasks": len(tasks), "accuracy": passed / len(tasks),
                      "turns": turns / len(tasks)})
-    print(bfcl_table(rows, name))
-    result = {"student": name, "release": bfcl_env.RELEASE, "rows": rows}
+    print(results.bfcl_table(rows, name))
+    result = {"student": name, "release": bfcl.RELEASE, "rows": rows}
     runtime.write_json(os.path.join(args.out, "bfcl.json"), result)
     return rows
-
-
-def bfcl_table(rows, name: str) -> str:
-    """Markdown: BFCL-v3 multi-turn accuracy per category and their mean (BFCL's overall), turns passed beside."""
-    lines = [f"BFCL-v3 multi-turn, {name}", "", "| category | tasks | accuracy | turns passed |", "|---|---|---|---|"]
-    lines += [f"| {r['category']} | {r['tasks']} | {r['accuracy']:.3f} | {r['turns']:.3f} |" for r in rows]
-    mean = lambda k: sum(r[k] for r in rows) / len(rows)          # noqa: E731
-    lines.append(f"| mean | {sum(r['tasks'] for r in rows)} | {mean('accuracy'):.3f} | {mean('turns'):.3f} |")
-    return "\n".join(lines)
 
 
 def bfcl_categories(spec: str) -> list[str] | None:
     """--tasks bfcl-v3 (its four multi-turn categories, the paper's), bfcl-v3:single (the single-turn Python
     categories) or bfcl-v3:CAT[,CAT] -> the categories; None for anything else (benchmark files)."""
-    import bfcl_env
+    from worlds import bfcl
     name, _, cats = spec.partition(":")
     if name != "bfcl-v3":
         return None
-    cats = list(bfcl_env.SINGLE_TURN) if cats == "single" else cats.split(",") if cats else list(bfcl_env.CATEGORIES)
-    unknown = [c for c in cats if c not in bfcl_env.CATEGORIES + bfcl_env.SINGLE_TURN]
+    cats = list(bfcl.SINGLE_TURN) if cats == "single" else cats.split(",") if cats else list(bfcl.CATEGORIES)
+    unknown = [c for c in cats if c not in bfcl.CATEGORIES + bfcl.SINGLE_TURN]
     if unknown:
         raise runtime.UserError(f"--tasks {spec}: no BFCL-v3 category {unknown[0]!r}; expected one of "
-                                f"{', '.join(bfcl_env.CATEGORIES + bfcl_env.SINGLE_TURN)}, or single")
+                                f"{', '.join(bfcl.CATEGORIES + bfcl.SINGLE_TURN)}, or single")
     return cats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The token view (--show): what the teacher knows, token by token, as one self-contained HTML page (§3.3, eqs. 9-12)
+# ----------------------------------------------------------------------------------------------------------------
+# The method's idea sits on a few tokens: where the teacher behind its latents disagrees with the student. The page
+# shows each held-out episode of the student in order. Every token the student sampled (ω = 1) is coloured by its
+# term of eq. (10), the reverse KL(p̃S ‖ p̃T) over the teacher's top-M ids and the tail; hovering over it (a title
+# attribute: no script) gives δ of eq. (11), the sampled token's probability under student and teacher, and the
+# teacher's five likeliest alternatives. Observations (ω = 0) are grey. Above each episode: its reward, A = 2r − 1,
+# its share of Δ (eq. 12), and the J references the retriever gave the teacher. A second section scores the same
+# episodes under the teacher behind same-shop references and behind other-shop references and colours each token by
+# the difference of its log-probability: the world check, token by token.
+# The numbers are the training path's: `lopd.student_teacher_logits` for the scores and `losses.token_terms` for
+# eqs. (9)-(11), the function `losses.lopd_objective` itself calls; tests/test_show.py checks that the page's KL
+# terms add up to the `loss/distill` that training logs for the same batch. The page holds no script, no external
+# resource, and escapes every token and observation (a token may be `<script>`).
+# Long observations (a tool's answer, a program's output) are cut in the middle so a page of a 4,000-token episode
+# stays readable: the first and last characters of a longer grey run are kept.
+OBSERVATION_CHARS = 400
+
+
+@torch.no_grad()
+def episode_terms(student, composer, chat, eps, latents, top_m: int = losses.TOP_M) -> list[dict]:
+    """Per episode, per continuation token: its id, ω, and (on ω tokens) the KL term of eq. (10), δ of eq. (11),
+    p_S(a), p_T(a) and the teacher's top-5 ids with their probabilities. chat: the run's engine.Chat; latents
+    (B, J·K, d)."""
+    ls, lt, ids, omega = lopd.student_teacher_logits(student, composer, chat, eps, latents)   # (B, Tc, V), (B, Tc)
+    sel = omega.bool()                                                          # (B, Tc)
+    logp_s, logp_t = losses.supervised_logprobs(ls, sel), losses.supervised_logprobs(lt, sel)   # (N, V) each
+    kl, lt_a, ls_a = losses.token_terms(logp_s, logp_t, ids[sel].unsqueeze(-1), top_m)          # (N,) each
+    delta = losses.privilege_delta(lt_a, ls_a)                                  # (N,) eq. (11)
+    top_p, top_i = logp_t.exp().topk(5, dim=-1)                                 # (N, 5)
+    kl, delta, p_s, p_t = (x.tolist() for x in (kl, delta, ls_a.exp(), lt_a.exp()))
+    top_p, top_i, sel = top_p.tolist(), top_i.tolist(), sel.tolist()
+    rows, k = [], 0
+    for b, ep in enumerate(eps):
+        toks = []
+        for t in range(len(ep.ids) - ep.prompt_len):
+            tid = ep.ids[ep.prompt_len + t]                                    # the sampled id, as scored
+            if not sel[b][t]:
+                toks.append({"id": tid, "omega": 0})
+                continue
+            toks.append({"id": tid, "omega": 1, "kl": kl[k], "delta": delta[k], "p_s": p_s[k], "p_t": p_t[k],
+                         "alts": list(zip(top_i[k], top_p[k]))})
+            k += 1
+        rows.append({"tokens": toks})
+    return rows
+
+
+@torch.no_grad()
+def teacher_logprobs(composer, chat, eps, latents):
+    """log p_T(a_t) of each episode's own sampled tokens behind `latents` (B, J·K, d): (B, Tc), 0 on observations."""
+    lp = lopd.teacher_logits(composer, chat, eps, latents).float().log_softmax(-1)                 # (B, Tc, V)
+    conts, omega = engine.continuation(eps, latents.device)                                           # ω (B, Tc)
+    ids = torch.zeros(omega.shape, dtype=torch.long, device=latents.device)                        # (B, Tc)
+    for b, c in enumerate(conts):
+        ids[b, :len(c)] = torch.tensor(c, device=latents.device)
+    return lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * omega                                     # (B, Tc)
+
+
+def teacher_shift_terms(composer, chat, eps, lat_same, lat_other) -> list[list[float]]:
+    """Per episode, per continuation token: log p_T(a) behind same-shop latents minus behind other-shop latents
+    (0 on observations). lat_* (B, J·K, d)."""
+    move = teacher_logprobs(composer, chat, eps, lat_same) - teacher_logprobs(composer, chat, eps, lat_other)  # (B, Tc)
+    return [move[b, :len(ep.ids) - ep.prompt_len].tolist() for b, ep in enumerate(eps)]
+
+
+def _colour(value: float, scale: float, negative: bool = False) -> str:
+    """White for 0, red at `scale` (blue below 0 where `negative`): a CSS background."""
+    x = max(-1.0, min(1.0, value / scale)) if scale > 0 else 0.0
+    if x < 0 and negative:
+        return f"rgb({int(255 * (1 + x))},{int(255 * (1 + x))},255)"
+    x = max(0.0, x)
+    return f"rgb(255,{int(255 * (1 - x))},{int(255 * (1 - x))})"
+
+
+def _token_text(tok, tid: int) -> str:
+    return tok.decode([tid], skip_special_tokens=False)
+
+
+def _grey(text: str) -> str:
+    if len(text) > OBSERVATION_CHARS:
+        half = OBSERVATION_CHARS // 2
+        text = text[:half] + f" … [{len(text) - OBSERVATION_CHARS} characters] … " + text[-half:]
+    return f'<span class="obs">{html.escape(text, quote=True)}</span>'
+
+
+def episode_html(tok, ep, terms: dict, refs: list[str], shift: list[float] | None = None,
+                 n_traj: int = 1, scale: float | None = None) -> str:
+    """One episode as HTML: a header (task, reward, A, its share of Δ, references), then its tokens. scale: the KL
+    that is full red (default: this episode's largest; a page passes its own largest, so colours compare)."""
+    omega_terms = [x for x in terms["tokens"] if x["omega"]]
+    A = 2 * ep.reward - 1
+    mean_delta = sum(x["delta"] for x in omega_terms) / max(1, len(omega_terms))
+    largest = max([x["kl"] for x in omega_terms] + [1e-6])
+    scale = scale or largest
+    head = (f'<h3>{html.escape(ep.task.task_id)}: {html.escape(ep.task.text)}</h3>'
+            f'<p class="meta">reward {ep.reward:.2f} · A = 2r − 1 = {A:+.2f} · share of Δ (eq. 12) A·mean δ / '
+            f'{n_traj} = {A * mean_delta / n_traj:+.4f} · reply tokens {len(omega_terms)} · largest KL term '
+            f'{largest:.4f} nats</p><ol class="refs">' +
+            "".join(f"<li>{html.escape(r)}</li>" for r in refs) + "</ol>")
+    spans, grey = [], []
+    for t, x in enumerate(terms["tokens"]):
+        text = _token_text(tok, x["id"])
+        if not x["omega"]:
+            grey.append(text)
+            continue
+        if grey:
+            spans.append(_grey("".join(grey)))
+            grey = []
+        alts = ", ".join(f"{_token_text(tok, i)!r} {p:.2f}" for i, p in x["alts"])
+        tip = (f"KL {x['kl']:.4f} · δ {x['delta']:+.3f} · p_S {x['p_s']:.3f} · p_T {x['p_t']:.3f} · "
+               f"teacher's top 5: {alts}")
+        if shift is not None:
+            tip += f" · same − other variant {shift[t]:+.2f} nats"
+            bg = _colour(shift[t], 3.0, negative=True)
+        else:
+            bg = _colour(x["kl"], scale)
+        spans.append(f'<span class="tok" style="background:{bg}" title="{html.escape(tip, quote=True)}">'
+                     f'{html.escape(text, quote=True)}</span>')
+    if grey:
+        spans.append(_grey("".join(grey)))
+    return f'<section class="ep">{head}<pre>{"".join(spans)}</pre></section>'
+
+
+STYLE = """body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
+pre{white-space:pre-wrap;font:13px/1.5 monospace;border:1px solid #ddd;padding:8px}
+.obs{color:#999}.tok{border-radius:2px}.meta{color:#555;font-size:13px}.refs{font-size:12px;color:#555}
+.key span{padding:0 6px}"""
+
+
+def page(title: str, sections: list[tuple[str, str, list[str]]]) -> str:
+    """The whole page: sections of (heading, explanation, episodes' HTML)."""
+    body = "".join(f"<h2>{html.escape(h)}</h2><p>{html.escape(p)}</p>{''.join(eps)}" for h, p, eps in sections)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
+
+
+def largest_kl(terms: list[dict]) -> float:
+    """The largest KL term of a page's episodes: the colour scale they share."""
+    return max([x["kl"] for t in terms for x in t["tokens"] if x["omega"]] + [1e-6])
+
+
+def reference_lines(experiences) -> list[list[str]]:
+    """The task line of each retrieved reference (what the teacher's latents were composed from)."""
+    return [[(e.get("task") or "(no reference)").splitlines()[0][:160] for e in es] for es in experiences]
 
 
 def main(argv=None):
@@ -354,12 +469,13 @@ def main(argv=None):
                         "bfcl-eval==2025.7.17)")
     p.add_argument("--show", type=int, nargs="?", const=5, default=0, metavar="N",
                    help="write OUT/show.html: N held-out episodes of the student (default 5), each token coloured by "
-                        "what the teacher knows (show.py)")
+                        "what the teacher knows")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                   help="what generates the rollouts (train.py --engine): hf, or vllm (vllm_engine.py)")
+                   help="what generates the rollouts (train.py --engine): hf, or vllm (runtime.py)")
     p.add_argument("--unsafe-no-sandbox", action="store_true",
                    help="run untrusted code (programs, environments, BFCL's calls) even where the kernel cannot "
-                        "confine it (train.py --unsafe-no-sandbox); asked again here, whatever the run was trained with")
+                        "confine it (train.py --unsafe-no-sandbox); asked again here, whatever the run was "
+                        "trained with")
     a = p.parse_args(argv)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
@@ -369,7 +485,7 @@ def main(argv=None):
     args = dataclasses.replace(train.load_args(a.run), out=a.run, engine=a.engine,
                                unsafe_no_sandbox=a.unsafe_no_sandbox)
     with runtime.one_line_errors():            # programs, environments and BFCL's calls run confined, or not at all
-        train.check_sandbox(args)
+        sandbox.require_for(train.environment(args), args.unsafe_no_sandbox, f"--env {args.env}")
         if a.tasks:
             sandbox.check_confinement(f"--tasks {' '.join(a.tasks)}")
     if a.tasks and a.tasks[0].startswith("bfcl-v3"):
@@ -390,10 +506,10 @@ def main(argv=None):
     keep = {} if a.conventions else None
     with runtime.one_line_errors():
         rows, run, tasks = final_eval(args, a.n_test, a.temperature, a.world_check, keep)
-    print(train.markdown_table(rows, table=train.environment(args).results))
+    print(results.markdown_table(rows, table=train.environment(args).results))
     print(f"written to {os.path.join(a.run, eval_name(len(tasks), a.temperature, a.world_check))}.md and .json")
     if a.conventions:
-        print(conventions_table(run["tok"], keep))
+        print(conventions_table(run.tok, keep))
     if a.inspect_latents:
         inspect_latents(args, run, tasks)
 

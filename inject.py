@@ -20,7 +20,7 @@ Notation: B batch, L (or T) tokens, J experiences, K latents per experience, n =
 
 THE TRAP (docs/design.md, "Correctness traps"). The placeholder id IS the pad id. Anything that infers the attention
 mask from `input_ids != pad_token_id` (generate() without an `attention_mask`, a collator, a hand-written mask)
-masks the placeholders too, and the teacher silently never sees its latents (measured: logits change by 0.56).
+masks the placeholders too, and the teacher silently never sees its latents (docs/design.md).
 Always pass an explicit attention_mask built from row LENGTHS (`engine.left_pad`, `length_mask`), never from ids.
 
 Left padding. Generation pads on the left, so the span of row b starts at its unpadded start plus the number of
@@ -38,17 +38,8 @@ Deviations from the paper
 3. A prompt whose text already contains the sentinel (e.g. a task text quoting it) is refused with ValueError
    instead of splitting in the wrong place.
 4. The toy world uses a short framing (`TOY_FRAMING`); real models get A.5's word for word.
-
-Tools in the prompt (`chat_text`, used by every prompt: the student's, the teacher's, the baselines'). The tool
-schemas go to the chat template as `tools=`, which Qwen3's renders in its system turn. Some templates drop `tools=`
-silently (SmolLM2's, most base-model templates); the model then never learns that tools exist. `template_lists_tools`
-renders the same messages with and without a tool: equal text means the template ignores them. Such a template gets
-the tools in the system message as the official code writes them for every model: a "# Tools" block with one JSON
-schema a line inside <tools></tools>, and the <tool_call>{"name": ..., "arguments": ...}</tool_call> reply format.
 """
 from __future__ import annotations
-
-import json
 
 import torch
 
@@ -71,57 +62,9 @@ CODING_FRAMING = (
     "\u2014 end of reference \u2014",
 )
 # The toy backbone's framing (our deviation 4): the A.5 text is 186 toy tokens, longer than a whole toy episode,
-# and a 0.5 M-parameter model reads none of it. Like envs.TOY_SYSTEM_PROMPT, the toy world uses this short one;
+# and a 0.5 M-parameter model reads none of it. Like tool_world.TOY_SYSTEM_PROMPT, the toy world uses this short one;
 # real models get the A.5 text above (each environment names its framing: `ToolWorld.framing`).
 TOY_FRAMING = ("Reference, a different solved task:", "End of reference. Your task:")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Rendering: the chat template, with the tools in the system prompt where the template drops `tools=`
-# ----------------------------------------------------------------------------------------------------------------
-def tools_block(tools) -> str:
-    """The tool list and the reply format as text, in the official code's layout (JSON schema a line)."""
-    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + schemas +
-            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
-
-
-def with_tools_in_system(messages, tools) -> list[dict]:
-    """A copy of `messages` whose system message ends with `tools_block` (a system message is added if none)."""
-    if messages and messages[0].get("role") == "system":
-        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + tools_block(tools)}, *messages[1:]]
-    return [{"role": "system", "content": tools_block(tools)}, *messages]
-
-
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "d",
-                                                 "parameters": {"type": "object", "properties": {}}}}
-_LISTS_TOOLS = {}       # chat template text -> does it render `tools=`? (checked once per template)
-
-
-def template_lists_tools(tokenizer) -> bool:
-    """Does the chat template render `tools=`? The same two messages, rendered with and without a tool."""
-    key = str(tokenizer.chat_template)
-    if key not in _LISTS_TOOLS:
-        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-        render = lambda tools: tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,  # noqa: E731
-                                                             add_generation_prompt=True)
-        _LISTS_TOOLS[key] = render([_PROBE_TOOL]) != render(None)
-        if not _LISTS_TOOLS[key]:
-            print("chat template ignores tools=: the tool schemas and the <tool_call> format go into the system "
-                  "prompt (inject.tools_block, as the official code writes them)")
-    return _LISTS_TOOLS[key]
-
-
-def chat_text(tokenizer, messages, tools=None, enable_thinking=False) -> str:
-    """The chat template's text of `messages` plus the assistant header; tools by `tools=`, or in the system
-    message when the template ignores `tools=`."""
-    if tools and not template_lists_tools(tokenizer):
-        messages, tools = with_tools_in_system(messages, tools), None
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=enable_thinking)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -141,27 +84,23 @@ def placeholder_id(tokenizer) -> int:
     return pid
 
 
-def _with_latent_block(messages, framing):
-    """A copy of `messages` whose first user message carries the framing and the sentinel."""
+def latent_messages(messages, framing=AGENTIC_FRAMING) -> list[dict]:
+    """A copy of `messages` whose first user message carries the framing and the sentinel (eq. 17's prompt, before the
+    chat template renders it)."""
     out, done = [], False
     for m in messages:
         if not done and m.get("role") == "user":
             m, done = {**m, "content": latent_user_content(m["content"], framing)}, True
         out.append(m)
     if not done:
-        raise ValueError("latent_prompt_ids: the messages have no user message to carry the latent context")
+        raise ValueError("latent_messages: the messages have no user message to carry the latent context")
     return out
 
 
-def latent_prompt_ids(tokenizer, messages, n_latents: int, framing=AGENTIC_FRAMING, tools=None,
-                      enable_thinking=False) -> tuple[list[int], int]:
-    """Prompt ids with a span of `n_latents` placeholder ids (eq. 17), and the span's start index.
-
-    messages: chat messages (system, user, ...); the first user message gets the framing. The template renders
-    with add_generation_prompt=True, so the ids end with the assistant header, like `engine.prompt_ids`.
-    Returns (ids, start): ids[start:start + n_latents] are the placeholders.
-    """
-    text = chat_text(tokenizer, _with_latent_block(messages, framing), tools, enable_thinking)
+def latent_prompt_ids(tokenizer, text: str, n_latents: int) -> tuple[list[int], int]:
+    """Prompt ids with a span of `n_latents` placeholder ids (eq. 17), and the span's start index, from the rendered
+    chat text of `latent_messages` (engine.latent_prompt_ids renders it): the text is split on the sentinel and each
+    half tokenized on its own. Returns (ids, start): ids[start:start + n_latents] are the placeholders."""
     count = text.count(LATENT_PH)
     if count != 1:
         raise ValueError(f"the rendered prompt holds the sentinel {LATENT_PH!r} {count} times, expected exactly "
@@ -195,16 +134,6 @@ def span_starts(attention_mask, starts_unpadded) -> torch.Tensor:
     return starts + n_left                                                  # (B,)
 
 
-def span_mask(starts, n: int, total: int) -> torch.Tensor:
-    """Boolean mask of the placeholder span. starts (B,) -> (B, total) bool, True at starts[b] ... starts[b]+n-1."""
-    starts = torch.as_tensor(starts, dtype=torch.long)                      # (B,)
-    pos = torch.arange(total, device=starts.device)[None, :]                # (1, total)
-    return (pos >= starts[:, None]) & (pos < starts[:, None] + n)           # (B, total)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Embedding side (eq. 18): X[p_k] ← <e_k> with torch.cat, so gradients reach the latents
-# ----------------------------------------------------------------------------------------------------------------
 def _check_spans(embeds, latents, starts, span_len):
     B, L, d = embeds.shape
     if latents.dim() != 3 or latents.shape[0] != B or latents.shape[2] != d:

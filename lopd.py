@@ -26,24 +26,20 @@ No deviation from the paper lives here; the engine's (generation, budgets) are e
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 import engine
 import inject
 import losses
+import retrieval
 import runtime
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Algorithm 1, step 3: retrieve J experiences and compose c_φ; the teacher acting behind its latent prompt
 # ----------------------------------------------------------------------------------------------------------------
-def experience_text(entry: dict) -> str:
-    """m_j as the encoder reads it: the bank entry's task description followed by its trace (A.3)."""
-    return entry["task"] + "\n" + entry["trace"]
-
-
 # What the composer reads in the "task only" control (train.py --retrieval none): no reference, and the task where
 # the encoder is task-conditional (composer.py; the toy's encoder reads the reference alone, so then nothing).
 NO_REFERENCE = {"task_id": "", "task": "", "trace": "(no reference)", "reward": 0.0, "meta": {}}
@@ -75,7 +71,7 @@ def compose(composer, tasks, experiences, chunk: int = 32):
     out = []
     for i in range(0, len(tasks), chunk):
         out.append(composer([t.text for t in tasks[i:i + chunk]],
-                            [[experience_text(e) for e in es] for es in experiences[i:i + chunk]]))
+                            [[retrieval.experience_text(e) for e in es] for es in experiences[i:i + chunk]]))
     return torch.cat(out, 0)                                                  # (B, J·K, d)
 
 
@@ -89,7 +85,8 @@ def teacher_rollout(composer, chat: engine.Chat, tasks, latents, cfg: engine.Sam
     def latent_prompt(messages, tools):              # n placeholder ids where c_φ goes (eq. 17)
         return chat.latent_prompt(messages, tools, n)[0]
     with composer.adapter_disabled():
-        return engine.rollout(composer.peft, chat, tasks, cfg, latent_prompt, embed_fn, progress)
+        return engine.rollout(composer.peft, chat, tasks, cfg, prompt_fn=latent_prompt, embed_fn=embed_fn,
+                              progress=progress)
 
 
 def teacher_logits(composer, chat: engine.Chat, eps, latents):
@@ -134,9 +131,11 @@ class LOPDConfig:
     token_budget: int = 0      # padded tokens per forward/backward (0: micro_batch rollouts each; `micro_batches`)
     sample: engine.SampleConfig = field(default_factory=engine.SampleConfig)   # the student's rollouts (B.2)
 
-    def eq13(self, beta: float, n_tokens, n_traj) -> losses.Eq13:
-        """Eq. (13)'s constants at this step, normalised by the whole batch's counts."""
-        return losses.Eq13(beta, self.margin, self.anchor, self.top_m, self.delta_per, self.kl_per, n_tokens, n_traj)
+    def eq13(self, beta: float, n_tokens=None, n_traj=None) -> losses.Eq13:
+        """Eq. (13)'s constants at this step, normalised by the whole batch's counts (None: each part's own): every
+        field of losses.Eq13 that this config has, by name (a setting added to both reaches the loss)."""
+        constants = {f.name: getattr(self, f.name) for f in fields(losses.Eq13) if hasattr(self, f.name)}
+        return losses.Eq13(beta=beta, n_tokens=n_tokens, n_traj=n_traj, **constants)
 
 
 @torch.no_grad()
@@ -150,7 +149,8 @@ def anchor_cache(composer, retriever, tasks, n_ret: int, mode: str = "same", chu
     return cache
 
 
-def lopd_step(student, composer, chat: engine.Chat, tasks, retriever, c0_cache, beta, opts, cfg: LOPDConfig):
+def lopd_step(student, composer, chat: engine.Chat, tasks, retriever, *, c0_cache, beta: float, opts,
+              cfg: LOPDConfig):
     """One iteration of Algorithm 1 on `tasks`. opts = (student optimizer, composer optimizer or None).
     Returns (β, metrics, episodes); a non-finite loss skips the update and β, and says so in the metrics."""
     # 1-2. on-policy student rollouts from the task alone (eq. 1); r_i from the verifier, A_i = 2 r_i − 1 later
@@ -160,7 +160,7 @@ def lopd_step(student, composer, chat: engine.Chat, tasks, retriever, c0_cache, 
     # 3. retrieve J experiences per task (eq. 16)
     exps = retrieve(retriever, tasks, cfg.n_ret, cfg.retrieval)
     # whole-batch normalisers (summed over ranks under torchrun: the loss is then this rank's share of the total)
-    n_tokens, n_traj = runtime.all_sum(sum(sum(e.mask) for e in eps), len(eps))
+    n_tokens, n_traj = engine.supervised_tokens(eps), runtime.all_sum(len(eps))
     eq = cfg.eq13(beta, n_tokens, n_traj)
 
     def part_loss(idx):
@@ -171,14 +171,11 @@ def lopd_step(student, composer, chat: engine.Chat, tasks, retriever, c0_cache, 
         c0 = torch.stack([c0_cache[tasks[i].task_id] for i in idx]).to(latents)          # (b, J·K, d) sg[c_φ0]
         share = replace(eq, margin=cfg.margin * len(idx) / n_traj)
         return micro_batch_objective(student, composer, chat, engine.pick(eps, idx), (latents, c0), rewards[idx],
-                                     share, cfg)
-    student.train()
-    # every part adds up over micro-batches and ranks, "loss/total" included: it is the sum of the losses
-    # backpropagated (eq. 13 of the whole batch)
-    totals, finite = engine.accumulate(eps, part_loss, cfg.micro_batch, cfg.token_budget)
-    student.eval()
-    # 6. AdamW steps, gradients clipped per model; 7. the dual step β ← [β + η_β (m − Δ)]₊
-    finite = engine.optimizer_step(opts, student, composer, cfg.clip, finite)
+                                     eq=share, cfg=cfg)
+    # 5-6. every part adds up over micro-batches and ranks, "loss/total" included (the sum of the losses
+    # backpropagated: eq. 13 of the whole batch); AdamW steps, gradients clipped per model
+    totals, finite = engine.update(student, opts, eps, part_loss, cfg, composer=composer)
+    # 7. the dual step β ← [β + η_β (m − Δ)]₊
     if finite:
         beta = losses.dual_step(beta, totals["privilege/delta"], cfg.margin, cfg.dual_lr)
     behaviour = engine.summarize_all(eps)
@@ -187,7 +184,7 @@ def lopd_step(student, composer, chat: engine.Chat, tasks, retriever, c0_cache, 
     return beta, metrics, eps
 
 
-def micro_batch_objective(student, composer, chat: engine.Chat, eps, latents, rewards, eq: losses.Eq13,
+def micro_batch_objective(student, composer, chat: engine.Chat, eps, latents, rewards, *, eq: losses.Eq13,
                           cfg: LOPDConfig):
     """Algorithm 1, steps 4-5 for one micro-batch: both models score the SAME sampled ids (eq. 8), then eq. (13)
     at fixed β, whose one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor). latents = (c_φ, c_φ0),
@@ -208,9 +205,9 @@ def micro_batch_objective(student, composer, chat: engine.Chat, eps, latents, re
     anchor = None if cfg.freeze_composer else (c, c0)
     rewards = rewards.to(ls.device)
     if not cfg.loss_chunk:
-        return losses.lopd_objective(ls, lt, ids, omega, rewards, latents=anchor, eq=eq, ref_logits=ref)
+        return losses.lopd_objective(ls, lt, ids, omega, rewards, eq=eq, latents=anchor, ref_logits=ref)
     heads = (runtime.lm_head(student), runtime.lm_head(composer.peft), runtime.lm_head(composer.peft))
-    return losses.lopd_objective_from_hidden(ls, lt, heads, ids, omega, rewards, latents=anchor, eq=eq, h_ref=ref,
+    return losses.lopd_objective_from_hidden(ls, lt, heads, ids, omega, rewards, eq=eq, latents=anchor, h_ref=ref,
                                              chunk=cfg.loss_chunk)
 
 
@@ -218,27 +215,26 @@ def micro_batch_objective(student, composer, chat: engine.Chat, eps, latents, re
 # LOPD as train.py runs it (--method lopd): its setup, "cache c_φ0 per task", and one step
 # ----------------------------------------------------------------------------------------------------------------
 def lopd_config(args, sample: engine.SampleConfig) -> LOPDConfig:
-    """Algorithm 1's settings from train.py's Args, with the rollouts' sampling (train.sample_config)."""
-    return LOPDConfig(n_ret=args.n_ret, top_m=args.top_m, margin=args.margin, anchor=args.anchor,
-                      dual_lr=args.dual_lr, delta_per=args.delta_per, kl_per=args.kl_per, micro_batch=args.micro_batch,
-                      privilege_against=args.privilege_against, loss_chunk=args.loss_chunk or 0,
-                      token_budget=args.token_budget or 0, clip=args.clip, freeze_composer=args.freeze_composer,
-                      retrieval=args.retrieval, sample=sample)
+    """Algorithm 1's settings from train.py's Args (each field of LOPDConfig has its flag of the same name), with
+    the rollouts' sampling (train.sample_config)."""
+    names = [f.name for f in fields(LOPDConfig) if f.name != "sample"]
+    return LOPDConfig(**{k: getattr(args, k) for k in names}, sample=sample)
 
 
-def lopd_setup(args, run) -> dict:
-    """Algorithm 1: "cache c_φ0 per task" (each rank a slice of the tasks, gathered)."""
-    part = anchor_cache(run["composer"], run["retriever"], runtime.shard(run["train"]), args.n_ret,
-                        args.retrieval)
-    return {"c0": part if runtime.world() == 1 else {k: v for d in runtime.gather([part]) for k, v in d.items()}}
+def lopd_setup(run: engine.Run) -> dict:
+    """Algorithm 1: "cache c_φ0 per task" (each rank a slice of the tasks, gathered), and β₀ = 0."""
+    part = anchor_cache(run.composer, run.retriever, runtime.shard(run.train), run.args.n_ret, run.args.retrieval)
+    c0 = part if runtime.world() == 1 else {k: v for d in runtime.gather([part]) for k, v in d.items()}
+    return {"c0": c0, "beta": 0.0}
 
 
-def lopd_train_step(args, run, state, student, opts, beta, task_rng):
-    """One iteration of Algorithm 1 on this step's tasks (`lopd_step`)."""
-    tasks = engine.draw_tasks(args, run, task_rng)
-    beta, m, _ = lopd_step(student, run["composer"], run["chat"], tasks, run["retriever"], state["c0"], beta, opts,
-                           lopd_config(args, run["sample"]))
-    return beta, m, args.rollouts_per_step
+def lopd_train_step(run: engine.Run, state: dict, student, opts, step: int):
+    """One iteration of Algorithm 1 on this step's tasks (`lopd_step`); β lives in `state`."""
+    cfg = lopd_config(run.args, run.sample)
+    state["beta"], m, _ = lopd_step(student, run.composer, run.chat, run.tasks(step), run.retriever,
+                                    c0_cache=state["c0"], beta=state["beta"], opts=opts, cfg=cfg)
+    runtime.assert_same(state["beta"], "β")      # Δ was summed over ranks, so the dual step agrees everywhere
+    return m, run.args.rollouts_per_step
 
 
 METHOD = engine.Method(lopd_setup, lopd_train_step, "LOPD student", uses_bank=True, trains_composer=True)

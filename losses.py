@@ -61,7 +61,7 @@ TAIL_LOG_MASS_MAX = -1e-7
 TOP_M = 20   # M, the teacher's top-M support of eq. (9) (§4.1: 20); every default of M in the code is this one
 
 
-def _fp32(x):
+def fp32(x):
     """Upcast to fp32 (bf16/fp16 -> fp32); float64 stays float64 so gradcheck can run in double."""
     return x if x.dtype == torch.float64 else x.float()
 
@@ -73,7 +73,7 @@ def supervised_logprobs(logits, mask):
     Padding rows (which may hold -inf or NaN) are never read: their gradient is exactly zero.
     """
     rows = logits[mask.bool()]                                          # (N, V), input dtype
-    return F.log_softmax(_fp32(rows), dim=-1)                           # (N, V) fp32
+    return F.log_softmax(fp32(rows), dim=-1)                           # (N, V) fp32
 
 
 def _unflatten(values, mask):
@@ -132,7 +132,7 @@ def reverse_kl_topm(logp_s, logp_t, top_m=TOP_M):
     """Eq. (10)'s term of each supervised token: KL(p̃S ‖ p̃T), REVERSE KL (student first), Σ_v p̃S(v) log(p̃S(v) /
     p̃T(v)) over the teacher's top-M ids and one tail bucket (eq. 9). The one eq. 10 of the code: training averages
     these terms (`token_terms`, then `lopd_objective` or its chunked form: over the batch's ω tokens, or per
-    trajectory), show.py draws them.
+    trajectory), eval.py draws them.
 
     logp_s, logp_t (N, V) full-vocabulary log-probs of the N supervised tokens (`supervised_logprobs`: masked
     positions never reach them) -> (N,) fp32.
@@ -192,7 +192,7 @@ def latent_anchor(c, c0, weight, n_traj=None):
     ‖·‖²₂ / (J·K·d) per trajectory: the paper's ‖·‖²₂ as a sum would be J·K·d (≈ 2.5e5 for Qwen3-4B) times larger.
     """
     # eq. (13): c_φ − sg[c_φ0]; c0 is a cached constant, detached so no gradient reaches it
-    sq = (_fp32(c) - _fp32(c0).detach()).pow(2)                         # (B, J·K, d)
+    sq = (fp32(c) - fp32(c0).detach()).pow(2)                         # (B, J·K, d)
     per_traj = sq.mean(dim=(1, 2))                                      # (B,)
     n = c.shape[0] if n_traj is None else n_traj
     return weight * per_traj.sum() / n
@@ -200,22 +200,22 @@ def latent_anchor(c, c0, weight, n_traj=None):
 
 @dataclass(frozen=True)
 class Eq13:
-    """The constants of eq. (13) at one step and how its terms are normalised (β carries no gradient).
-    n_tokens / n_traj: the whole batch's ω tokens / trajectories when it is split into micro-batches (None: this
-    batch's). A caller that splits a batch gives each micro-batch its share of m (lopd.lopd_step: m·b/B), so that
-    the parts' losses sum to the whole batch's eq. (13)."""
-    beta: float = 0.0              # β, the dual variable
-    margin: float = 0.05           # m, the privileged margin
-    anchor: float = 0.2            # λ, the latent anchor's weight
-    top_m: int = TOP_M             # M, the teacher's top-M support (eq. 9)
-    delta_per: str = "trajectory"  # Δ (eq. 12): each trajectory's mean, then the mean | over the batch's ω tokens
-    kl_per: str = "token"          # L_distill: over the whole batch's ω tokens (deviation 3) | per trajectory (eq. 10)
+    """The constants of eq. (13) at one step and how its terms are normalised (β carries no gradient). Built by
+    keyword from the method's settings (lopd.LOPDConfig holds every default). n_tokens / n_traj: the whole batch's
+    ω tokens / trajectories when it is split into micro-batches (None: this batch's). A caller that splits a batch
+    gives each micro-batch its share of m (lopd.lopd_step: m·b/B), so that the parts' losses sum to the whole
+    batch's eq. (13)."""
+    beta: float                    # β, the dual variable
+    margin: float                  # m, the privileged margin
+    anchor: float                  # λ, the latent anchor's weight
+    top_m: int                     # M, the teacher's top-M support (eq. 9)
+    delta_per: str                 # Δ (eq. 12): "trajectory", each trajectory's mean, then the mean | "token"
+    kl_per: str                    # L_distill: "token", over the whole batch's ω tokens (deviation 3) | "trajectory"
     n_tokens: object = None        # the whole batch's Σ ω (int or scalar tensor)
     n_traj: object = None          # the whole batch's trajectories
 
 
-def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, latents=None, eq: Eq13 = Eq13(),
-                   ref_logits=None):
+def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, *, eq: Eq13, latents=None, ref_logits=None):
     """Eq. (13): L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖², for one batch of student trajectories.
 
     student_logits, teacher_logits (B, T, V) and ids, mask ω (B, T) ALIGNED (logits[:, t] scores ids[:, t]);
@@ -243,7 +243,7 @@ def lopd_objective(student_logits, teacher_logits, ids, mask, rewards, latents=N
 def token_terms(logp_s, logp_t, a, top_m=TOP_M):
     """Eqs. (9)-(11) per supervised token, from full-vocabulary log-probs (N, V) of each side and the sampled ids a
     (N, 1): -> (each token's reverse KL(p̃S ‖ p̃T) over the teacher's top-M + tail, log πT(a), log πS(a)), (N,)
-    each. `lopd_objective` and its chunked form average the first and take δ from the others; show.py draws them."""
+    each. `lopd_objective` and its chunked form average the first and take δ from the others; eval.py draws them."""
     kl = reverse_kl_topm(logp_s, logp_t, top_m)                         # (N,) eq. (10)'s terms
     return kl, logp_t.gather(-1, a).squeeze(-1), logp_s.gather(-1, a).squeeze(-1)
 
@@ -279,22 +279,33 @@ def _lagrangian(distill, delta, sel, rewards, latents, eq: Eq13):
 # heads are applied to C supervised rows at a time, the chunk's KL and sampled-token log-probs are taken, and the
 # chunk is recomputed in the backward (torch.utils.checkpoint): the peak holds a few (C, V) tensors whatever N is.
 # Same values and gradients for θ, φ and the heads (tests/test_losses.py checks them against `lopd_objective`).
-def _chunk_terms(h_s, h_t, a, heads, top_m, h_ref=None, weight=None):
-    """One chunk of C supervised rows: h_* (C, d) hidden states, a (C, 1) sampled ids, heads as in
-    `lopd_objective_from_hidden` -> (Σ over the chunk of KL(p̃S ‖ p̃T), each times its `weight` (C,) if given,
-    log πT(a) (C,), log π_ref(a) (C,): the student's unless h_ref is given)."""
+def chunked(fn, rows, consts=(), chunk=1024) -> list:
+    """fn(row_chunks, *consts) on each chunk of C rows of `rows` (a tuple of tensors with the same first dimension,
+    or None), recomputed in the backward (torch.utils.checkpoint): the peak holds one chunk's (C, V) tensors,
+    whatever the number of rows. -> fn's results, a chunk each. The one loop of every hidden-state loss below."""
+    from torch.utils.checkpoint import checkpoint
+    cut = lambda r, i: None if r is None else r[i:i + chunk]            # noqa: E731
+    return [checkpoint(fn, tuple(cut(r, i) for r in rows), *consts, use_reentrant=False)
+            for i in range(0, rows[0].shape[0], chunk)]
+
+
+def _chunk_terms(rows, heads, eq: Eq13):
+    """One chunk of C supervised rows (h_s, h_t, a, h_ref, weight): h_* (C, d) hidden states, a (C, 1) sampled ids,
+    `weight` (C,) or None; heads as in `lopd_objective_from_hidden` -> (Σ over the chunk of KL(p̃S ‖ p̃T), each
+    times its weight if given, log πT(a) (C,), log π_ref(a) (C,): the student's unless h_ref is given)."""
+    h_s, h_t, a, h_ref, weight = rows
     (w_s, b_s), (w_t, b_t), (w_ref, b_ref) = heads
-    logp_s = F.log_softmax(_fp32(F.linear(h_s, w_s, b_s)), dim=-1)      # (C, V) fp32
-    logp_t = F.log_softmax(_fp32(F.linear(h_t, w_t, b_t)), dim=-1)      # (C, V) fp32
-    kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, top_m)     # (C,) each, eqs. (9)-(11)
+    logp_s = F.log_softmax(fp32(F.linear(h_s, w_s, b_s)), dim=-1)       # (C, V) fp32
+    logp_t = F.log_softmax(fp32(F.linear(h_t, w_t, b_t)), dim=-1)       # (C, V) fp32
+    kl, logp_t_a, logp_s_a = token_terms(logp_s, logp_t, a, eq.top_m)  # (C,) each, eqs. (9)-(11)
     if h_ref is not None:                                               # --privilege-against phi0
-        logp_s_a = F.log_softmax(_fp32(F.linear(h_ref, w_ref, b_ref)), dim=-1).gather(-1, a).squeeze(-1)   # (C,)
+        logp_s_a = F.log_softmax(fp32(F.linear(h_ref, w_ref, b_ref)), dim=-1).gather(-1, a).squeeze(-1)   # (C,)
     kl = kl if weight is None else kl * weight                          # (C,)
     return kl.sum(), logp_t_a, logp_s_a                                 # scalar, (C,), (C,)
 
 
-def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, latents=None, eq: Eq13 = Eq13(), *,
-                               h_ref=None, chunk=1024):
+def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, *, eq: Eq13, latents=None, h_ref=None,
+                               chunk=1024):
     """Eq. (13) exactly as `lopd_objective`, from the final hidden states instead of logits.
 
     h_s, h_t (B, T, d) ALIGNED with ids and mask ω (B, T) (h[:, t] is what the LM head turns into the distribution
@@ -302,17 +313,13 @@ def lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, rewards, latents=None
     and bias (or None); a tied head is the embedding matrix itself, and its gradient reaches it. h_ref (B, T, d):
     the reference side of δ (None: the student, eq. 11). chunk: supervised rows per LM-head application.
     Returns (loss, metrics) as `lopd_objective`."""
-    from torch.utils.checkpoint import checkpoint
     sel = mask.bool()                                                   # (B, T)
     hs, ht = h_s[sel], h_t[sel]                                         # (N, d) each
     hr = None if h_ref is None else h_ref[sel]                          # (N, d)
     a = ids[sel].unsqueeze(-1)                                          # (N, 1)
     wk = None if eq.kl_per == "token" else trajectory_weights(sel, eq.n_traj)   # (N,) eq. (10) per trajectory
-    kl, lt, lr = _fp32(hs.new_zeros(())), [], []
-    for i in range(0, hs.shape[0], chunk):
-        part = slice(i, i + chunk)
-        k, t, r = checkpoint(_chunk_terms, hs[part], ht[part], a[part], heads, eq.top_m,
-                             None if hr is None else hr[part], None if wk is None else wk[part], use_reentrant=False)
+    kl, lt, lr = fp32(hs.new_zeros(())), [], []
+    for k, t, r in chunked(_chunk_terms, (hs, ht, a, hr, wk), (heads, eq), chunk):
         kl, lt, lr = kl + k, lt + [t], lr + [r]
     n = sel.sum() if eq.n_tokens is None else eq.n_tokens
     distill = kl / n if wk is None else kl                              # eq. (10), scalar
@@ -343,34 +350,33 @@ def token_logprobs_from_hidden(h, head, ids, mask, chunk=1024):
     """`token_logprobs` from hidden states: log π(ids[b, t]) under the softmax of head(h[b, t]), C rows at a time,
     recomputed in the backward. h (B, T, d), head (weight (V, d), bias or None), ids, mask (B, T) -> (B, T) fp32,
     zeros where mask is 0. The NLL of the cold start (eq. 14) and of RFT, and GRPO's log π, at any length."""
-    from torch.utils.checkpoint import checkpoint
     sel = mask.bool()                                                   # (B, T)
     rows, a = h[sel], ids[sel].unsqueeze(-1)                            # (N, d), (N, 1)
-    parts = [checkpoint(_logp_rows, rows[i:i + chunk], a[i:i + chunk], *head, use_reentrant=False)
-             for i in range(0, rows.shape[0], chunk)]
-    flat = torch.cat(parts) if parts else _fp32(h.new_zeros(0))        # (N,)
+    parts = chunked(_logp_rows, (rows, a), head, chunk)                 # (C,) each
+    flat = torch.cat(parts) if parts else fp32(h.new_zeros(0))         # (N,)
     return _unflatten(flat, sel)                                        # (B, T)
 
 
-def _logp_rows(h, a, w, b):
-    """(C, d) hidden rows, (C, 1) ids -> (C,) their log-probs under the head (w, b)."""
-    return F.log_softmax(_fp32(F.linear(h, w, b)), dim=-1).gather(-1, a).squeeze(-1)   # (C,)
+def _logp_rows(rows, w, b):
+    """(C, d) hidden rows and (C, 1) ids -> (C,) the ids' log-probs under the head (w, b)."""
+    h, a = rows
+    return F.log_softmax(fp32(F.linear(h, w, b)), dim=-1).gather(-1, a).squeeze(-1)   # (C,)
 
 
-def rowwise_from_hidden(loss_fn, h_s, h_t, head_s, head_t, mask, n_tokens=None, chunk=1024):
+def rowwise_from_hidden(loss_fn, h_s, h_t, head_s, head_t, mask, *, n_tokens=None, chunk=1024):
     """A loss of the form Σ_ω f(p_S, p_T) / n_tokens over (B, T, V) logits (the baselines' forward KL, SDPO's
     reverse KL) computed from hidden states C rows at a time, recomputed in the backward: loss_fn(logits_s, logits_t,
     mask, n_tokens) is called on each chunk's (1, C, V) logits with n_tokens = 1, so it returns the chunk's sum.
     h_s, h_t (B, T, d), heads (weight, bias), mask ω (B, T) -> scalar fp32."""
-    from torch.utils.checkpoint import checkpoint
     sel = mask.bool()
     hs, ht = h_s[sel], h_t[sel]                                         # (N, d) each
 
-    def part(hs, ht, ws, bs, wt, bt):
+    def part(rows, ws, bs, wt, bt):
+        hs, ht = rows
         ls, lt = F.linear(hs, ws, bs)[None], F.linear(ht, wt, bt)[None]  # (1, C, V) each
         return loss_fn(ls, lt, torch.ones(ls.shape[:2], device=ls.device), 1)   # Σ over the chunk's rows
-    total = _fp32(hs.new_zeros(()))
-    for i in range(0, hs.shape[0], chunk):
-        total = total + checkpoint(part, hs[i:i + chunk], ht[i:i + chunk], *head_s, *head_t, use_reentrant=False)
+    total = fp32(hs.new_zeros(()))
+    for s in chunked(part, (hs, ht), (*head_s, *head_t), chunk):
+        total = total + s
     n = sel.sum() if n_tokens is None else n_tokens
     return total / n

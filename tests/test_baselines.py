@@ -16,9 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
 import engine  # noqa: E402
-import envs  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
+from worlds import common, tool_world  # noqa: E402
 from test_lopd import SAMPLE, make_models, world  # noqa: E402,F401  (world is a fixture)
 
 
@@ -46,7 +46,7 @@ def test_ppo_clip_loss_matches_a_token_loop_and_clips_both_ways():
     logp.requires_grad_(True)
     adv = torch.tensor([1.3, -0.7, 0.4], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]], dtype=torch.float64)
-    loss, frac = baselines.ppo_clip_loss(logp, logp_old, adv, mask, 0.2, 0.2, n_tokens=20.0)
+    loss, frac = baselines.ppo_clip_loss(logp, logp_old, adv, mask, eps_lo=0.2, eps_hi=0.2, n_tokens=20.0)
     total, clipped = 0.0, 0
     for b in range(B):
         for t in range(T):
@@ -154,16 +154,16 @@ def test_sibling_contexts_never_use_the_rollouts_own_trace():
 
 
 def test_opsd_pool_prefers_the_bank_then_the_oracle():
-    train, _ = envs.make_splits(seed=0, n_train=4, n_test=1)
+    train, _ = tool_world.make_splits(seed=0, n_train=4, n_test=1)
     bank = [{"task_id": train[0].task_id, "trace": "from the bank", "reward": 1.0},
             {"task_id": train[1].task_id, "trace": "a failure", "reward": 0.5}]
-    pool, n_oracle = baselines.opsd_pool(bank, train, envs.ToolWorld)
+    pool, n_oracle = baselines.opsd_pool(bank, train, tool_world.ToolWorld)
     assert pool[train[0].task_id] == "from the bank" and n_oracle == 3
-    env = envs.ToolWorld()
+    env = tool_world.ToolWorld()
     env.reset(train[1])
-    for name, a in envs.oracle_calls(train[1]):
-        env.step(envs.format_call(name, a))
-    assert pool[train[1].task_id] == envs.lite_trace(env.trace) and env.reward() == 1.0
+    for name, a in tool_world.oracle_calls(train[1]):
+        env.step(common.format_call(name, a))
+    assert pool[train[1].task_id] == common.lite_trace(env.trace) and env.reward() == 1.0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -197,13 +197,13 @@ def _run_method(world, method, monkeypatch):
     torch.manual_seed(0)
     if method == "lopd":
         c0 = lopd.anchor_cache(comp, world["retriever"], tasks, 2)
-        lopd.lopd_step(student, comp, chat, tasks * 2, world["retriever"], {**c0}, 0.0, (opt, None),
-                       lopd.LOPDConfig(n_ret=2, freeze_composer=True, sample=SAMPLE))
+        lopd.lopd_step(student, comp, chat, tasks * 2, world["retriever"], c0_cache={**c0}, beta=0.0, opts=(opt, None),
+                       cfg=lopd.LOPDConfig(n_ret=2, freeze_composer=True, sample=SAMPLE))
     elif method == "grpo":
         baselines.grpo_step(student, chat, tasks, opt, bcfg)
     elif method == "opsd":
-        pool, _ = baselines.opsd_pool([], tasks * 2, envs.ToolWorld)
-        baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool, opt, bcfg)
+        pool, _ = baselines.opsd_pool([], tasks * 2, tool_world.ToolWorld)
+        baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool=pool, opt=opt, cfg=bcfg)
     else:
         import copy
         ema = copy.deepcopy(student).requires_grad_(False)
@@ -238,11 +238,11 @@ def test_every_method_shares_rollout_and_student_scoring(world, monkeypatch, met
 
 def test_text_context_span_puts_the_text_where_the_latents_go(world):
     tok, chat, task = world["tok"], world["chat"], world["train"][0]     # chat: the tool world's TOY framing
-    msgs = envs.ToolWorld().reset(task)
+    msgs = tool_world.ToolWorld().reset(task)
     text = "1. find_customer(account=\"x\") -> c1"
     ids = chat.context_prompt(msgs, None, text, baselines.OPSD_CONTEXT, "span")
     ref = tok(text, add_special_tokens=False)["input_ids"]
-    lat, s = lopd.inject.latent_prompt_ids(tok, msgs, len(ref), envs.ToolWorld().framing)
+    lat, s = engine.latent_prompt_ids(tok, msgs, len(ref), tool_world.ToolWorld().framing)
     assert ids[:s] == lat[:s] and ids[s:s + len(ref)] == ref and ids[s + len(ref):] == lat[s + len(ref):]
     sys_ids = chat.context_prompt(msgs, None, text, baselines.OPSD_CONTEXT, "system")
     rendered = tok.decode(sys_ids)
@@ -274,8 +274,8 @@ def test_every_baseline_gives_the_same_step_with_the_chunked_loss(world, method)
         elif method == "grpo":
             m, _ = baselines.grpo_step(student, chat, tasks, opt, bcfg)
         elif method == "opsd":
-            pool, _ = baselines.opsd_pool([], tasks * 2, envs.ToolWorld)
-            m, _ = baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool, opt, bcfg)
+            pool, _ = baselines.opsd_pool([], tasks * 2, tool_world.ToolWorld)
+            m, _ = baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool=pool, opt=opt, cfg=bcfg)
         else:
             ema = copy.deepcopy(student).requires_grad_(False)
             m, _ = baselines.sdpo_step(student, ema, chat, tasks, opt, bcfg)

@@ -1,4 +1,4 @@
-"""The code benchmarks as their releases ship them (code_env.py; issue 22): LiveCodeBench code_generation_lite
+"""The code benchmarks as their releases ship them (worlds/code_world.py; issue 22): LiveCodeBench code_generation_lite
 (compressed private tests, functional problems), TACO (input_output, fn_name), EvalPlus HumanEval+ / MBPP+ (diff
 testing against the canonical solution on base + plus inputs), and eval.py --tasks.
 
@@ -17,8 +17,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import code_env  # noqa: E402
-import sandbox  # noqa: E402
+from worlds import code_benchmarks, code_world, results  # noqa: E402
+from worlds import sandbox  # noqa: E402
 
 FIX = os.path.join(ROOT, "tests", "fixtures")
 FAST = sandbox.SandboxLimits(wall_s=3.0, cpu_s=2, memory_mb=512, output_kb=64)
@@ -71,7 +71,7 @@ def problems(tmp_path_factory):
     names = {"taco": ("taco-stdin", "taco-call"), "deepcoder": ("deepcoder-taco", "deepcoder-lcb")}
     for name in ("lcb", "taco", "deepcoder", "humanevalplus", "mbppplus"):
         shutil.copy(os.path.join(FIX, name + ".jsonl"), tmp)
-        for i, p in enumerate(code_env.load_problems(str(tmp / (name + ".jsonl")), FAST)):
+        for i, p in enumerate(code_benchmarks.load_problems(str(tmp / (name + ".jsonl")), FAST)):
             out[names[name][i] if name in names else p.task_id] = p
     return out
 
@@ -98,7 +98,7 @@ def test_each_layout_loads_with_the_release_fields(problems):
 
 def test_right_programs_pass_and_wrong_ones_fail_for_the_right_reason(problems):
     pairs = [(problems[k], code) for k, (right, wrong, _) in PROGRAMS.items() for code in (right, wrong)]
-    got = code_env.verify_many(pairs, FAST)
+    got = code_benchmarks.verify_many(pairs, FAST)
     for i, (k, (_, _, reason)) in enumerate(PROGRAMS.items()):
         assert got[2 * i][0], (k, got[2 * i])
         assert not got[2 * i + 1][0] and got[2 * i + 1][1] == reason, (k, got[2 * i + 1])
@@ -106,32 +106,32 @@ def test_right_programs_pass_and_wrong_ones_fail_for_the_right_reason(problems):
 
 def test_evalplus_reports_base_and_plus_separately(problems):
     right, wrong, _ = PROGRAMS["HumanEval/31"]
-    assert code_env.verify_detail(problems["HumanEval/31"], right, FAST)[2] == {"base": True, "plus": True}
-    assert code_env.verify_detail(problems["HumanEval/31"], wrong, FAST)[2] == {"base": True, "plus": False}
+    assert code_benchmarks.verify_detail(problems["HumanEval/31"], right, FAST)[2] == {"base": True, "plus": True}
+    assert code_benchmarks.verify_detail(problems["HumanEval/31"], wrong, FAST)[2] == {"base": True, "plus": False}
     # the original HumanEval test (check()) alone would have passed the wrong program
-    plain = code_env.CodeProblem("he", "x", asserts="def check(candidate):\n    assert candidate(6) == False\n"
+    plain = code_benchmarks.CodeProblem("he", "x", asserts="def check(candidate):\n    assert candidate(6) == False\n"
                              "    assert candidate(1) == False\n\ncheck(is_prime)\n")
-    assert code_env.verify(plain, wrong, FAST)[0]
+    assert code_benchmarks.verify(plain, wrong, FAST)[0]
 
 
 def test_lcb_stdin_rule_is_decimal_and_line_count():
-    assert code_env._lcb_same_output("2.5\n", "2.50") and code_env._lcb_same_output("  1 2 \n3\n\n", "1 2\n3")
-    assert not code_env._lcb_same_output("2.5000001", "2.5") and not code_env._lcb_same_output("1\n2", "1 2")
-    assert not code_env._lcb_same_output("abc", "abd") and not code_env._lcb_same_output("", "0")
+    assert code_benchmarks._lcb_same_output("2.5\n", "2.50") and code_benchmarks._lcb_same_output("  1 2 \n3\n\n", "1 2\n3")
+    assert not code_benchmarks._lcb_same_output("2.5000001", "2.5") and not code_benchmarks._lcb_same_output("1\n2", "1 2")
+    assert not code_benchmarks._lcb_same_output("abc", "abd") and not code_benchmarks._lcb_same_output("", "0")
 
 
 def test_a_program_without_the_function_fails_as_not_loaded(problems):
     for key, code in (("9001", "class Solution:\n    pass\n"), ("Mbpp/17", "def perimeter(a):\n    return 4 * a\n"),
                       ("taco-call", "def sum_sorted(xs:\n")):
-        ok, why = code_env.verify(problems[key], code, FAST)
+        ok, why = code_benchmarks.verify(problems[key], code, FAST)
         assert not ok and why.startswith("cannot load"), (key, why)
 
 
 def test_a_result_object_with_its_own_eq_does_not_pass():
     cheat = ("class Any:\n    def __eq__(self, other):\n        return True\n"
              "class Solution:\n    def pairWithSum(self, nums, target):\n        return Any()\n")
-    fn = code_env.CodeProblem("f", "x", fn_name="pairWithSum", calls=[[[[2, 7], 9], [0, 1]]], benchmark="LiveCodeBench")
-    ok, why = code_env.verify(fn, cheat, FAST)
+    fn = code_benchmarks.CodeProblem("f", "x", fn_name="pairWithSum", calls=[[[[2, 7], 9], [0, 1]]], benchmark="LiveCodeBench")
+    ok, why = code_benchmarks.verify(fn, cheat, FAST)
     assert not ok and "cannot be compared" in why
 
 
@@ -158,16 +158,16 @@ def test_a_crafted_pickle_with_a_global_is_refused_and_nothing_runs(tmp_path):
         path = tmp_path / "evil.jsonl"
         path.write_text(json.dumps(row) + "\n")
         with pytest.raises(ValueError, match=r"evil\.jsonl:1: private_test_cases: the pickle layer was refused"):
-            code_env.load_problems(str(path))
+            code_benchmarks.load_problems(str(path))
     assert not marker.exists()
     # the release's own chain round-trips
     cases = [{"input": "1\n", "output": "1\n", "testtype": "stdin"}]
-    assert code_env.decode_lcb_private(code_env.encode_lcb_private(cases), "x") == cases
+    assert code_benchmarks.decode_lcb_private(code_benchmarks.encode_lcb_private(cases), "x") == cases
 
 
 @pytest.mark.parametrize("row, reason", [
     ({"question_content": "q", "public_test_cases": "[]", "private_test_cases": "not base64 !"}, "neither JSON nor"),
-    ({"question_content": "q", "private_test_cases": code_env.encode_lcb_private([])[:-8]}, "neither JSON nor"),
+    ({"question_content": "q", "private_test_cases": code_benchmarks.encode_lcb_private([])[:-8]}, "neither JSON nor"),
     ({"question_content": "q", "public_test_cases": json.dumps([{"input": "1", "output": "1",
                                                                   "testtype": "functional"}])}, "func_name"),
     ({"task_id": "Mbpp/9", "prompt": "p", "entry_point": "f", "canonical_solution": "def f(x): return x",
@@ -177,43 +177,42 @@ def test_bad_benchmark_rows_name_file_line_and_reason(tmp_path, row, reason):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(ValueError, match=rf"bad\.jsonl:1: .*{reason}"):
-        code_env.load_problems(str(path))
+        code_benchmarks.load_problems(str(path))
 
 
 def test_evalplus_expected_outputs_are_cached_next_to_the_file(tmp_path, monkeypatch):
     shutil.copy(os.path.join(FIX, "mbppplus.jsonl"), tmp_path)
     path = str(tmp_path / "mbppplus.jsonl")
-    first = code_env.load_problems(path, FAST)
+    first = code_benchmarks.load_problems(path, FAST)
     assert os.path.isfile(path + ".expected.json")
-    monkeypatch.setattr(code_env, "run_calls", lambda *a, **k: pytest.fail("the cache was not used"))
-    again = code_env.load_problems(path, FAST)
+    monkeypatch.setattr(code_benchmarks, "run_calls", lambda *a, **k: pytest.fail("the cache was not used"))
+    again = code_benchmarks.load_problems(path, FAST)
     assert [p.evalplus["expected"] for p in again] == [p.evalplus["expected"] for p in first]
     monkeypatch.undo()
-    code_env.save_problems(first, str(tmp_path / "ours.jsonl"))       # our layout round-trips, tuples and all
-    ours = code_env.load_problems(str(tmp_path / "ours.jsonl"), FAST)
+    code_benchmarks.save_problems(first, str(tmp_path / "ours.jsonl"))       # our layout round-trips, tuples and all
+    ours = code_benchmarks.load_problems(str(tmp_path / "ours.jsonl"), FAST)
     outputs = lambda ps: [(p.evalplus["expected"]["base"], p.evalplus["expected"]["plus"]) for p in ps]   # noqa: E731
     assert outputs(ours) == outputs(first)
-    assert ours[0].benchmark == "MBPP+" and code_env.verify(ours[0], PROGRAMS["Mbpp/2"][0], FAST)[0]
+    assert ours[0].benchmark == "MBPP+" and code_benchmarks.verify(ours[0], PROGRAMS["Mbpp/2"][0], FAST)[0]
 
 
 def test_code_world_uses_no_system_prompt_for_evalplus_and_a5_for_lcb(problems):
     log = {}
-    env = code_env.CodeWorld(limits=FAST, log=log)
+    env = code_world.CodeWorld(limits=FAST, log=log)
     assert [m["role"] for m in env.reset(problems["HumanEval/31"])] == ["user"]
     env.step("```python\n" + PROGRAMS["HumanEval/31"][1] + "```")
     assert env.reward() == 0.0 and log["HumanEval/31"]["base"] and not log["HumanEval/31"]["plus"]
     msgs = env.reset(problems["9001"])
-    assert msgs[0] == {"role": "system", "content": code_env.CODING_SYSTEM_PROMPT}
+    assert msgs[0] == {"role": "system", "content": code_world.CODING_SYSTEM_PROMPT}
 
 
 def test_benchmark_rows_count_pass_at_1_and_base_apart(problems):
-    import eval as ev
     he = [problems["HumanEval/2"], problems["HumanEval/31"]]
     log = {"HumanEval/2": {"passed": True, "base": True, "plus": True},
            "HumanEval/31": {"passed": False, "base": True, "plus": False}}
-    rows = ev.benchmark_rows(he, log, "he.jsonl")
+    rows = results.benchmark_rows(he, log, "he.jsonl")
     assert rows == [{"benchmark": "HumanEval+", "file": "he.jsonl", "problems": 2, "pass@1": 0.5, "base pass@1": 1.0}]
-    table = ev.benchmark_table(rows, "LOPD student")
+    table = results.benchmark_table(rows, "LOPD student")
     assert "| HumanEval+ | he.jsonl | 2 | 50.00 | 100.00 | LOPD 81.36" in table and "Qwen3-4B, paper Table 2" in table
 
 

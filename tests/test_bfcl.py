@@ -1,7 +1,7 @@
 """BFCL-v3 multi-turn through the project's own rendering, parsing and execution, scored by BFCL's checker
-(bfcl_env.py). The optional tier: skipped without `pip install --no-deps bfcl-eval==2025.7.17`.
+(bfcl.py). The optional tier: skipped without `pip install --no-deps bfcl-eval==2025.7.17`.
 
-The replies are scripted, not sampled: each turn's ground-truth calls in the Qwen3 call format (envs.format_call),
+The replies are scripted, not sampled: each turn's ground-truth calls in the Qwen3 call format (common.format_call),
 then a reply without a call to end the turn. They go through engine.rollout as a model's replies would (the chat
 template renders prompts, tool results and user turns; replies are decoded and parsed; calls run on the task's
 instances), with the toy tokenizer's template. BFCL's checker is the judge, so the replay can fail: the empty and
@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytest.importorskip("bfcl_eval")
-import bfcl_env  # noqa: E402
 import engine  # noqa: E402
-import envs  # noqa: E402
-import toy  # noqa: E402
+from worlds import bfcl  # noqa: E402
+from worlds import common  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +34,18 @@ def tok():
 
 @pytest.fixture(scope="module")
 def tasks():
-    return bfcl_env.load_tasks()
+    return bfcl.load_tasks()
 
 
 def replies_of(task, how: str) -> list[str]:
     """The scripted replies of one task: per turn its ground-truth calls (none: "empty"; the episode's last call left
     out: "truncated") in one reply, then a reply without a call, which ends the turn."""
-    turns = bfcl_env.ground_truth_calls(task)
+    turns = bfcl.ground_truth_calls(task)
     last = max(i for i, turn in enumerate(turns) if turn)
     out = []
     for i, turn in enumerate(turns):
         calls = [] if how == "empty" else turn[:-1] if how == "truncated" and i == last else turn
-        out += ["\n".join(envs.format_call(n, a) for n, a in calls)] if calls else []
+        out += ["\n".join(common.format_call(n, a) for n, a in calls)] if calls else []
         out.append("Done.")
     return out
 
@@ -67,7 +67,7 @@ def replay(tok, tasks, how: str, monkeypatch):
     monkeypatch.setattr(engine, "generate_replies", scripted)
     monkeypatch.setattr(engine, "Episode", lambda task: live.append(episode(task)) or live[-1])
     log = {}
-    chat = engine.Chat(tok, functools.partial(bfcl_env.BFCLWorld, log=log))
+    chat = engine.Chat(tok, functools.partial(bfcl.BFCLWorld, log=log))
     cfg = engine.SampleConfig(max_new_tokens=4096, max_len=10 ** 7, batch_size=len(tasks))
     eps = engine.rollout(torch.nn.Linear(1, 1), chat, tasks, cfg)
     return log, eps
@@ -75,7 +75,7 @@ def replay(tok, tasks, how: str, monkeypatch):
 
 def test_the_ground_truth_replayed_passes_every_task_that_can_pass(tok, tasks, monkeypatch):
     log, eps = replay(tok, tasks, "truth", monkeypatch)
-    assert len(tasks) == 800 and {t.variant for t in tasks} == set(bfcl_env.CATEGORIES)
+    assert len(tasks) == 800 and {t.variant for t in tasks} == set(bfcl.CATEGORIES)
     failed = [k for k, v in log.items() if not v["passed"]]
     # the one task no model passes in BFCL's own runner: its question has one turn fewer than its ground truth
     assert failed == ["multi_turn_base_154"]
@@ -88,7 +88,7 @@ def test_the_ground_truth_replayed_passes_every_task_that_can_pass(tok, tasks, m
 
 @pytest.mark.parametrize("how", ["empty", "truncated"])
 def test_empty_and_truncated_replies_fail_every_task(tok, tasks, how, monkeypatch):
-    some = [t for c in bfcl_env.CATEGORIES for t in [t for t in tasks if t.variant == c][:50]]   # 200 tasks
+    some = [t for c in bfcl.CATEGORIES for t in [t for t in tasks if t.variant == c][:50]]   # 200 tasks
     log, eps = replay(tok, some, how, monkeypatch)
     assert len(log) == 200 and not any(v["passed"] for v in log.values())
     if how == "empty":
@@ -96,12 +96,12 @@ def test_empty_and_truncated_replies_fail_every_task(tok, tasks, how, monkeypatc
 
 
 def test_a_name_the_task_lacks_is_an_error_observation_and_never_runs(tasks):
-    env = bfcl_env.BFCLWorld()
+    env = bfcl.BFCLWorld()
     env.reset(next(t for t in tasks if t.task_id == "multi_turn_base_0"))
-    r = env.step(envs.format_call("__import__", {"name": "os"}) + envs.format_call("eval", {"source": "1"}))
+    r = env.step(common.format_call("__import__", {"name": "os"}) + common.format_call("eval", {"source": "1"}))
     assert r.errors == 2 and all(o.startswith("Error: no function") for o in r.observations)
     assert env.decoded[0] == [[]] and env.trace == []                 # nothing ran, nothing goes to the checker
-    r = env.step(envs.format_call("cd", {"folder": "__import__('os').system('true')"}))
+    r = env.step(common.format_call("cd", {"folder": "__import__('os').system('true')"}))
     assert env.decoded[0][-1] == ["cd(folder=\"__import__('os').system('true')\")"]   # a string stays a string
     r = env.step("<tool_call>\n{not json}\n</tool_call>")             # malformed: an observation, the turn goes on
     assert r.errors == 1 and not r.done and r.user is None
@@ -129,7 +129,7 @@ def test_code_in_an_argument_name_never_runs_in_any_call_format(tasks, tmp_path)
     task = next(t for t in tasks if t.task_id == "multi_turn_base_0")
     target = tmp_path / "X"
     for reply in injections(str(target)):
-        env = bfcl_env.BFCLWorld()
+        env = bfcl.BFCLWorld()
         env.reset(task)
         r = env.step(reply)
         assert r.errors == 1 and r.observations[0].startswith("Error:") and not r.done, (reply, r)
@@ -137,10 +137,10 @@ def test_code_in_an_argument_name_never_runs_in_any_call_format(tasks, tmp_path)
         env.step("Done.")
         env.reward()
         assert not target.exists(), reply
-    doc = {d["name"]: d for d in bfcl_env.function_docs("GorillaFileSystem")}["cd"]
+    doc = {d["name"]: d for d in bfcl.function_docs("GorillaFileSystem")}["cd"]
     with pytest.raises(ValueError, match="has no parameter"):
-        bfcl_env.call_string("cd", {f"folder=__import__('os').system('touch {target}'),x": "a"}, doc)
-    assert bfcl_env.call_string("cd", {"folder": "a'); b('"}, doc) == "cd(folder=\"a'); b('\")"
+        bfcl.call_string("cd", {f"folder=__import__('os').system('touch {target}'),x": "a"}, doc)
+    assert bfcl.call_string("cd", {"folder": "a'); b('"}, doc) == "cd(folder=\"a'); b('\")"
 
 
 @pytest.mark.parametrize("args, problem", [
@@ -151,12 +151,12 @@ def test_code_in_an_argument_name_never_runs_in_any_call_format(tasks, tmp_path)
     ({"folder": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "nests deeper"),
 ])
 def test_only_declared_names_and_plain_values_make_a_call_string(args, problem):
-    doc = {d["name"]: d for d in bfcl_env.function_docs("GorillaFileSystem")}["cd"]
-    got = bfcl_env.literal_problem("cd", args, doc)
+    doc = {d["name"]: d for d in bfcl.function_docs("GorillaFileSystem")}["cd"]
+    got = bfcl.literal_problem("cd", args, doc)
     assert (got is None) if problem is None else (problem in got), got
     if problem is None:            # the string evaluates to the same call: a literal, nothing else
         import ast
-        node = ast.parse(bfcl_env.call_string("cd", args, doc), mode="eval").body
+        node = ast.parse(bfcl.call_string("cd", args, doc), mode="eval").body
         assert {k.arg: ast.literal_eval(k.value) for k in node.keywords} == args
 
 
@@ -164,15 +164,15 @@ def test_a_value_that_costs_hours_costs_the_episode_not_the_run(tasks):
     """MathAPI.power(10, 10**12) would compute for hours in the trainer; in the episode's worker it is cut at the
     worker's wall-clock limit, the episode ends failed, and the next one runs as usual."""
     task = next(t for t in tasks if "MathAPI" in t.entry["involved_classes"])
-    env = bfcl_env.BFCLWorld(limits=bfcl_env.sandbox.SandboxLimits(wall_s=2.0, cpu_s=10, memory_mb=1024,
+    env = bfcl.BFCLWorld(limits=bfcl.sandbox.SandboxLimits(wall_s=2.0, cpu_s=10, memory_mb=1024,
                                                                    output_kb=4096))
     env.reset(task)
     t0 = time.time()
-    r = env.step(envs.format_call("power", {"base": 10, "exponent": 10 ** 12}))
-    assert r.done and r.observations[-1] == bfcl_env.GONE and time.time() - t0 < 10
+    r = env.step(common.format_call("power", {"base": 10, "exponent": 10 ** 12}))
+    assert r.done and r.observations[-1] == bfcl.GONE and time.time() - t0 < 10
     assert env.reward() == 0.0
     env.reset(task)
-    assert json.loads(env.step(envs.format_call("power", {"base": 2, "exponent": 10})).observations[0]) == \
+    assert json.loads(env.step(common.format_call("power", {"base": 2, "exponent": 10})).observations[0]) == \
         {"result": 1024}
     env.close()
 
@@ -180,7 +180,7 @@ def test_a_value_that_costs_hours_costs_the_episode_not_the_run(tasks):
 def test_held_out_functions_arrive_at_their_turn_in_a_user_message(tok, tasks):
     task = next(t for t in tasks if t.variant == "miss_func")
     (turn, names), = task.entry["missed_function"].items()
-    env, chat = bfcl_env.BFCLWorld(), engine.Chat(tok, bfcl_env.BFCLWorld)
+    env, chat = bfcl.BFCLWorld(), engine.Chat(tok, bfcl.BFCLWorld)
     messages, tools = chat.begin(task)
     listed = {t["function"]["name"] for t in tools}
     assert not listed & set(names) and messages[-1]["content"] == task.text
@@ -188,8 +188,8 @@ def test_held_out_functions_arrive_at_their_turn_in_a_user_message(tok, tasks):
     for _ in range(int(turn) - 1):
         assert env.step("Done.").user is not None
     r = env.step("Done.")                                             # the end of the turn before the held-out one
-    assert r.user.endswith(bfcl_env.MORE_FUNCTIONS) and not r.done
-    arrived = json.loads(r.user[:-len(bfcl_env.MORE_FUNCTIONS) - 1])
+    assert r.user.endswith(bfcl.MORE_FUNCTIONS) and not r.done
+    arrived = json.loads(r.user[:-len(bfcl.MORE_FUNCTIONS) - 1])
     assert [f["function"]["name"] for f in arrived] == names
     text = tok.decode(chat.observation(r.observations, r.user))
     assert text.lstrip("\n").startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
@@ -201,15 +201,15 @@ def test_episodes_share_no_state_and_reset_starts_fresh(tasks):
     the second time within one; no BFCL instance is ever cached in the trainer's process."""
     from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
     task = next(t for t in tasks if "GorillaFileSystem" in t.entry["involved_classes"])
-    env, seen = bfcl_env.BFCLWorld(), []
+    env, seen = bfcl.BFCLWorld(), []
     for _ in range(2):
         env.reset(task)
-        seen.append(env.step(envs.format_call("mkdir", {"dir_name": "lopd_probe"})).observations)
+        seen.append(env.step(common.format_call("mkdir", {"dir_name": "lopd_probe"})).observations)
         env.reward()
     assert seen[0] == seen[1] and "rror" not in seen[0][0]
     env.reset(task)
-    env.step(envs.format_call("mkdir", {"dir_name": "lopd_probe"}))
-    assert env.step(envs.format_call("mkdir", {"dir_name": "lopd_probe"})).observations != seen[0]   # it can fail
+    env.step(common.format_call("mkdir", {"dir_name": "lopd_probe"}))
+    assert env.step(common.format_call("mkdir", {"dir_name": "lopd_probe"})).observations != seen[0]   # it can fail
     env.close()
     assert not [k for k in vars(multi_turn_utils) if k.endswith("_instance")]
 
@@ -223,9 +223,9 @@ def test_every_tool_schema_is_json_schema():
             yield from types(v)
         if "items" in p:
             yield from types(p["items"])
-    for cls in bfcl_env.CLASSES:
-        for doc in bfcl_env.function_docs(cls):
-            tool = bfcl_env.schema(doc)
+    for cls in bfcl.CLASSES:
+        for doc in bfcl.function_docs(cls):
+            tool = bfcl.schema(doc)
             assert tool["function"]["name"] == doc["name"]
             assert set(types(tool["function"]["parameters"])) - {None} <= allowed, doc["name"]
 
@@ -245,7 +245,7 @@ def test_eval_py_reports_each_category_and_their_mean(tmp_path, capsys):
     (run / "ckpt" / "LATEST").write_text("step-1")
     rows = ev.main(["--run", str(run), "--tasks", "bfcl-v3", "--n-test", "1"])
     out = capsys.readouterr().out
-    assert [r["category"] for r in rows] == list(bfcl_env.CATEGORIES) and all(r["tasks"] == 1 for r in rows)
+    assert [r["category"] for r in rows] == list(bfcl.CATEGORIES) and all(r["tasks"] == 1 for r in rows)
     assert "| mean | 4 |" in out and "LOPD student (step-1)" in out
     assert json.load(open(run / "bfcl.json"))["rows"] == rows
     assert ev.main(["--run", str(run), "--tasks", "bfcl-v3:base", "--n-test", "1"])[0]["category"] == "base"
@@ -278,15 +278,15 @@ def test_single_turn_answers_pass_bfcls_ast_checker_and_wrong_ones_fail():
     """BFCL-v3's single-turn Python categories through BFCLSingleWorld: each possible answer as a reply passes the AST
     checker (a handful of tasks' answers omit a parameter the function requires: at most 1% a category), no call is
     right exactly on irrelevance; a changed value, or a dropped call, fails."""
-    tasks = bfcl_env.load_single_turn()
-    assert {t.variant for t in tasks} == set(bfcl_env.SINGLE_TURN) and len(tasks) == 3491
+    tasks = bfcl.load_single_turn()
+    assert {t.variant for t in tasks} == set(bfcl.SINGLE_TURN) and len(tasks) == 3491
     by_cat = {}
     for t in tasks:
-        env = bfcl_env.BFCLSingleWorld()
+        env = bfcl.BFCLSingleWorld()
         env.reset(t)
         calls = [] if "irrelevance" in t.variant else answer_calls(t) if t.ground_truth else \
             [(t.entry["function"][0]["name"], {})]                # live_relevance: any call is right
-        env.step("\n".join(envs.format_call(n, a) for n, a in calls) or "No call is needed.")
+        env.step("\n".join(common.format_call(n, a) for n, a in calls) or "No call is needed.")
         by_cat.setdefault(t.variant, []).append(env.reward())
     for cat, rewards in by_cat.items():
         assert sum(rewards) >= 0.99 * len(rewards), (cat, len(rewards) - sum(rewards))
@@ -294,18 +294,18 @@ def test_single_turn_answers_pass_bfcls_ast_checker_and_wrong_ones_fail():
     simple = next(t for t in tasks if t.task_id == "simple_0")
     (name, args), = answer_calls(simple)
     wrong = {k: (v + 1 if isinstance(v, int) else v + "x") for k, v in args.items()}
-    assert not bfcl_env.ast_check(simple, [(name, wrong)]) and bfcl_env.ast_check(simple, [(name, args)])
+    assert not bfcl.ast_check(simple, [(name, wrong)]) and bfcl.ast_check(simple, [(name, args)])
     para = next(t for t in tasks if t.variant == "parallel")
-    assert bfcl_env.ast_check(para, answer_calls(para)) and not bfcl_env.ast_check(para, answer_calls(para)[:-1])
+    assert bfcl.ast_check(para, answer_calls(para)) and not bfcl.ast_check(para, answer_calls(para)[:-1])
     irrelevant = next(t for t in tasks if t.variant == "irrelevance")
-    assert not bfcl_env.ast_check(irrelevant, [(irrelevant.entry["function"][0]["name"], {})])
+    assert not bfcl.ast_check(irrelevant, [(irrelevant.entry["function"][0]["name"], {})])
 
 
 def test_a_turn_past_its_step_limit_fails_the_task(tasks):
     task = next(t for t in tasks if t.task_id == "multi_turn_base_0")
-    env = bfcl_env.BFCLWorld(max_steps=2)
+    env = bfcl.BFCLWorld(max_steps=2)
     env.reset(task)
-    name, args = bfcl_env.ground_truth_calls(task)[0][0]
-    assert not env.step(envs.format_call(name, args)).done and not env.step(envs.format_call(name, args)).done
-    r = env.step(envs.format_call(name, args))                       # the third step of the turn: forced quit
+    name, args = bfcl.ground_truth_calls(task)[0][0]
+    assert not env.step(common.format_call(name, args)).done and not env.step(common.format_call(name, args)).done
+    r = env.step(common.format_call(name, args))                       # the third step of the turn: forced quit
     assert r.done and r.observations == ["Model has been forced to quit after 2 steps."] and env.reward() == 0.0

@@ -1,7 +1,8 @@
-"""Tests for the code domain (code_env.py): the verifier's limits, problem loading, CodeWorld.
+"""Tests for the code domain (worlds/code_world.py): the verifier's limits, problem loading, CodeWorld.
 
 Run: python -m pytest tests/test_code.py -q      (about 20 s; each case runs real programs in the sandbox)
-The ways out of the sandbox are tried in tests/test_escape.py; what it does not cover is in sandbox.py's docstring.
+The ways out of the sandbox are tried in tests/test_escape.py; what it does not cover is in worlds/sandbox.py's
+docstring.
 """
 import json
 import os
@@ -11,9 +12,9 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import code_env  # noqa: E402
 import engine  # noqa: E402
-import sandbox  # noqa: E402
+from worlds import code_benchmarks, code_world  # noqa: E402
+from worlds import sandbox  # noqa: E402
 
 FAST = sandbox.SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_kb=64)
 
@@ -60,35 +61,35 @@ def test_the_programs_own_directory_is_writable_and_numpy_imports():
 # ------------------------------------------------------------------------------------------------------------
 # Verification: pass/fail against the tests
 # ------------------------------------------------------------------------------------------------------------
-SUM = code_env.CodeProblem("p-sum", "Read two integers, print their sum.",
+SUM = code_benchmarks.CodeProblem("p-sum", "Read two integers, print their sum.",
                        tests=[{"input": "1 2\n", "output": "3\n"}, {"input": "-5 5", "output": "0"}])
-REV = code_env.CodeProblem("p-rev", "Write rev(s) returning s reversed.",
+REV = code_benchmarks.CodeProblem("p-rev", "Write rev(s) returning s reversed.",
                        asserts="assert rev('abc') == 'cba'\nassert rev('') == ''")
 
 
 def test_correct_program_passes_and_wrong_ones_fail():
-    assert code_env.verify(SUM, "a, b = map(int, input().split())\nprint(a + b)\n", FAST) == (True, "all tests passed")
-    ok, why = code_env.verify(SUM, "a, b = map(int, input().split())\nprint(a * b)\n", FAST)
+    assert code_benchmarks.verify(SUM, "a, b = map(int, input().split())\nprint(a + b)\n", FAST) == (True, "all tests passed")
+    ok, why = code_benchmarks.verify(SUM, "a, b = map(int, input().split())\nprint(a * b)\n", FAST)
     assert not ok and why == "test 0: wrong output"
-    ok, why = code_env.verify(SUM, "print(3)\n", FAST)            # right on the first test only
+    ok, why = code_benchmarks.verify(SUM, "print(3)\n", FAST)            # right on the first test only
     assert not ok and why == "test 1: wrong output"
-    assert code_env.verify(REV, "def rev(s):\n    return s[::-1]\n", FAST)[0]
-    ok, why = code_env.verify(REV, "def rev(s):\n    return s\n", FAST)
+    assert code_benchmarks.verify(REV, "def rev(s):\n    return s[::-1]\n", FAST)[0]
+    ok, why = code_benchmarks.verify(REV, "def rev(s):\n    return s\n", FAST)
     assert not ok and "AssertionError" in why
-    ok, why = code_env.verify(SUM, "def (:\n", FAST)
+    ok, why = code_benchmarks.verify(SUM, "def (:\n", FAST)
     assert not ok and "SyntaxError" in why
 
 
 def test_outputs_match_up_to_trailing_whitespace_only():
-    assert code_env._same_output("3  \n\n", "3") and code_env._same_output("a\nb\n", "a \nb")
-    assert not code_env._same_output("3 0", "30") and not code_env._same_output("a\n\nb", "a\nb")
+    assert code_benchmarks._same_output("3  \n\n", "3") and code_benchmarks._same_output("a\nb\n", "a \nb")
+    assert not code_benchmarks._same_output("3 0", "30") and not code_benchmarks._same_output("a\n\nb", "a\nb")
 
 
 def test_verify_many_runs_in_parallel_and_keeps_order():
     codes = ["a, b = map(int, input().split())\nprint(a + b)\n", "print(0)\n", "import time\ntime.sleep(0.5)\n"
              "a, b = map(int, input().split())\nprint(a + b)\n"] * 2
     t0 = time.time()
-    got = code_env.verify_many([(SUM, c) for c in codes], FAST, workers=2)
+    got = code_benchmarks.verify_many([(SUM, c) for c in codes], FAST, workers=2)
     assert [g[0] for g in got] == [True, False, True] * 2
     assert time.time() - t0 < 2 * 0.5 * 2 + 3            # the two sleepers overlap with other runs
 
@@ -109,15 +110,15 @@ def test_problem_layouts_of_taco_livecodebench_and_evalplus(tmp_path):
     ]
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    ours, taco, call, lcb, plus = code_env.load_problems(str(path))
+    ours, taco, call, lcb, plus = code_benchmarks.load_problems(str(path))
     assert ours.task_id == "ours" and ours.tests == [{"input": "", "output": "1"}]
     assert taco.tests == [{"input": "1 2\n", "output": "3\n"}] and taco.task_id == f"{path}:2"
-    assert code_env.verify(call, "def add(a, b):\n    return a + b\n", FAST)[0]
-    assert not code_env.verify(call, "def add(a, b):\n    return a - b\n", FAST)[0]
+    assert code_benchmarks.verify(call, "def add(a, b):\n    return a + b\n", FAST)[0]
+    assert not code_benchmarks.verify(call, "def add(a, b):\n    return a - b\n", FAST)[0]
     assert lcb.task_id == "lcb1" and [t["input"] for t in lcb.tests] == ["x\n", "y\n"]
-    assert code_env.verify(lcb, "print(input())\n", FAST)[0]
-    assert code_env.verify(plus, "def inc(x):\n    return x + 1\n", FAST)[0]
-    assert not code_env.verify(plus, "def inc(x):\n    return x\n", FAST)[0]
+    assert code_benchmarks.verify(lcb, "print(input())\n", FAST)[0]
+    assert code_benchmarks.verify(plus, "def inc(x):\n    return x + 1\n", FAST)[0]
+    assert not code_benchmarks.verify(plus, "def inc(x):\n    return x\n", FAST)[0]
 
 
 @pytest.mark.parametrize("line, reason", [
@@ -132,13 +133,13 @@ def test_bad_problem_line_names_file_and_line(tmp_path, line, reason):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok", "tests": [{"input": "", "output": ""}]}\n' + line + "\n")
     with pytest.raises(ValueError, match=rf"bad\.jsonl:2: .*{reason}"):
-        code_env.load_problems(str(path))
+        code_benchmarks.load_problems(str(path))
 
 
 def test_code_world_interface():
-    env = code_env.CodeWorld(limits=FAST)
+    env = code_world.CodeWorld(limits=FAST)
     msgs = env.reset(SUM)
-    assert msgs[0] == {"role": "system", "content": code_env.CODING_SYSTEM_PROMPT} and msgs[1]["content"] == SUM.text
+    assert msgs[0] == {"role": "system", "content": code_world.CODING_SYSTEM_PROMPT} and msgs[1]["content"] == SUM.text
     program = "a, b = map(int, input().split())\nprint(a + b)\n"
     result = env.step(f"<think>\nadd them\n</think>\nHere:\n```python\n{program}```")
     assert result.done and result.observations == [] and env.reward() == 1.0
@@ -152,9 +153,9 @@ def test_rollout_steps_a_batch_of_code_worlds_in_parallel():
     """engine._step_all: CodeWorld's programs run in threads, one sandboxed process each (1.5 s of sleep each here:
     sequential takes 6 s, two workers 3 s; the bound sits halfway, so a busy host's startup costs do not fail it)."""
     slow = "import time\ntime.sleep(1.5)\na, b = map(int, input().split())\nprint(a + b)\n"
-    worlds = [code_env.CodeWorld(limits=FAST) for _ in range(4)]
+    worlds = [code_world.CodeWorld(limits=FAST) for _ in range(4)]
     for w in worlds:
-        w.reset(code_env.CodeProblem("p", "sum", tests=[{"input": "1 2", "output": "3"}]))
+        w.reset(code_benchmarks.CodeProblem("p", "sum", tests=[{"input": "1 2", "output": "3"}]))
     t0 = time.time()
     results = engine._step_all(worlds, [f"```python\n{slow}```"] * 4)
     took = time.time() - t0
@@ -168,16 +169,16 @@ def test_rollout_steps_a_batch_of_code_worlds_in_parallel():
 # ------------------------------------------------------------------------------------------------------------
 def test_toy_code_problems_need_their_judges_conventions():
     """The oracle passes; the same program with any other judge's conventions fails; the statement never says."""
-    train, test = code_env.make_code_splits(seed=3, n_train=24, n_test=8)
-    assert {p.schema for p in train + test} <= set(code_env.CODE_FAMILIES) and len({p.variant for p in train}) == 4
+    train, test = code_world.make_code_splits(seed=3, n_train=24, n_test=8)
+    assert {p.schema for p in train + test} <= set(code_world.CODE_FAMILIES) and len({p.variant for p in train}) == 4
     pairs = []
     for p in train[:12]:
-        pairs.append((p, code_env.code_oracle(p)))
-        for judge in code_env.JUDGES:
+        pairs.append((p, code_world.code_oracle(p)))
+        for judge in code_world.JUDGES:
             if judge != p.variant:
-                other = code_env.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema, variant=judge)
-                pairs.append((p, code_env.code_oracle(other)))
-    results = code_env.verify_many(pairs, FAST)
+                other = code_benchmarks.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema, variant=judge)
+                pairs.append((p, code_world.code_oracle(other)))
+    results = code_benchmarks.verify_many(pairs, FAST)
     for k, (ok, why) in enumerate(results):
         assert ok == (k % 4 == 0), (pairs[k][0].text, pairs[k][1], why)
     for p in train + test:
@@ -185,8 +186,8 @@ def test_toy_code_problems_need_their_judges_conventions():
 
 
 def test_toy_code_splits_are_seeded_and_disjoint():
-    a_train, a_test = code_env.make_code_splits(seed=1, n_train=30, n_test=10)
-    b_train, b_test = code_env.make_code_splits(seed=1, n_train=30, n_test=10)
+    a_train, a_test = code_world.make_code_splits(seed=1, n_train=30, n_test=10)
+    b_train, b_test = code_world.make_code_splits(seed=1, n_train=30, n_test=10)
     assert [(p.text, p.tests) for p in a_train + a_test] == [(p.text, p.tests) for p in b_train + b_test]
     key = lambda p: p.text + json.dumps(p.tests)                          # noqa: E731
     assert not {key(p) for p in a_train} & {key(p) for p in a_test}
@@ -198,15 +199,15 @@ def test_code_conventions_agree_with_the_sandbox_and_the_table_counts_them(tok):
     rates are those counts."""
     import eval as ev
     from engine import Episode
-    problems = code_env.make_code_splits(seed=5, n_train=0, n_test=8)[1]
+    problems = code_world.make_code_splits(seed=5, n_train=0, n_test=8)[1]
     pairs, marks = [], []
     for p in problems:
-        for judge in code_env.JUDGES:
-            program = code_env.code_oracle(code_env.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema,
+        for judge in code_world.JUDGES:
+            program = code_world.code_oracle(code_benchmarks.CodeProblem(p.task_id, p.text, p.tests, schema=p.schema,
                                                                 variant=judge))
             pairs.append((p, program))
-            marks.append(code_env.code_conventions(p, f"```python\n{program}```"))
-    results = code_env.verify_many(pairs, FAST)
+            marks.append(code_world.code_conventions(p, f"```python\n{program}```"))
+    results = code_benchmarks.verify_many(pairs, FAST)
     for (ok, why), m in zip(results, marks):
         assert ok == (m["prefix_right"] and m["end_right"]), why
     # the table over one row of those replies, against counts taken here

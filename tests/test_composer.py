@@ -16,9 +16,9 @@ from transformers import Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import composer as C  # noqa: E402
-import toy  # noqa: E402
-from envs import ToolWorld, make_task, oracle_calls  # noqa: E402
 from engine import scripted_episode  # noqa: E402
+from worlds.tool_world import ToolWorld, make_task, oracle_replies  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 
 CFG = C.ComposerConfig(n_latents=4, n_layers=3, max_exp_tokens=160)
 SHORT = ("Reference:", "End of reference. Your task:")
@@ -47,7 +47,7 @@ def build(tok, seed=0, perturb=True):
 def episodes(tok):
     rng = random.Random(0)
     tasks = [make_task(rng, f"t{i}") for i in range(5)]
-    eps = [scripted_episode(toy.toy_chat(tok), t, oracle_calls(t)) for t in tasks]
+    eps = [scripted_episode(toy.toy_chat(tok), t, oracle_replies(t)) for t in tasks]
     return tasks, eps
 
 

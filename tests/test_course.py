@@ -9,46 +9,63 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("train.py", "eval.py", "experiments.py", "toy.py", "bench.py")
+# Each entry point as the docs write it: the two scripts at the top, the others as modules of their folders
+SCRIPTS = ("train.py", "eval.py", "scripts.experiments", "worlds.toy_backbone", "scripts.bench", "worlds.tool_world")
 DOCS = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
                         if f.endswith(".md")]
 
 
 def commands(text: str) -> list[tuple[str, str]]:
-    """(script, command line) for each line of a ```bash block that runs one of SCRIPTS, with the block's shell
-    variables (F="...") expanded and continuation lines joined."""
-    out = []
+    """(script, command line) for each line of a ```bash block that runs one of SCRIPTS, with the doc's shell
+    variables (F="..." in this block or an earlier one: a reader sets them once) expanded and continuation lines
+    joined."""
+    out, env = [], {}
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         block = block.replace("\\\n", " ")
-        env = dict(re.findall(r'^(\w+)="([^"]*)"', block, re.M))
+        env.update(re.findall(r'^(\w+)="([^"]*)"', block, re.M))
         for line in block.splitlines():
             line = re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), m.group(0)), line.split(" #")[0])
             for script in SCRIPTS:
-                if re.search(rf"(^|\s){re.escape(script)}(\s|$)", line):
+                spelled = script if script.endswith(".py") else "-m " + script
+                if re.search(rf"(^|\s){re.escape(spelled)}(\s|$)", line):
                     out.append((script, line))
     return out
 
 
 @functools.lru_cache(maxsize=None)
 def flags_of(script: str) -> frozenset:
-    """The --flags that `python SCRIPT --help` lists (experiments.py passes the rest to train.py)."""
-    help_text = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=120).stdout
-    found = set(re.findall(r"(--[a-z][a-z0-9-]*)", help_text))
-    return frozenset(found | (flags_of("train.py") if script == "experiments.py" else set()))
+    """The --flags that `python SCRIPT --help` lists (scripts.experiments passes the rest to train.py); the help
+    itself must come back (the entry point exists and imports)."""
+    cmd = [sys.executable, script] if script.endswith(".py") else [sys.executable, "-m", script]
+    done = subprocess.run(cmd + ["--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{' '.join(cmd)} --help: {done.stderr[-500:]}"
+    found = set(re.findall(r"(--[a-z][a-z0-9-]*)", done.stdout))
+    return frozenset(found | (flags_of("train.py") if script == "scripts.experiments" else set()))
 
 
-def unknown_flags(script: str, line: str) -> list[str]:
+# What a fork guide (or exercise 7) has the reader add before its commands run: lines naming one are run by the
+# guides' own tests (test_the_adding_a_method_diff_gives_a_method_that_trains, test_custom_env.py)
+FORKED = ("--method reinforce", "--divergence", "pantry.py", "greeter.py")
+
+
+def added_flags(text: str) -> set[str]:
+    """The flags a doc's ```diff blocks add to train.Args (`+    name: type = arg(...)` -> --name)."""
+    fields = re.findall(r"^\+\s+(\w+):[^=\n]*= arg\(", "\n".join(re.findall(r"```diff\n(.*?)```", text, re.S)), re.M)
+    return {"--" + f.replace("_", "-") for f in fields}
+
+
+def unknown_flags(script: str, line: str, added: frozenset = frozenset()) -> list[str]:
     used = re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line.split(script, 1)[1])
-    return [f for f in used if f not in flags_of(script)]
+    return [f for f in used if f not in flags_of(script) and f not in added]
 
 
 def test_every_documented_command_names_flags_its_script_has():
     seen, bad = 0, []
     for doc in DOCS:
-        for script, line in commands(open(os.path.join(ROOT, doc), encoding="utf-8").read()):
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for script, line in commands(text):
             seen += 1
-            bad += [f"{doc}: {line.strip()} -> {f}" for f in unknown_flags(script, line)]
+            bad += [f"{doc}: {line.strip()} -> {f}" for f in unknown_flags(script, line, added_flags(text))]
     assert seen >= 30, seen                                                 # the docs' commands were found
     assert not bad, "\n".join(bad)
     # the check can fail: a flag that train.py does not have
@@ -57,9 +74,38 @@ def test_every_documented_command_names_flags_its_script_has():
     assert unknown_flags(*fake[0]) == ["--no-such-flag"]
 
 
+def test_every_documented_train_command_parses_to_settings(tmp_path):
+    """Each documented `train.py` line, as printed, through train.parse_args: its flags exist, its values are of
+    the flag's type and among its choices, and the settings it resolves pass train.py's checks (models and data are
+    not loaded; the line's own shell variables are expanded)."""
+    import shlex
+    sys.path.insert(0, ROOT)
+    import train
+    for name in ("train.jsonl", "test.jsonl"):                             # "--tasks DATA": a folder of splits
+        (tmp_path / name).write_text("")
+    placeholders = {"DIR": os.path.join(ROOT, "assets", "toy-backbone"), "DATA": str(tmp_path)}
+    seen = 0
+    for doc in DOCS:
+        for script, line in commands(open(os.path.join(ROOT, doc), encoding="utf-8").read()):
+            if script == "train.py" and not any(f in line for f in FORKED):
+                seen += 1
+                argv = [placeholders.get(a, a) for a in shlex.split(line.split("train.py", 1)[1])]
+                try:
+                    train.parse_args(argv)
+                except (SystemExit, train.runtime.UserError) as e:
+                    raise AssertionError(f"{doc}: {line.strip()} does not parse ({e})") from None
+    assert seen >= 20, seen                                                 # the docs' train.py lines were found
+    try:                                                                    # the check can fail
+        train.parse_args(["--steps", "two"])
+    except SystemExit:
+        pass
+    else:
+        raise AssertionError("a bad value parsed")
+
+
 def test_the_adding_a_method_diff_gives_a_method_that_trains(tmp_path, toy_backbone_dir):
-    """Exercise 7 as a student does it: apply docs/adding-a-method.md's diff to a copy of the code, then run its test
-    and two steps of `--method reinforce` (tests/test_docs.py checks the diff applies to this tree)."""
+    """Exercise 7 as a student does it: apply docs/adding-a-method.md's two diffs to a copy of the code, run each
+    one's test, then two steps of `--method reinforce` (tests/test_docs.py checks the diffs apply to this tree)."""
     import json
     import shutil
     if shutil.which("git") is None:
@@ -68,13 +114,15 @@ def test_the_adding_a_method_diff_gives_a_method_that_trains(tmp_path, toy_backb
     copy = tmp_path / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "assets", ".pytest_cache"))
     text = open(os.path.join(ROOT, "docs", "adding-a-method.md"), encoding="utf-8").read()
-    diff = re.findall(r"```diff\n(.*?)```", text, re.S)[0]
-    applied = subprocess.run(["git", "apply", "-"], input=diff, text=True, cwd=copy, capture_output=True)
-    assert applied.returncode == 0, applied.stderr
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_baselines.py",
-                           "-k", "reinforce"], cwd=copy, capture_output=True, text=True, env=env, timeout=300)
-    assert test.returncode == 0 and "passed" in test.stdout, test.stdout[-2000:]
+    for diff, tests, key in zip(re.findall(r"```diff\n(.*?)```", text, re.S), ("tests/test_baselines.py",
+                                                                               "tests/test_losses.py"),
+                                ("reinforce", "jsd")):           # the new method, then the option inside eq. 10
+        applied = subprocess.run(["git", "apply", "-"], input=diff, text=True, cwd=copy, capture_output=True)
+        assert applied.returncode == 0, applied.stderr
+        test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, "-k", key],
+                              cwd=copy, capture_output=True, text=True, env=env, timeout=300)
+        assert test.returncode == 0 and "passed" in test.stdout, test.stdout[-2000:]
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "train.py", "--method", "reinforce", "--model", toy_backbone_dir, "--out",
                           str(out), "--n-train", "16", "--n-test", "4", "--bank-threshold", "0", "--cold-steps", "1",
@@ -88,9 +136,10 @@ def test_the_adding_a_method_diff_gives_a_method_that_trains(tmp_path, toy_backb
 
 
 # ---- the answers cite what the course command measured ----------------------------------------------------------
-# docs/exercises.md's answers quote `python experiments.py course` (assets/course.csv: one line per row and seed) in
-# tables headed CITED; every "a ± b" and every three-decimal figure of an answer's prose is either in its tables or
-# in a paragraph that names its other source (results.md, the commit it was measured at, or the paper's figures).
+# docs/exercises.md's answers quote `python -m scripts.experiments course` (assets/course.csv: one line per row and
+# seed) in tables headed CITED; every "a ± b" and every three-decimal figure of an answer's prose is either in its
+# tables or in a paragraph that names its other source (results.md, the commit it was measured at, or the paper's
+# figures).
 CITED = "| course.csv row | measure | seed 0 | 3 seeds |"
 COURSE_CSV = os.path.join(ROOT, "assets", "course.csv")
 
@@ -107,7 +156,7 @@ def cited(text: str) -> list[tuple[str, ...]]:
 
 
 def course_values(path: str = COURSE_CSV) -> dict:
-    """{(row, measure): {seed: value}} from a course CSV, computed here from the raw lines (not experiments.py)."""
+    """{(row, measure): {seed: value}} from a course CSV, computed here from the raw lines (not scripts/experiments.py)."""
     import csv
     out = {}
     for r in csv.DictReader(open(path, encoding="utf-8")):
@@ -174,9 +223,9 @@ def test_the_answers_cite_what_the_course_command_measured():
 
 def test_the_walkthroughs_staged_table_is_the_course_table():
     """Stop 5's table (the header, vanilla, the five stages and stages 3-5 at lr 1e-4) is assets/course.md's, which
-    is what experiments.py writes from assets/course.csv."""
+    is what scripts/experiments.py writes from assets/course.csv."""
     import csv
-    import experiments
+    from scripts import experiments
     rows = []
     for r in csv.DictReader(open(COURSE_CSV, encoding="utf-8")):
         rows.append({k: (v if k == "row" else int(v) if k == "seed" else float(v)) for k, v in r.items() if v != ""})

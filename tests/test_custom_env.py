@@ -15,8 +15,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import envs  # noqa: E402
 import train  # noqa: E402
+from worlds import common, tool_world  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "adding-an-environment.md")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -28,7 +28,7 @@ def example(file: str = "greeter.py") -> tuple[str, str, str]:
     blocks = re.findall(r"^```python\n(.*?)^```", open(DOC, encoding="utf-8").read(), flags=re.S | re.M)
     named = [b for b in blocks if b.startswith(f'"""{file}:')]          # the docstring names the file
     assert len(named) == 1, f"expected one python block of {file} in {DOC}, found {len(named)}"
-    cls = re.search(r"^class (\w+)\(envs\.Environment\):", named[0], flags=re.M).group(1)
+    cls = re.search(r"^class (\w+)\(common\.Environment\):", named[0], flags=re.M).group(1)
     return named[0], file, cls
 
 
@@ -48,7 +48,7 @@ def spec(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def world(spec):
     """(the example's class, its module's names: OFFICES, SCHEMAS, ...)"""
-    cls = envs.environment_class(spec)
+    cls = common.environment_class(spec)
     return cls, cls.reward.__globals__
 
 
@@ -74,7 +74,7 @@ def test_each_example_is_one_short_file(file, most):
 
 def test_env_loads_it_by_path(spec, world):
     cls, _ = world
-    assert issubclass(cls, envs.Environment) and cls is not envs.Environment
+    assert issubclass(cls, common.Environment) and cls is not common.Environment
     args = train.parse_args(["--env", spec])
     assert train.environment(args) is cls
     env = train.env_factory(args)()
@@ -103,7 +103,7 @@ def test_rewards_and_malformed_replies(world):
         msgs = env.reset(task)
         assert msgs[-1] == {"role": "user", "content": task.text}
         result = env.step(right_reply(names, task))
-        assert isinstance(result, envs.StepResult) and result.done and result.errors == 0
+        assert isinstance(result, common.StepResult) and result.done and result.errors == 0
         assert env.reward() == 1.0
         others = [v for v in names["OFFICES"] if v != task.variant]
         env.reset(task)
@@ -141,11 +141,11 @@ def test_same_variant_experience_carries_what_the_task_lacks(world):
 
 
 def test_tasks_round_trip_through_jsonl(world, tmp_path):
-    """What the doc says `load_tasks` and `save_tasks` take: envs.save_tasks and envs.read_jsonl."""
+    """What the doc says `load_tasks` and `save_tasks` take: tool_world.save_tasks and common.read_jsonl."""
     cls, names = world
     tr, _ = splits(cls, n_train=5, n_test=1)
-    envs.save_tasks(tr, str(tmp_path / "train.jsonl"))
-    back = envs.read_jsonl(str(tmp_path / "train.jsonl"), lambda row, where: names["Greeting"](**row))
+    tool_world.save_tasks(tr, str(tmp_path / "train.jsonl"))
+    back = common.read_jsonl(str(tmp_path / "train.jsonl"), lambda row, where: names["Greeting"](**row))
     assert back == tr
 
 
@@ -167,7 +167,8 @@ def test_train_py_runs_it_end_to_end(spec, toy_backbone_dir, tmp_path):
     assert "recall3_variant" in bank
 
 
-@pytest.mark.parametrize("value", ["nofile.py:X", "envs:Task", "bogus", "{path}:NoSuchClass", "{path}:Greeting"])
+@pytest.mark.parametrize("value", ["nofile.py:X", "worlds.tool_world:Task", "bogus", "{path}:NoSuchClass",
+                                   "{path}:Greeting"])
 def test_a_wrong_env_is_one_line_and_status_2(value, spec, capsys):
     value = value.format(path=spec.rpartition(":")[0])
     with pytest.raises(SystemExit) as exit_:
@@ -179,10 +180,10 @@ def test_a_wrong_env_is_one_line_and_status_2(value, spec, capsys):
 
 
 @pytest.mark.parametrize("body, says", [
-    ("import envs\nclass W(envs.Environment):\n    def reset(self, task):\n        return []\n",
+    ("from worlds import common\nclass W(common.Environment):\n    def reset(self, task):\n        return []\n",
      "does not implement step, reward"),
-    ("import envs\nundefined_name\n", "NameError: name 'undefined_name' is not defined"),
-    ("import envs\ndef broken(:\n", "SyntaxError"),
+    ("from worlds import common\nundefined_name\n", "NameError: name 'undefined_name' is not defined"),
+    ("from worlds import common\ndef broken(:\n", "SyntaxError"),
 ])
 def test_a_broken_world_file_is_one_line_before_any_model_loads(body, says, tmp_path, capsys):
     path = tmp_path / "world.py"
@@ -197,11 +198,11 @@ def test_a_broken_world_file_is_one_line_before_any_model_loads(body, says, tmp_
 def test_a_world_file_imports_its_neighbours(tmp_path):
     (tmp_path / "helpers_for_world.py").write_text("GREETING = 'hi'\n")
     (tmp_path / "neighbour_world.py").write_text(
-        "import envs\nfrom helpers_for_world import GREETING\n\nclass N(envs.Environment):\n"
+        "from worlds import common\nfrom helpers_for_world import GREETING\n\nclass N(common.Environment):\n"
         "    def reset(self, task):\n        return [{'role': 'user', 'content': GREETING}]\n"
-        "    def step(self, reply):\n        return envs.StepResult([], True)\n"
+        "    def step(self, reply):\n        return common.StepResult([], True)\n"
         "    def reward(self):\n        return 0.0\n")
-    cls = envs.environment_class(f"{tmp_path / 'neighbour_world.py'}:N")
+    cls = common.environment_class(f"{tmp_path / 'neighbour_world.py'}:N")
     assert cls().reset(None)[0]["content"] == "hi"
 
 
@@ -211,7 +212,7 @@ def test_a_world_file_imports_its_neighbours(tmp_path):
 @pytest.fixture(scope="module")
 def pantry(tmp_path_factory):
     spec = write_example(tmp_path_factory.mktemp("pantry"), "pantry.py")
-    return spec, envs.environment_class(spec)
+    return spec, common.environment_class(spec)
 
 
 def play(cls, task, replies) -> tuple:
@@ -229,8 +230,8 @@ def play(cls, task, replies) -> tuple:
 def test_pantry_tools_turns_and_its_kitchens_rules(pantry):
     _, cls = pantry
     tr, _ = splits(cls, n_train=30, n_test=5)
-    check = lambda t: envs.format_call("check_stock", {"item": t.schema})                   # noqa: E731
-    order = lambda t, q=None: envs.format_call("order", {"item": t.schema, "qty": q or t.qty})  # noqa: E731
+    check = lambda t: common.format_call("check_stock", {"item": t.schema})                   # noqa: E731
+    order = lambda t, q=None: common.format_call("order", {"item": t.schema, "qty": q or t.qty})  # noqa: E731
     north = next(t for t in tr if t.variant == "north")
     south = next(t for t in tr if t.variant == "south")
     assert [tool["function"]["name"] for tool in cls.tools] == ["check_stock", "order"]
@@ -245,7 +246,7 @@ def test_pantry_tools_turns_and_its_kitchens_rules(pantry):
     env, _ = play(cls, south, [order(south, south.qty % 9 + 1), "Done."])                  # the wrong quantity
     assert env.reward() == 0.0
     for bad in ("<tool_call>{not json", "<tool_call>\n{\"name\": \"order\", \"arguments\": 3}\n</tool_call>",
-                envs.format_call("order", {"item": "eggs", "qty": "two"}), envs.format_call("steal", {})):
+                common.format_call("order", {"item": "eggs", "qty": "two"}), common.format_call("steal", {})):
         env, seen = play(cls, north, [bad])                                             # never raises
         assert seen[0] and all(o.startswith("Error") for o in seen[0]) and env.reward() == 0.0
         json.dumps([list(t) for t in env.trace])

@@ -1,4 +1,4 @@
-"""The difficulty dial (train.py --conventions K, experiments.py dial): the K = 2 world is today's, every K's
+"""The difficulty dial (train.py --conventions K, scripts/experiments.py dial): the K = 2 world is today's, every K's
 conventions are hidden and all-or-nothing, a same-shop reference shows them, and the dial's table pairs its seeds."""
 import dataclasses
 import hashlib
@@ -12,12 +12,13 @@ import sys
 import pytest
 
 import engine
-import envs
-import experiments
 import runtime
-import toy
+from scripts import experiments
 import train
-from envs import CONVENTION_TOOLS, RULES, ToolWorld, format_call, oracle_calls
+from worlds.common import format_call
+from worlds import tool_world
+from worlds.tool_world import CONVENTION_TOOLS, RULES, ToolWorld, oracle_calls
+from worlds import toy_backbone as toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,12 +36,12 @@ def play(task, calls):
 
 def test_k2_is_the_world_before_the_dial():
     """Digests taken from the code before the dial existed (commit 5ff9b1b): the same tasks, the same shops and
-    tools, and the toy demonstrator draws the same coins (so `python toy.py` rebuilds the shipped backbone)."""
-    train_tasks, test_tasks = envs.make_splits(0, 100, 50)
+    tools, and the toy demonstrator draws the same coins (so `python -m worlds.toy_backbone` rebuilds the shipped backbone)."""
+    train_tasks, test_tasks = tool_world.make_splits(0, 100, 50)
     assert digest([dataclasses.asdict(t) for t in train_tasks + test_tasks]) == "717599b265d56b68"
-    assert envs.make_splits(0, 100, 50, conventions=2) == (train_tasks, test_tasks)
-    assert envs.shops(2) == sorted(envs.SHOPS) and envs.tools_for(2) == envs.TOOLS
-    assert {s: (RULES[s]["verify"], RULES[s]["commit"]) for s in envs.SHOPS} == envs.SHOPS
+    assert tool_world.make_splits(0, 100, 50, conventions=2) == (train_tasks, test_tasks)
+    assert tool_world.shops(2) == sorted(tool_world.SHOPS) and tool_world.tools_for(2) == tool_world.TOOLS
+    assert {s: (RULES[s]["verify"], RULES[s]["commit"]) for s in tool_world.SHOPS} == tool_world.SHOPS
     rng = random.Random(5)
     assert digest([toy.demo_calls(t, rng) for t in toy.demo_tasks(100, 1)]) == "e0426332ced1fc06"
 
@@ -49,12 +50,12 @@ def test_k2_is_the_world_before_the_dial():
 def test_every_combination_is_a_shop_and_only_all_of_them_right_succeeds(k):
     """2^K shops, one per combination. On every shop the oracle scores 1; dropping any one required convention, or
     adding the tool of one the shop lacks, scores 0 (brute force over shops, conventions and schemas)."""
-    names = envs.shops(k)
+    names = tool_world.shops(k)
     assert len(names) == 2 ** k and len({tuple(RULES[s].values()) for s in names}) == 2 ** k
-    assert {c for s in names for c in RULES[s]} == set(envs.WORLD_CONVENTIONS[k])
+    assert {c for s in names for c in RULES[s]} == set(tool_world.WORLD_CONVENTIONS[k])
     rng = random.Random(k)
-    for shop, schema in itertools.product(names, sorted(envs.SCHEMAS)):
-        task = envs.make_task(rng, "t", shop=shop, schema=schema)
+    for shop, schema in itertools.product(names, sorted(tool_world.SCHEMAS)):
+        task = tool_world.make_task(rng, "t", shop=shop, schema=schema)
         calls = oracle_calls(task)
         assert play(task, calls)[0].reward() == 1.0
         cid = calls[0][1]["account"] and next(c for c, r in task.db["customers"].items()
@@ -74,8 +75,8 @@ def test_no_convention_but_verification_shows_in_the_observations(k):
     """Forgetting commit, a ticket or a notice answers every other call exactly as doing it does: the
     observations do not tell (verification's refusal does, and K = 1 leaves it out)."""
     rng = random.Random(10 + k)
-    for shop in envs.shops(k):
-        task = envs.make_task(rng, "t", shop=shop, schema="reorder")
+    for shop in tool_world.shops(k):
+        task = tool_world.make_task(rng, "t", shop=shop, schema="reorder")
         calls = oracle_calls(task)
         for conv in set(RULES[shop]) - {"verify"}:
             tool = CONVENTION_TOOLS[conv]
@@ -90,8 +91,8 @@ def test_no_convention_but_verification_shows_in_the_observations(k):
 def test_a_same_shop_reference_shows_exactly_the_shops_conventions(k):
     rng = random.Random(k)
     tools = set(CONVENTION_TOOLS.values())
-    for shop in envs.shops(k):
-        task = envs.make_task(rng, "t", shop=shop)
+    for shop in tool_world.shops(k):
+        task = tool_world.make_task(rng, "t", shop=shop)
         trace = toy.reference_trace(task, rng)
         shown = {t for t in tools if t + "(" in trace}
         assert shown == {CONVENTION_TOOLS[c] for c, on in RULES[shop].items() if on}, shop
@@ -113,24 +114,24 @@ def test_the_demonstrator_is_at_chance_on_each_convention(k):
         rewards.append(env.reward())
     for conv, tool in CONVENTION_TOOLS.items():
         share = seen[tool] / len(tasks)
-        if conv not in envs.WORLD_CONVENTIONS[k]:
+        if conv not in tool_world.WORLD_CONVENTIONS[k]:
             assert share == 0, tool
         elif conv != "verify":                      # verify: 0.5 up front, and again after most refusals
             assert 0.45 < share < 0.55, (tool, share)
     mean = sum(rewards) / len(rewards)
-    assert 0.7 * 2 ** -k < mean < 1.5 * 2 ** -k + (0.1 if "verify" in envs.WORLD_CONVENTIONS[k] else 0), mean
+    assert 0.7 * 2 ** -k < mean < 1.5 * 2 ** -k + (0.1 if "verify" in tool_world.WORLD_CONVENTIONS[k] else 0), mean
 
 
 def test_a_dial_shop_outside_its_world_is_an_unknown_tool():
     """K = 1 has no verification: verify_customer is no tool of that world (an error observation, no abort)."""
-    task = envs.make_task(random.Random(0), "t", shop="gorse")
+    task = tool_world.make_task(random.Random(0), "t", shop="gorse")
     env, obs = play(task, [("verify_customer", {"customer_id": "C1"})])
     assert obs == ["Error: unknown tool 'verify_customer'"] and not env.aborted
-    assert [t["function"]["name"] for t in envs.tools_for(4)][-2:] == ["open_ticket", "notify_customer"]
+    assert [t["function"]["name"] for t in tool_world.tools_for(4)][-2:] == ["open_ticket", "notify_customer"]
 
 
 def test_conventions_flag_checks(tmp_path, toy_backbone_dir):
-    for bad, says in ((["--conventions", "5"], "--conventions must be 1, 2, 3 or 4"),
+    for bad, says in ((["--conventions", "5"], "--conventions must be one of 1, 2, 3, 4"),
                       (["--conventions", "3", "--env", "code"], "takes --env tools")):
         r = subprocess.run([sys.executable, "train.py", "--out", str(tmp_path), *bad], cwd=ROOT,
                            capture_output=True, text=True)
@@ -191,7 +192,7 @@ def test_each_shipped_backbone_reads_a_same_shop_reference(k):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder = toy.shipped("tools", k)
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    tasks = envs.make_splits(0, 1000, 60, conventions=k)[1]
+    tasks = tool_world.make_splits(0, 1000, 60, conventions=k)[1]
     torch.manual_seed(0)
     cfg = engine.SampleConfig(temperature=0.7)
     vanilla = engine.summarize(engine.rollout(model, toy.toy_chat(tok), tasks, cfg))["reward"]
@@ -204,13 +205,13 @@ def test_conventions_kept_compares_the_calls_with_the_shop():
     """Shop A's oracle episode read against a task of shop B keeps exactly the conventions A and B agree on
     (brute force over the 16 × 16 pairs of K = 4); a verification after the first change does not count."""
     rng = random.Random(4)
-    for a, b in itertools.product(envs.shops(4), repeat=2):
-        task_a = envs.make_task(rng, "t", shop=a, schema="cancel")
+    for a, b in itertools.product(tool_world.shops(4), repeat=2):
+        task_a = tool_world.make_task(rng, "t", shop=a, schema="cancel")
         env, _ = play(task_a, oracle_calls(task_a))
-        kept = envs.conventions_kept(dataclasses.replace(task_a, shop=b), env.trace_text())
+        kept = tool_world.conventions_kept(dataclasses.replace(task_a, shop=b), env.trace_text())
         assert kept == {c: int(RULES[a][c] == RULES[b][c]) for c in RULES[b]}, (a, b)
-    task = envs.make_task(rng, "t", shop="cedar", schema="cancel")            # verify, no staging
+    task = tool_world.make_task(rng, "t", shop="cedar", schema="cancel")            # verify, no staging
     late = [c for c in oracle_calls(task) if c[0] != "verify_customer"]       # ..., cancel_order (refused)
     late += [("verify_customer", {"customer_id": late[1][1]["customer_id"]}), late[-1]]   # verify, cancel again
     env, _ = play(task, late)
-    assert env.reward() == 1.0 and envs.conventions_kept(task, env.trace_text()) == {"verify": 0, "commit": 1}
+    assert env.reward() == 1.0 and tool_world.conventions_kept(task, env.trace_text()) == {"verify": 0, "commit": 1}

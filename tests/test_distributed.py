@@ -26,11 +26,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import baselines  # noqa: E402
 import engine  # noqa: E402
-import envs  # noqa: E402
 import lopd  # noqa: E402
 import retrieval  # noqa: E402
 import runtime  # noqa: E402
-import toy  # noqa: E402
+from worlds import common, tool_world  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -116,11 +116,11 @@ def equivalence(backbone, out):
     from composer import Composer, ComposerConfig
     tok = AutoTokenizer.from_pretrained(backbone)
     base = AutoModelForCausalLM.from_pretrained(backbone).eval()
-    tasks, _ = envs.make_splits(seed=0, n_train=2 * B + 4, n_test=1)
+    tasks, _ = tool_world.make_splits(seed=0, n_train=2 * B + 4, n_test=1)
     tasks, bank_tasks = tasks[:2 * B], tasks[2 * B:]
     chat, fixed = toy.toy_chat(tok), []                        # scripted episodes with the rewards above
     for task, r in zip(tasks, REWARDS):
-        ep = engine.scripted_episode(chat, task, envs.oracle_calls(task)[:1])
+        ep = engine.scripted_episode(chat, task, common.scripted_replies(tool_world.oracle_calls(task)[:1]))
         ep.reward, ep.mask = r, [m if i % 3 or not m else 0 for i, m in enumerate(ep.mask)]   # uneven ω counts
         fixed.append(ep)
     entries = [retrieval.make_entry(t.task_id, t.text, f"trace {i}", 1.0, {"episode": i})
@@ -151,11 +151,12 @@ def equivalence(backbone, out):
     try:
         opts = (torch.optim.SGD(student.parameters(), lr=1.0), torch.optim.SGD(comp.trainable_parameters(), lr=1.0))
         cfg = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9)
-        beta, m, _ = lopd.lopd_step(student, comp, chat, runtime.shard(tasks), ret, c0, 0.3, opts, cfg)
+        beta, m, _ = lopd.lopd_step(student, comp, chat, runtime.shard(tasks), ret, c0_cache=c0, beta=0.3, opts=opts, cfg=cfg)
         # the chunked loss (hidden states out, LM heads applied by the loss) on the FSDP2 student, a second step
         chunked = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9, loss_chunk=2)
         opts = (torch.optim.SGD(student.parameters(), lr=1e-3), torch.optim.SGD(comp.trainable_parameters(), lr=1e-3))
-        beta, m_chunked, _ = lopd.lopd_step(student, comp, chat, runtime.shard(tasks), ret, c0, beta, opts, chunked)
+        beta, m_chunked, _ = lopd.lopd_step(student, comp, chat, runtime.shard(tasks), ret, c0_cache=c0, beta=beta, opts=opts,
+                                            cfg=chunked)
         assert (runtime.full_optimizer_state(opts[0]) is None) == (runtime.rank() != 0)   # rank 0 keeps the copy
         opt = torch.optim.SGD(grpo_student.parameters(), lr=1.0)
         bcfg = baselines.BaselineConfig(group=2, micro_batch=1, clip=1e9)

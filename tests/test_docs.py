@@ -12,7 +12,18 @@ import re
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+FOLDERS = ("worlds", "scripts")       # the worlds and benchmarks; the entry points beside train.py and eval.py
+
+
+def modules(root: str = ROOT) -> list[str]:
+    """The project's modules by import name: the top level's files, then each folder's ("worlds.common")."""
+    top = [f[:-3] for f in os.listdir(root) if f.endswith(".py")]
+    inner = [f"{d}.{f[:-3]}" for d in FOLDERS if os.path.isdir(os.path.join(root, d))
+             for f in os.listdir(os.path.join(root, d)) if f.endswith(".py") and f != "__init__.py"]
+    return sorted(top + inner)
+
+
+MODULES = modules()
 
 
 def readme() -> str:
@@ -24,7 +35,7 @@ def reading_order_names() -> list[str]:
     text = readme()
     section = text[text.index("## Reading order"):]
     section = section[:section.index("\n## ", 1)]
-    return re.findall(r"`(\w+)\.py:([\w.]+)`", section)
+    return [(path.replace("/", "."), name) for path, name in re.findall(r"`([\w/]+)\.py:([\w.]+)`", section)]
 
 
 def test_readme_is_a_front_page():
@@ -39,7 +50,7 @@ def missing(names) -> list[str]:
         for part in path.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
-                out.append(f"{module}.py:{path}")
+                out.append(f"{module.replace('.', '/')}.py:{path}")
                 break
     return out
 
@@ -53,16 +64,18 @@ def test_every_name_in_the_reading_order_exists():
         "losses.py:no_such_loss", "composer.py:Composer.no_such_method"]
 
 
-def local_imports(module: str) -> set[str]:
-    """The project's own modules that `module` imports anywhere (top level or inside a function)."""
-    tree = ast.parse(open(os.path.join(ROOT, module + ".py"), encoding="utf-8").read())
+def local_imports(module: str, root: str = ROOT) -> set[str]:
+    """The project's own modules that `module` imports anywhere (top level or inside a function): `import x`,
+    `import worlds.common`, `from worlds import common`, `from worlds.common import Environment`."""
+    path = os.path.join(root, module.replace(".", os.sep) + ".py")
+    tree = ast.parse(open(path, encoding="utf-8").read())
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-    return (found & set(MODULES)) - {module}
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return (found & set(modules(root))) - {module}
 
 
 def find_cycle(graph: dict) -> list | None:
@@ -87,11 +100,19 @@ def find_cycle(graph: dict) -> list | None:
     return None
 
 
-def test_no_import_circle():
+def test_no_import_circle(tmp_path):
     graph = {m: local_imports(m) for m in MODULES}
     assert "train" in graph["eval"] and "eval" not in graph["train"]     # eval.py loads runs through train.py
+    assert "worlds.common" in graph["worlds.tool_world"]                  # the folders' imports are read too
     assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph))}"
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]   # the search can find one
+    # a circle planted inside a worlds folder is found, whichever way its files import each other
+    (tmp_path / "worlds").mkdir()
+    (tmp_path / "worlds" / "a.py").write_text("from worlds import b\n")
+    (tmp_path / "worlds" / "b.py").write_text("import worlds.c\n")
+    (tmp_path / "worlds" / "c.py").write_text("def f():\n    from worlds.a import g\n")
+    planted = {m: local_imports(m, str(tmp_path)) for m in modules(str(tmp_path))}
+    assert find_cycle(planted) == ["worlds.a", "worlds.b", "worlds.c", "worlds.a"]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -232,14 +253,83 @@ def test_the_adding_a_method_diff_applies_to_the_tree():
     import subprocess
     text = open(os.path.join(ROOT, "docs", "adding-a-method.md"), encoding="utf-8").read()
     blocks = re.findall(r"```diff\n(.*?)```", text, re.S)
-    assert len(blocks) == 1 and "+def reinforce_step" in blocks[0]
+    assert len(blocks) == 2 and "+def reinforce_step" in blocks[0] and "+def bucket_jsd" in blocks[1]
     if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
         import pytest
         pytest.skip("git apply --check needs git and the repository's .git")
-    check = subprocess.run(["git", "apply", "--check", "-"], input=blocks[0], text=True, cwd=ROOT,
-                           capture_output=True)
-    assert check.returncode == 0, check.stderr
+    for block in blocks:
+        check = subprocess.run(["git", "apply", "--check", "-"], input=block, text=True, cwd=ROOT, capture_output=True)
+        assert check.returncode == 0, check.stderr
+    files = set(re.findall(r"^diff --git a/(\S+)", blocks[1], re.M)) - {"tests/test_losses.py"}
+    assert files == {"losses.py", "lopd.py", "train.py"}                  # the option is three edits, one a file
     broken = blocks[0].replace('\n     "grpo": Method(', '\n     "grpo": Methods(', 1)   # a context line the tree lacks
     assert broken != blocks[0]
     assert subprocess.run(["git", "apply", "--check", "-"], input=broken, text=True, cwd=ROOT,
                           capture_output=True).returncode != 0                      # the check can fail
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The house's plan: the tree shows the architecture (README's file map)
+# ------------------------------------------------------------------------------------------------------------
+METHOD_FILES = ("engine", "lopd", "losses", "composer", "inject", "retrieval", "baselines")
+
+
+def project_trees(include_tests: bool = False):
+    """(module name, parsed tree) of every project module (and of the tests, if asked)."""
+    names = MODULES + ([f"tests.{f[:-3]}" for f in os.listdir(os.path.join(ROOT, "tests")) if f.endswith(".py")]
+                       if include_tests else [])
+    for m in names:
+        yield m, ast.parse(open(os.path.join(ROOT, m.replace(".", os.sep) + ".py"), encoding="utf-8").read())
+
+
+def test_the_top_holds_the_papers_files_the_shared_ones_and_the_engineering():
+    top = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert top == ["baselines.py", "composer.py", "engine.py", "eval.py", "inject.py", "lopd.py", "losses.py",
+                   "retrieval.py", "runtime.py", "train.py"], top
+    assert len(open(os.path.join(ROOT, "train.py"), encoding="utf-8").read().splitlines()) <= 700
+
+
+def test_no_method_file_imports_a_world():
+    """The engine and the method's files know no world (the worlds know the engine); a planted import is found."""
+    graph = {m: local_imports(m) for m in MODULES}
+    for m in METHOD_FILES:
+        assert not {i for i in graph[m] if i.startswith("worlds")}, (m, graph[m])
+    planted = ast.parse("def f():\n    from worlds import tool_world\n")
+    found = {a.name for n in ast.walk(planted) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert found == {"tool_world"}
+
+
+def positional_params(fn) -> int:
+    bound = bool(fn.args.args) and fn.args.args[0].arg in ("self", "cls")
+    return len(fn.args.posonlyargs) + len(fn.args.args) - bound
+
+
+def test_functions_of_the_method_files_take_at_most_six_positional_parameters():
+    """Where a call needs more, it passes a config or keywords (keyword-only parameters do not count)."""
+    wide = [f"{m}.{n.name}: {positional_params(n)}" for m, tree in project_trees() if m in METHOD_FILES
+            for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and positional_params(n) > 6]
+    assert not wide, wide
+    assert positional_params(ast.parse("def f(a, b, c, d, e, f, g, *, h): pass").body[0]) == 7   # it can count
+
+
+def test_eq13_is_built_by_keyword_and_no_private_name_crosses_a_file():
+    """Eq13(...) with positional arguments anywhere (tests and docs included) fills a field silently wrong; a private
+    name of one project module used in another is a contract nobody wrote down."""
+    docs = "\n".join(open(os.path.join(ROOT, "docs", f), encoding="utf-8").read()
+                     for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+    assert not re.search(r"Eq13\((?!\*|beta=|\))[^)=]*,", docs)
+    bad, crossing = [], []
+    for m, tree in project_trees(include_tests=True):
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) == "Eq13" and n.args:
+                bad.append(f"{m}:{n.lineno}")
+            if m.startswith("tests."):
+                continue
+            if isinstance(n, ast.ImportFrom) and n.module in MODULES:
+                crossing += [f"{m}: from {n.module} import {a.name}" for a in n.names if a.name.startswith("_")]
+            if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in
+                    {x.split(".")[-1] for x in MODULES} and n.attr.startswith("_") and not n.attr.startswith("__")):
+                crossing.append(f"{m}:{n.lineno}: {n.value.id}.{n.attr}")
+    assert not bad, f"Eq13 built positionally: {bad}"
+    assert not crossing, crossing

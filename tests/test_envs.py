@@ -5,8 +5,9 @@ import random
 
 import pytest
 
-import envs
-from envs import DONE_TEXT, SHOPS, Task, ToolWorld, format_call, load_tasks, oracle_calls
+from worlds import common, tool_world
+from worlds.common import DONE_TEXT, format_call
+from worlds.tool_world import SHOPS, Task, ToolWorld, load_tasks, oracle_calls
 
 
 def hand_task(shop="cedar"):
@@ -65,7 +66,7 @@ def test_over_applied_convention_aborts_and_rolls_back():
     session and rolls its changes back: no convention is free to apply everywhere."""
     cedar = oracle_calls(hand_task("cedar"))                         # verify, no staging
     env = play(hand_task("cedar"), cedar + [("commit", {})])
-    assert env.aborted and env.trace[-1][2] == envs.ABORTED.format("commit")
+    assert env.aborted and env.trace[-1][2] == tool_world.ABORTED.format("commit")
     assert env.reward() == 0.0 and env.db == hand_task("cedar").db  # the applied changes are gone
     res = env.step(format_call("cancel_order", {"order_id": "O002"}))
     assert res.done and env.db == hand_task("cedar").db             # nothing runs after an abort
@@ -90,21 +91,21 @@ def test_verify_shop_refuses_changes_until_verified():
 
 
 def test_oracle_solves_every_generated_task():
-    train, test = envs.make_splits(seed=1, n_train=300, n_test=100)
+    train, test = tool_world.make_splits(seed=1, n_train=300, n_test=100)
     for t in train + test:
         assert play(t, oracle_calls(t)).reward() == 1.0, t.text
 
 
 def test_splits_disjoint_and_seeded():
-    a_train, a_test = envs.make_splits(seed=3, n_train=200, n_test=50)
-    b_train, _ = envs.make_splits(seed=3, n_train=200, n_test=50)
+    a_train, a_test = tool_world.make_splits(seed=3, n_train=200, n_test=50)
+    b_train, _ = tool_world.make_splits(seed=3, n_train=200, n_test=50)
     assert [t.text for t in a_train] == [t.text for t in b_train]
     assert not {t.text for t in a_train} & {t.text for t in a_test}
     assert {t.shop for t in a_train} == set(SHOPS) and len({t.schema for t in a_train}) >= 8
 
 
 def _random_action(rng):
-    names = [t["function"]["name"] for t in envs.TOOLS] + ["", "drop_table", "find_order "]
+    names = [t["function"]["name"] for t in tool_world.TOOLS] + ["", "drop_table", "find_order "]
     junk = ["", "{", "}", "null", "[1,2]", '{"name": 3}', '{"name": "x", "arguments": []}', "<tool_call>",
             "</tool_call>", "Task Completed", "\x00", "😀", '{"name": "commit", "arguments": {"a": 1}}']
     values = [None, 0, -1, 10**30, 1.5, True, "", "C100", "O002", "O999", "A10", "K2", "gold", "qty", "status",
@@ -136,16 +137,16 @@ def test_fuzz_step_never_raises_and_state_stays_consistent():
         for o in env.db["orders"].values():                         # invariants of the database
             assert o["customer"] in env.db["customers"]
             assert isinstance(o["qty"], int) and 1 <= o["qty"] <= 99
-            assert o["status"] in envs.STATUSES and o["item"] in envs.ITEMS
+            assert o["status"] in tool_world.STATUSES and o["item"] in tool_world.ITEMS
         for c in env.db["customers"].values():
-            assert c["tier"] in envs.TIERS and c["account"].startswith("A")
+            assert c["tier"] in tool_world.TIERS and c["account"].startswith("A")
     assert env.task.db == hand_task(env.task.shop).db               # the task's initial state is never touched
 
 
 def test_tasks_jsonl_round_trip_and_errors(tmp_path):
-    train, _ = envs.make_splits(seed=0, n_train=20, n_test=1)
+    train, _ = tool_world.make_splits(seed=0, n_train=20, n_test=1)
     path = tmp_path / "tasks.jsonl"
-    envs.save_tasks(train, str(path))
+    tool_world.save_tasks(train, str(path))
     assert [t.__dict__ for t in load_tasks(str(path))] == [t.__dict__ for t in train]
     lines = path.read_text().splitlines()
     bad = copy.deepcopy(json.loads(lines[2]))
@@ -160,21 +161,21 @@ def test_tasks_jsonl_round_trip_and_errors(tmp_path):
 
 def test_lite_trace_format():
     env = play(hand_task("delta"), [("find_customer", {"account": "A10"}), ("nope", {})])
-    assert envs.lite_trace(env.trace) == ('1. find_customer(account="A10") -> C100\n'
+    assert common.lite_trace(env.trace) == ('1. find_customer(account="A10") -> C100\n'
                                           "2. nope() -> Error: unknown tool 'nope'")
 
 
 def test_the_learner_reads_only_what_the_environment_interface_declares():
     """engine.py (Chat, rollout), lopd.py, baselines.py and train.py read an environment only through
-    envs.Environment's names: every `env.X` they use is declared there (so a new world knows what to provide), and
+    common.Environment's names: every `env.X` they use is declared there (so a new world knows what to provide), and
     none is probed with getattr (lopd.py reaches an environment only through engine.Chat)."""
     import os
     import re
 
-    import envs
+    from worlds import common
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     reads = r"(?:\benv|\bprobe|make_env\(\)|envs_\[0\]|env_factory\(args\)\(\))\.(\w+)"   # probe: Chat's
-    declared = set(dir(envs.Environment)) | {"trace"}                     # trace: set by __init__
+    declared = set(dir(common.Environment)) | {"trace"}                     # trace: set by __init__
     seen = set()
     for name in ("engine.py", "lopd.py", "baselines.py", "train.py"):
         text = open(os.path.join(root, name), encoding="utf-8").read()
@@ -187,20 +188,20 @@ def test_the_learner_reads_only_what_the_environment_interface_declares():
 
 
 def test_env_values_name_a_shipped_world_or_a_users_class(tmp_path):
-    import envs
-    assert envs.environment_class("tools") is envs.ToolWorld
-    assert envs.environment_class("code").__name__ == "CodeWorld"
+    from worlds import common, tool_world
+    assert common.environment_class("tools") is tool_world.ToolWorld
+    assert common.environment_class("code").__name__ == "CodeWorld"
     mine = tmp_path / "mine.py"
-    mine.write_text("import envs\n\nclass Mine(envs.Environment):\n    def reset(self, task):\n        return []\n\n"
-                    "    def step(self, reply):\n        return envs.StepResult([], True)\n\n"
-                    "    def reward(self):\n        return 0.0\n\nclass Empty(envs.Environment):\n    pass\n\n"
+    mine.write_text("from worlds import common\n\nclass Mine(common.Environment):\n    def reset(self, task):\n        return []\n\n"
+                    "    def step(self, reply):\n        return common.StepResult([], True)\n\n"
+                    "    def reward(self):\n        return 0.0\n\nclass Empty(common.Environment):\n    pass\n\n"
                     "class NotOne:\n    pass\n")
-    assert envs.environment_class(f"{mine}:Mine").__name__ == "Mine"
+    assert common.environment_class(f"{mine}:Mine").__name__ == "Mine"
     for bad, said in (("bogus", "expected tools or code"), (f"{mine}:NotOne", "no class 'NotOne'"),
                       (f"{mine}:Empty", "does not implement reset, step, reward"),
                       ("nofile.py:X", "no such file"), ("no_such_module:X", "cannot import")):
         with pytest.raises(ValueError, match=said):
-            envs.environment_class(bad)
+            common.environment_class(bad)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def test_tagged_blocks_and_extract_code_find_what_the_regexes_found():
     tags, fences and text."""
     import re
 
-    import code_env
+    from worlds import code_world
     tool_re = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
     fence_re = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 
@@ -225,9 +226,9 @@ def test_tagged_blocks_and_extract_code_find_what_the_regexes_found():
               "\n", " ", "`", "python", "\t\n"]
     for _ in range(5000):
         text = "".join(rng.choice(tags) for _ in range(rng.randrange(12)))
-        assert envs.tagged_blocks(text, "<tool_call>", "</tool_call>") == tool_re.findall(text), text
+        assert common.tagged_blocks(text, "<tool_call>", "</tool_call>") == tool_re.findall(text), text
         reply = "".join(rng.choice(fences) for _ in range(rng.randrange(12)))
-        assert code_env.extract_code(reply) == old_extract(reply), reply
+        assert code_world.extract_code(reply) == old_extract(reply), reply
 
 
 @pytest.mark.parametrize("tag", ["<tool_call>", "<function_calls>", "```python\n", "<think>", "{"])
@@ -235,11 +236,11 @@ def test_a_reply_of_100k_unclosed_tags_parses_in_well_under_a_second(tag):
     """A degenerate sample at a long budget: 100k unclosed tags (a megabyte or more). The regexes took over 600 s."""
     import time
 
-    import code_env
+    from worlds import code_world
     reply = tag * 100_000
     t0 = time.perf_counter()
-    calls = envs.parse_tool_calls(reply)
-    code_env.extract_code(reply)
+    calls = common.parse_tool_calls(reply)
+    code_world.extract_code(reply)
     assert time.perf_counter() - t0 < 1.0
     assert all(name is None for name, _ in calls)                   # unterminated or malformed: error observations
 
@@ -253,7 +254,7 @@ def test_a_reply_of_100k_unclosed_tags_parses_in_well_under_a_second(tag):
     "<function_calls>f(a=" + "1" * 5000 + ")</function_calls>",
 ])
 def test_a_call_the_parsers_cannot_read_is_an_error_observation(reply):
-    (name, why), = envs.parse_tool_calls(reply)
+    (name, why), = common.parse_tool_calls(reply)
     assert name is None and why.startswith("Error")
     env = ToolWorld()
     env.reset(hand_task())

@@ -1,4 +1,4 @@
-"""EnvScaler as released (envscaler_env.py): a small dataset in the published format, written here, run by the
+"""EnvScaler as released (worlds/envscaler.py): a small dataset in the published format, written here, run by the
 official episode rules with each environment's code in a sandboxed worker.
 
 Two environments: a library (tools that read, change and raise; checklists that read the final and the initial
@@ -16,10 +16,10 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import envs  # noqa: E402
-import envscaler_env as es  # noqa: E402
-import sandbox  # noqa: E402
 from runtime import UserError  # noqa: E402
+from worlds import common  # noqa: E402
+from worlds import envscaler as es  # noqa: E402
+from worlds import sandbox  # noqa: E402
 
 LIBRARY = '''
 class Library:
@@ -119,7 +119,7 @@ def world(**kw):
 
 
 def call(name, **args):
-    return envs.format_call(name, args)
+    return common.format_call(name, args)
 
 
 def by_hand(final: dict, initial: dict) -> float:
@@ -212,7 +212,7 @@ def test_every_answer_a_worker_can_give_costs_the_episode_not_the_run(tasks):
     """A state that cannot be copied (the checklist's worker raises), an answer of the wrong kind written on the
     protocol's own stream, a flood without a newline, a worker killed under the trainer: each ends its episode with
     an error observation, `step` and `reward` never raise, and the next episode scores as before. (Environment code
-    that forges well-formed answers in the right order can still fool its own checklist: sandbox.py, "the verdict".)"""
+    that forges well-formed answers in the right order can still fool its own checklist: worlds/sandbox.py, "the verdict".)"""
     env = world()
     env.reset(tasks["peek"])
     assert env.step(call("keep_a_generator")).observations == ["kept"]

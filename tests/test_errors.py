@@ -9,8 +9,8 @@ import pytest
 from transformers import BertConfig, DistilBertConfig
 
 import engine
-import toy
 import train
+from worlds import toy_backbone as toy
 
 FAST = ["--n-train", "2", "--n-test", "1", "--bank-rollouts", "1", "--device", "cpu"]
 

@@ -1,4 +1,4 @@
-"""The escape suite: every way out of the sandbox (sandbox.py) we know of, tried for real against every world that
+"""The escape suite: every way out of the sandbox (worlds/sandbox.py) we know of, tried for real against every world that
 runs untrusted code, through the world's own episode path.
 
     python -m pytest tests/test_escape.py -q                              # about a minute
@@ -21,13 +21,12 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import sandbox  # noqa: E402
+from worlds import sandbox  # noqa: E402
 
 # {target}: a path outside the sandbox that must not appear; {canary}: a file outside that must stay as it is;
 # {port}: a listener of the trainer's; {readme}: this project's README.
@@ -70,7 +69,7 @@ TRAINER = r'''
 import json, os, socket, sys, textwrap, time
 sys.path.insert(0, sys.argv[1])
 world, attempts, paths = sys.argv[2], json.loads(sys.stdin.read()), json.loads(sys.argv[3])
-import sandbox
+from worlds import sandbox
 MARK = "sandbox: cannot confine the program"        # in every sandbox child's command line (the CHILD source)
 
 def sandbox_processes():
@@ -95,22 +94,22 @@ def left_behind():
     return sandbox_processes()
 
 if world == "code":
-    import code_env
+    from worlds import code_benchmarks, code_world
     limits = sandbox.SandboxLimits(wall_s=2.0, cpu_s=1, memory_mb=256, output_kb=64)
-    hostile = code_env.CodeProblem("hostile", "escape", tests=[{"input": "", "output": "ESCAPED\n"}])
-    normal = code_env.CodeProblem("sum", "add", tests=[{"input": "1 2\n", "output": "3\n"}])
+    hostile = code_benchmarks.CodeProblem("hostile", "escape", tests=[{"input": "", "output": "ESCAPED\n"}])
+    normal = code_benchmarks.CodeProblem("sum", "add", tests=[{"input": "1 2\n", "output": "3\n"}])
     def attempt(code):
-        env = code_env.CodeWorld(limits=limits)
+        env = code_world.CodeWorld(limits=limits)
         env.reset(hostile)
         env.step("```python\n" + code + "\n```")
         return {"escaped": env.reward() == 1.0, "detail": env.trace[0][2]}
     def after():
-        env = code_env.CodeWorld(limits=limits)
+        env = code_world.CodeWorld(limits=limits)
         env.reset(normal)
         env.step("```python\na, b = map(int, input().split())\nprint(a + b)\n```")
         return env.reward()
 else:
-    import envs, envscaler_env as es
+    from worlds import common, envscaler as es
     limits = sandbox.SandboxLimits(wall_s=2.0, cpu_s=5, memory_mb=256, output_kb=64)
     def task(code, env_id="hostile"):
         meta = {"env_id": env_id, "tools": [], "environment_introduction": "", "constraints_rules": [],
@@ -128,14 +127,14 @@ else:
                    "    def attack(self):\n" + textwrap.indent(code, "        ") + "\n")
         env = es.EnvScalerWorld(limits=limits)
         env.reset(task(cls))
-        obs = env.step(envs.format_call("attack", {})).observations
+        obs = env.step(common.format_call("attack", {})).observations
         env.step("Task Completed")
         return {"escaped": any("ESCAPED" in o for o in obs), "reward": env.reward(), "detail": obs[0][-300:]}
     def after():
         cls = "class Hostile:\n    def __init__(self, config):\n        self.n = 0\n    def add(self):\n        self.n += 1\n        return 'ok'\n"
         env = es.EnvScalerWorld(limits=limits)
         env.reset(task(cls, "normal"))
-        env.step(envs.format_call("add", {}))
+        env.step(common.format_call("add", {}))
         env.step("Task Completed")
         return env.reward()
 

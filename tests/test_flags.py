@@ -1,9 +1,9 @@
-"""bench.py and eval.py name a bad flag instead of crashing on it (bench.py prints figures and asserts none)."""
+"""scripts/bench.py and eval.py name a bad flag instead of crashing on it (scripts/bench.py prints figures and asserts none)."""
 import importlib
 
 import pytest
 
-import bench
+from scripts import bench
 
 
 @pytest.mark.parametrize("flag", ["--rollouts", "--micro-batch", "--tokens", "--top-m", "--repeats", "--programs"])
@@ -22,13 +22,13 @@ def test_eval_names_a_negative_flag(tmp_path, capsys, flags):
 
 
 def test_bench_dist_step_times_every_phase_of_a_toy_iteration(capsys):
-    """bench.py --dist-step patches the functions lopd_step calls, in the modules it calls them through (runtime's
+    """scripts/bench.py --dist-step patches the functions lopd_step calls, in the modules it calls them through (runtime's
     collectives, lopd's phases, losses' objective), and restores nothing it did not find: one process, 4 rollouts."""
     import engine
     import lopd
     import losses
     import runtime
-    import toy
+    from worlds import toy_backbone as toy
     saved = {(m, n): getattr(m, n) for m, n in ((engine, "rollout"), (lopd, "compose"), (lopd, "retrieve"),
                                                 (lopd, "student_teacher_logits"), (engine, "optimizer_step"),
                                                 (engine, "summarize_all"), (runtime, "all_sum"), (runtime, "all_true"),

@@ -16,8 +16,8 @@ from transformers import Qwen3ForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import engine  # noqa: E402
 import inject  # noqa: E402
-import toy  # noqa: E402
-from envs import ToolWorld, make_task  # noqa: E402
+from worlds.tool_world import ToolWorld, make_task  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 
 SHORT = ("Reference:", "End of reference. Your task:")   # short framing: fewer tokens for the model tests
 
@@ -45,7 +45,7 @@ def both_paths(tok, model, texts, n):
     """Left-padded batch two ways: token ids in the span, and placeholders + their embeddings injected."""
     rows, tok_rows, starts, lat = [], [], [], []
     for i, t in enumerate(texts):
-        ids, s = inject.latent_prompt_ids(tok, msgs(t), n, framing=SHORT)
+        ids, s = engine.latent_prompt_ids(tok, msgs(t), n, framing=SHORT)
         chosen = known_ids(tok, n, seed=i)                                      # (n,)
         rows.append(ids)
         tok_rows.append(ids[:s] + chosen.tolist() + ids[s + n:])
@@ -94,7 +94,7 @@ def test_framing_is_word_for_word():
 
 
 def test_latent_prompt_ids_span(tok):
-    ids, start = inject.latent_prompt_ids(tok, msgs("[cedar] Cancel Ana's pear order."), 6)
+    ids, start = engine.latent_prompt_ids(tok, msgs("[cedar] Cancel Ana's pear order."), 6)
     assert ids[start:start + 6] == [tok.pad_token_id] * 6
     assert tok.pad_token_id not in ids[:start] + ids[start + 6:]
     text = tok.decode(ids[start + 6:])
@@ -113,13 +113,13 @@ def test_latent_user_content_joining():
 
 def test_sentinel_missing_or_repeated(tok):
     with pytest.raises(ValueError, match="2 times, expected exactly once"):
-        inject.latent_prompt_ids(tok, msgs("quote " + inject.LATENT_PH), 4)
+        engine.latent_prompt_ids(tok, msgs("quote " + inject.LATENT_PH), 4)
     t2 = copy.deepcopy(tok)
     t2.chat_template = "{% for m in messages %}{{ m.role }}{% endfor %}"      # drops the message contents
     with pytest.raises(ValueError, match="0 times, expected exactly once"):
-        inject.latent_prompt_ids(t2, msgs("x"), 4)
+        engine.latent_prompt_ids(t2, msgs("x"), 4)
     with pytest.raises(ValueError, match="no user message"):
-        inject.latent_prompt_ids(tok, [{"role": "system", "content": "s"}], 4)
+        engine.latent_prompt_ids(tok, [{"role": "system", "content": "s"}], 4)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_generate_replies_with_embed_fn(tok, model):
     n = 4
     rows, tok_rows, starts, lat = [], [], [], []
     for i, t in enumerate(texts):
-        ids, s = inject.latent_prompt_ids(tok, msgs(t), n, framing=SHORT)
+        ids, s = engine.latent_prompt_ids(tok, msgs(t), n, framing=SHORT)
         chosen = known_ids(tok, n, seed=10 + i)
         rows.append(ids)
         tok_rows.append(ids[:s] + chosen.tolist() + ids[s + n:])
@@ -169,7 +169,7 @@ def test_rollout_with_latent_prompt(tok, model):
     tasks = [make_task(rng, f"t{i}") for i in range(3)]
     n = 4
     chosen = [known_ids(tok, n, seed=20 + i) for i in range(3)]
-    spans = [inject.latent_prompt_ids(tok, ToolWorld().reset(t), n, framing=SHORT) for t in tasks]
+    spans = [engine.latent_prompt_ids(tok, ToolWorld().reset(t), n, framing=SHORT) for t in tasks]
     lat = torch.stack([model.get_input_embeddings().weight[c].detach() for c in chosen])  # (N, n, d)
     by_text = {t.text: i for i, t in enumerate(tasks)}
 
@@ -217,7 +217,7 @@ def test_mask_from_lengths_keeps_placeholders_visible(tok, model):
                                                       "[alder] Move Cleo to Rome, then ship it."], 4)
     lengths = att.sum(1)
     assert torch.equal(inject.length_mask(lengths, ph.shape[1], left=True), att)
-    spans = inject.span_mask(starts, 4, ph.shape[1])                            # (B, L)
+    spans = span_mask(starts, 4, ph.shape[1])                                   # (B, L)
     assert (att[spans] == 1).all() and (ph[spans] == tok.pad_token_id).all()
     naive = (ph != tok.pad_token_id).long()                                     # (B, L): the trap
     assert (naive[spans] == 0).all()
@@ -233,8 +233,15 @@ def test_length_mask_and_span_starts():
     assert inject.length_mask([2, 4], 4, left=False).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     att = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     assert inject.span_starts(att, [1, 2]).tolist() == [4, 2]
-    assert inject.span_mask(torch.tensor([1, 3]), 2, 5).tolist() == [
+    assert span_mask(torch.tensor([1, 3]), 2, 5).tolist() == [
         [False, True, True, False, False], [False, False, False, True, True]]
+
+
+def span_mask(starts, n: int, total: int) -> torch.Tensor:
+    """The placeholder span as a mask: starts (B,) -> (B, total) bool, True at starts[b] ... starts[b] + n − 1."""
+    pos = torch.arange(total)[None, :]                                          # (1, total)
+    starts = torch.as_tensor(starts, dtype=torch.long)[:, None]                 # (B, 1)
+    return (pos >= starts) & (pos < starts + n)                                 # (B, total)
 
 
 # ------------------------------------------------------------------------------------------------------------

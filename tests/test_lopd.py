@@ -15,15 +15,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from composer import Composer, ComposerConfig  # noqa: E402
 import engine  # noqa: E402
-import envs  # noqa: E402
 import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
 import retrieval  # noqa: E402
 import runtime  # noqa: E402
-import toy  # noqa: E402
-from composer import Composer, ComposerConfig  # noqa: E402
+from worlds import tool_world  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 
 J = 2                                           # experiences per task; K = 2 latents each -> 4 latent positions
 CFG = ComposerConfig(n_latents=2, n_layers=1)
@@ -40,10 +40,10 @@ def world(toy_backbone_dir):
     out = toy_backbone_dir
     tok = AutoTokenizer.from_pretrained(out)
     base = AutoModelForCausalLM.from_pretrained(out).eval()
-    train, _ = envs.make_splits(seed=0, n_train=14, n_test=1)
+    train, _ = tool_world.make_splits(seed=0, n_train=14, n_test=1)
     chat, entries = toy.toy_chat(tok), []
     for i, task in enumerate(train[:8]):
-        ep = engine.scripted_episode(chat, task, envs.oracle_calls(task))
+        ep = engine.scripted_episode(chat, task, tool_world.oracle_replies(task))
         entries.append(retrieval.make_entry(task.task_id, task.text, ep.trace, ep.reward,
                                             {"schema": task.schema, "shop": task.shop, "episode": i}))
     ret = retrieval.Retriever(entries, retrieval.Embedder.from_model(base, tok, pooling="mean"))
@@ -105,7 +105,8 @@ def setup_step(world, seed=0, tasks=None, lr=1e-3, freeze=False, perturb_c0=0.0)
 def run_step(world, student, comp, tasks, c0, opts, beta=0.3, rng_seed=0, **cfg):
     cfg = lopd.LOPDConfig(**{"n_ret": J, "top_m": 5, "micro_batch": 3, "sample": SAMPLE, **cfg})
     torch.manual_seed(rng_seed)
-    return lopd.lopd_step(student, comp, world["chat"], tasks, world["retriever"], c0, beta, opts, cfg)
+    return lopd.lopd_step(student, comp, world["chat"], tasks, world["retriever"], c0_cache=c0, beta=beta, opts=opts,
+                          cfg=cfg)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def test_pack_puts_continuation_token_t_in_column_P_plus_t():
 def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
     """Batched, padded scoring = each episode scored alone, at every continuation position, for both models."""
     tok, student, comp = world["tok"], *make_models(world)
-    all_eps = [engine.scripted_episode(world["chat"], t, envs.oracle_calls(t)) for t in world["train"]]
+    all_eps = [engine.scripted_episode(world["chat"], t, tool_world.oracle_replies(t)) for t in world["train"]]
     eps, lengths = [], {7}                      # four different continuation lengths, one of them cut short
     for e in all_eps:
         if len(e.ids) - e.prompt_len not in lengths and len(eps) < 4:
@@ -145,8 +146,8 @@ def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
             alone_s = student(input_ids=torch.tensor([e.ids])).logits[0]                # (T, V)
             torch.testing.assert_close(ls[i, :n], alone_s[e.prompt_len - 1:-1], atol=1e-5, rtol=0)
             # teacher: latent prompt + the same continuation, latents injected, LoRA off
-            prompt, start = inject.latent_prompt_ids(tok, envs.ToolWorld().reset(e.task), latents.shape[1],
-                                                     envs.ToolWorld().framing)
+            prompt, start = engine.latent_prompt_ids(tok, tool_world.ToolWorld().reset(e.task), latents.shape[1],
+                                                     tool_world.ToolWorld().framing)
             row = torch.tensor([prompt + cont])                                         # (1, T')
             embeds = inject.embed_with_latents(comp.peft, row, latents[i:i + 1], [start])  # (1, T', d)
             with comp.adapter_disabled():
@@ -274,7 +275,7 @@ def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(w
     import train
     chat, ret = world["chat"], world["retriever"]
     tasks = {t.task_id: t for t in world["train"]}
-    episodes = [engine.scripted_episode(chat, t, envs.oracle_calls(t)) for t in world["train"][:8]]
+    episodes = [engine.scripted_episode(chat, t, tool_world.oracle_replies(t)) for t in world["train"][:8]]
     entries = ret.bank[:4]
     longest = max(len(episodes[e["meta"]["episode"]].ids) for e in entries)
     config = AutoModelForCausalLM.from_pretrained(world["path"]).config
@@ -453,7 +454,7 @@ def test_retrieve_modes_pass_the_controls_to_the_retriever():
         def retrieve(self, task_ids, texts, n_ret, exclude_self, exclude_variants=None, only_variants=None):
             self.call = (task_ids, exclude_self, exclude_variants, only_variants)
             return [[{"task": "t", "trace": "x"}] * n_ret for _ in task_ids]
-    tasks = [envs.make_task(random.Random(i), f"t{i}") for i in range(3)]
+    tasks = [tool_world.make_task(random.Random(i), f"t{i}") for i in range(3)]
     ids, shops = [t.task_id for t in tasks], [t.shop for t in tasks]
     rec = Recorder()
     assert lopd.retrieve(rec, tasks, 2, "none") == [[lopd.NO_REFERENCE] * 2] * 3 and not hasattr(rec, "call")

@@ -284,7 +284,7 @@ def test_lopd_objective_parts_and_gradients():
     c0 = torch.randn(B, 6, 4)
     r = torch.tensor([1.0, 0.0])
     beta, m, lam = 0.7, 0.05, 0.2
-    loss, met = losses.lopd_objective(s, te, ids, mask, r, (c, c0), losses.Eq13(beta, m, lam, M))
+    loss, met = losses.lopd_objective(s, te, ids, mask, r, latents=(c, c0), eq=losses.Eq13(beta=beta, margin=m, anchor=lam, top_m=M, delta_per="trajectory", kl_per="token"))
     # parts against brute force
     distill = bf_distill(s.detach(), te.detach(), mask, M)
     delta = bf_token_logp(te.detach(), ids) - bf_token_logp(s.detach(), ids)
@@ -312,12 +312,12 @@ def test_privilege_against_a_reference_policy():
     s, te, ids, mask = make_batch(seed=13)
     ref = make_batch(seed=14)[1]
     r = torch.tensor([1.0, 0.0])
-    args = (ids, mask, r, None, losses.Eq13(0.7, 0.05, 0.2, M))            # no latents: no anchor
-    plain = losses.lopd_objective(s, te, *args)[1]
-    assert losses.lopd_objective(s, te, *args, ref_logits=s)[1] == plain
-    assert losses.lopd_objective(s, te, *args, ref_logits=te)[1]["privilege/delta"] == 0.0
+    args, kw = (ids, mask, r), {"eq": losses.Eq13(beta=0.7, margin=0.05, anchor=0.2, top_m=M, delta_per="trajectory", kl_per="token")}   # no latents: no anchor
+    plain = losses.lopd_objective(s, te, *args, **kw)[1]
+    assert losses.lopd_objective(s, te, *args, **kw, ref_logits=s)[1] == plain
+    assert losses.lopd_objective(s, te, *args, **kw, ref_logits=te)[1]["privilege/delta"] == 0.0
     s.requires_grad_(True)
-    loss, met = losses.lopd_objective(s, te, *args, ref_logits=ref)
+    loss, met = losses.lopd_objective(s, te, *args, **kw, ref_logits=ref)
     want = bf_Delta(bf_token_logp(te, ids) - bf_token_logp(ref, ids), mask, r, "trajectory")
     assert abs(met["privilege/delta"] - want) < 1e-5 and abs(met["privilege/delta"] - plain["privilege/delta"]) > 1e-3
     loss.backward()
@@ -351,15 +351,16 @@ def run_both(x, chunk, ref, top_m=5, per="trajectory"):
         leaves = [x[k] for k in ("h_s", "h_t", "h_r", "w_s", "b_s", "w_t", "c")]
         for p in leaves:
             p.grad = None
-        rest = (x["ids"], x["mask"], x["rewards"], (x["c"], x["c0"]), losses.Eq13(0.7, 0.05, 0.2, top_m, per))
+        rest = (x["ids"], x["mask"], x["rewards"])
+        kw = {"latents": (x["c"], x["c0"]), "eq": losses.Eq13(beta=0.7, margin=0.05, anchor=0.2, top_m=top_m, delta_per=per, kl_per="token")}
         if fused:
             heads = ((x["w_s"], x["b_s"]), (x["w_t"], None), (x["w_t"], None))
-            loss, m = losses.lopd_objective_from_hidden(x["h_s"], x["h_t"], heads, *rest,
+            loss, m = losses.lopd_objective_from_hidden(x["h_s"], x["h_t"], heads, *rest, **kw,
                                                         h_ref=x["h_r"] if ref else None, chunk=chunk)
         else:
             logits = lambda h, w, b=None: torch.nn.functional.linear(h, w, b)    # noqa: E731
             loss, m = losses.lopd_objective(logits(x["h_s"], x["w_s"], x["b_s"]), logits(x["h_t"], x["w_t"]), *rest,
-                                            ref_logits=logits(x["h_r"], x["w_t"]) if ref else None)
+                                            **kw, ref_logits=logits(x["h_r"], x["w_t"]) if ref else None)
         loss.backward()
         out.append((loss.detach().double(), m, [None if p.grad is None else p.grad.double() for p in leaves]))
     return out

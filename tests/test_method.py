@@ -27,13 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
 import engine  # noqa: E402
-import envs  # noqa: E402
 import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
 import runtime  # noqa: E402
-import toy  # noqa: E402
 import train  # noqa: E402
+from worlds import common, results, tool_world  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 from test_lopd import J, make_models, record_grads, run_step, world  # noqa: E402,F401  (world: fixture)
 
 BETA = 3.0          # the second β of the β/Δ test; large, so that its term stands well above fp32 noise
@@ -190,7 +190,7 @@ def test_logged_total_is_the_sum_of_the_losses_backpropagated(world, monkeypatch
 # 3. Full runs in-process through train.joint_training (the loop of train.py), at tiny size
 # ------------------------------------------------------------------------------------------------------------
 @dataclass
-class HashWorld(envs.ToolWorld):
+class HashWorld(tool_world.ToolWorld):
     """The tool world with a verifier that scores the replies' text by its hash, in [0, 1]. The tiny backbone
     never solves a task (its reward is always 0), which would leave GRPO's advantages zero, A(τ) = −1 everywhere
     and SDPO without successful siblings; hashed rewards differ between rollouts of one task."""
@@ -210,7 +210,7 @@ class HashWorld(envs.ToolWorld):
 
 def joint_run(world, out, method, steps, resume=False):
     """train.joint_training at tiny size on the world's models: 4 rollouts a step in 2 micro-batches, a checkpoint
-    every step, m = 1 (β rises from its first step), student and composer lr 1e-3. -> (run dict, student, comp)"""
+    every step, m = 1 (β rises from its first step), student and composer lr 1e-3. -> the run (engine.Run)"""
     argv = ["--model", world["path"], "--out", str(out), "--method", method, "--steps", str(steps),
             "--rollouts-per-step", "4", "--micro-batch", "2", "--save-every", "1", "--max-new-tokens", "12",
             "--max-env-steps", "2", "--eval-every", "0", "--n-ret", str(J), "--bank-threshold", "0.5",
@@ -218,8 +218,8 @@ def joint_run(world, out, method, steps, resume=False):
     args = train.parse_args(argv)
     os.makedirs(out, exist_ok=True)
     student, comp = make_models(world)
-    run = dict(args=args, composer=comp, student=student, log=runtime.Log(str(out)), episodes=[],
-               retriever=world["retriever"], train=world["train"], test=[], tok=world["tok"])
+    run = engine.Run(args=args, tok=world["tok"], chat=None, sample=None, composer=comp, retriever=world["retriever"],
+                     train=world["train"], test=[], episodes=[], log=runtime.Log(str(out)), student=student)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train, "env_factory", lambda a: lambda: HashWorld(max_steps=a.max_env_steps))
         train.joint_training(run)
@@ -328,11 +328,11 @@ def test_resume_restores_weights_optimizers_beta_and_ema(world, tmp_path, lopd_s
     assert_same(wa, wb, "weights")
     assert_same(sa, sb, "state")
     if method == "lopd":
-        assert sa["beta"] > 0 and sa["opt_c"]["state"]
+        assert sa["state"]["beta"] > 0 and sa["opt_c"]["state"]
     if method == "sdpo":
         assert any(k.startswith("ema_teacher") for k in wa)
-    for x, y in zip(list(a_run["student"].parameters()) + a_run["composer"].trainable_parameters(),
-                    list(b_run["student"].parameters()) + b_run["composer"].trainable_parameters()):
+    for x, y in zip(list(a_run.student.parameters()) + a_run.composer.trainable_parameters(),
+                    list(b_run.student.parameters()) + b_run.composer.trainable_parameters()):
         assert torch.equal(x, y)                                          # and the live objects agree too
 
 
@@ -382,12 +382,13 @@ def test_vanilla_and_teacher_rows_are_the_pure_base(world):
     assert vanilla != ids(lambda: engine.rollout(comp.peft, chat, tasks, cfg))   # leaked
     with torch.no_grad():
         latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))     # (B, J·K, d)
-    n, framing = latents.shape[1], envs.ToolWorld().framing
-    starts = [inject.latent_prompt_ids(tok, envs.ToolWorld().reset(t), n, framing, None)[1] for t in tasks]
-    prompt_fn = lambda msgs, tools: inject.latent_prompt_ids(tok, msgs, n, framing, None)[0]   # noqa: E731
+    n, framing = latents.shape[1], tool_world.ToolWorld().framing
+    starts = [engine.latent_prompt_ids(tok, tool_world.ToolWorld().reset(t), n, framing, None)[1] for t in tasks]
+    prompt_fn = lambda msgs, tools: engine.latent_prompt_ids(tok, msgs, n, framing, None)[0]   # noqa: E731
 
     def behind_latents(model):
-        return lambda: engine.rollout(model, chat, tasks, cfg, prompt_fn, inject.make_embed_fn(model, latents, starts))
+        return lambda: engine.rollout(model, chat, tasks, cfg, prompt_fn=prompt_fn,
+                                      embed_fn=inject.make_embed_fn(model, latents, starts))
 
     teacher = ids(lambda: train.eval_teacher(comp, world["retriever"], chat, tasks, cfg, J))
     assert teacher == ids(behind_latents(pure))
@@ -402,28 +403,28 @@ def test_behaviour_metrics_on_scripted_episodes(world):
     """Three episodes whose counts are known by construction, on a "reorder" task of a shop without commit (its
     checklist: the old order removed, the new one added); summarize() averages them column by column."""
     tok = world["tok"]
-    task = next(t for t in world["train"] if t.schema == "reorder" and not envs.SHOPS[t.shop][1])
-    find, verify, find_order, cancel, add = envs.oracle_calls(task)       # the intended procedure
+    task = next(t for t in world["train"] if t.schema == "reorder" and not tool_world.SHOPS[t.shop][1])
+    find, verify, find_order, cancel, add = tool_world.oracle_calls(task)       # the intended procedure
     assert (find[0], verify[0], cancel[0], add[0]) == ("find_customer", "verify_customer", "cancel_order",
                                                        "add_order")
-    first = len(tok(envs.format_call(*find), add_special_tokens=False)["input_ids"]) + 1   # + end of turn
+    first = len(tok(common.format_call(*find), add_special_tokens=False)["input_ids"]) + 1   # + end of turn
     # the procedure, the lookup repeated twice in a three-call reply: 6 replies ("Task Completed" last), 7 calls
-    a = engine.scripted_episode(world["chat"], task, [find, [verify, find, find], find_order, cancel, add])
+    a = engine.scripted_episode(world["chat"], task, common.scripted_replies([find, [verify, find, find], find_order, cancel, add]))
     want_a = {"reward": 1.0, "steps": 6, "calls_per_step": 7 / 6, "first_len": first, "repeated_calls": 2,
               "reward_per_call": 1 / 7, "full_pass": 1.0}
     # lookups only, one of another account (other arguments: not a repeat): 5 replies, 4 calls, nothing written
     other = ("find_customer", {"account": "nobody"})
-    b = engine.scripted_episode(world["chat"], task, [find, find, other, find])
+    b = engine.scripted_episode(world["chat"], task, common.scripted_replies([find, find, other, find]))
     want_b = {"reward": 0.0, "steps": 5, "calls_per_step": 0.8, "first_len": first, "repeated_calls": 2,
               "reward_per_call": 0.0, "full_pass": 0.0}
     # cut by the world's 3-step limit before add_order: 3 replies, 4 calls, half the checklist done
-    short = toy.toy_chat(tok, lambda: envs.ToolWorld(max_steps=3, tools=None))
-    c = engine.scripted_episode(short, task, [find, verify, [find_order, cancel], add])
+    short = toy.toy_chat(tok, lambda: tool_world.ToolWorld(max_steps=3, tools=None))
+    c = engine.scripted_episode(short, task, common.scripted_replies([find, verify, [find_order, cancel], add]))
     want_c = {"reward": 0.5, "steps": 3, "calls_per_step": 4 / 3, "first_len": first, "repeated_calls": 0,
               "reward_per_call": 0.125, "full_pass": 0.0}
     for ep, want in ((a, want_a), (b, want_b), (c, want_c)):
         assert ep.metrics() == pytest.approx(want), (ep.metrics(), want)
     means = engine.summarize([a, b, c])
     assert means == pytest.approx({k: (want_a[k] + want_b[k] + want_c[k]) / 3 for k in want_a})
-    assert list(train.markdown_table({"x": means}).splitlines()[2].split(" | ")[1:3]) == \
+    assert list(results.markdown_table({"x": means}).splitlines()[2].split(" | ")[1:3]) == \
         [f"{means['reward']:.3f}", f"{means['full_pass']:.3f}"]

@@ -1,4 +1,4 @@
-"""The official code's settings as flags (experiments.py absorb), each against an independent computation:
+"""The official code's settings as flags (scripts/experiments.py absorb), each against an independent computation:
 --kl-per trajectory (eq. 10 as written), --task-order epoch, --cold-optim split and --qformer-dtype bfloat16.
 --retrieval self and shop are tested in test_lopd.py (the modes) and test_retrieval.py (the oracle)."""
 import argparse
@@ -28,8 +28,8 @@ def bf_distill_per_trajectory(s, te, mask, m):
 
 def distill(kl_per, s, te, ids, mask, **kw):
     rewards = torch.ones(s.shape[0])
-    eq = losses.Eq13(0.0, 0.0, 0.0, M, kl_per=kl_per, **kw)                # β = m = λ = 0, no latents
-    return losses.lopd_objective(s, te, ids, mask, rewards, None, eq)[1]["loss/distill"]
+    eq = losses.Eq13(beta=0.0, margin=0.0, anchor=0.0, top_m=M, delta_per="trajectory", kl_per=kl_per, **kw)
+    return losses.lopd_objective(s, te, ids, mask, rewards, eq=eq)[1]["loss/distill"]   # β = m = λ = 0, no latents
 
 
 def test_kl_per_trajectory_is_the_mean_of_each_trajectorys_mean():
@@ -51,14 +51,14 @@ def test_kl_per_trajectory_chunked_equals_the_reference_in_value_and_gradient():
         leaves = [x[k] for k in ("h_s", "h_t", "w_s", "w_t")]
         for p in leaves:
             p.grad = None
-        eq = losses.Eq13(0.7, 0.05, 0.2, 5, "trajectory", kl_per="trajectory")
-        rest = (x["ids"], x["mask"], x["rewards"], (x["c"], x["c0"]), eq)
+        eq = losses.Eq13(beta=0.7, margin=0.05, anchor=0.2, top_m=5, delta_per="trajectory", kl_per="trajectory")
+        rest, kw = (x["ids"], x["mask"], x["rewards"]), {"latents": (x["c"], x["c0"]), "eq": eq}
         if fused:
             heads = ((x["w_s"], x["b_s"]), (x["w_t"], None), (x["w_t"], None))
-            loss, _ = losses.lopd_objective_from_hidden(x["h_s"], x["h_t"], heads, *rest, chunk=2)
+            loss, _ = losses.lopd_objective_from_hidden(x["h_s"], x["h_t"], heads, *rest, **kw, chunk=2)
         else:
             f = torch.nn.functional.linear
-            loss, _ = losses.lopd_objective(f(x["h_s"], x["w_s"], x["b_s"]), f(x["h_t"], x["w_t"]), *rest)
+            loss, _ = losses.lopd_objective(f(x["h_s"], x["w_s"], x["b_s"]), f(x["h_t"], x["w_t"]), *rest, **kw)
         loss.backward()
         out.append((loss.detach(), [p.grad.clone() for p in leaves]))
     (l0, g0), (l1, g1) = out
@@ -70,9 +70,8 @@ def test_kl_per_trajectory_chunked_equals_the_reference_in_value_and_gradient():
 
 # ---------- --task-order epoch ------------------------------------------------------------------------------------
 def draw(order, step, n_train=100, per_step=32, per_task=1, seed=0):
-    args = argparse.Namespace(task_order=order, rollouts_per_step=per_step, seed=seed)
-    run = {"train": list(range(n_train)), "step": step}
-    return engine.draw_tasks(args, run, random.Random(7), per_task)
+    return engine.draw_tasks(list(range(n_train)), per_step // per_task, random.Random(7), order=order, seed=seed,
+                             step=step)
 
 
 def test_epoch_order_shows_every_task_once_before_any_twice_and_resumes_by_step():

@@ -16,8 +16,8 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-import envs
 import train
+from worlds import results, tool_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -61,8 +61,8 @@ def test_tool_world_run_completes_with_the_tools_in_the_prompt(runs, smollm2):
     rec = json.loads(open(os.path.join(r["out"], "base_rollouts.jsonl")).readline())
     prompt = tok.decode(rec["ids"][:rec["prompt_len"]])
     system = prompt[:prompt.index("<|im_start|>user")]
-    assert envs.AGENTIC_SYSTEM_PROMPT in system and "# Tools" in system
-    assert all(json.dumps(t) in system for t in envs.TOOLS)
+    assert tool_world.AGENTIC_SYSTEM_PROMPT in system and "# Tools" in system
+    assert all(json.dumps(t) in system for t in tool_world.TOOLS)
     rows = json.load(open(os.path.join(r["out"], "results.json")))["rows"]
     assert set(rows) == {"vanilla", "base + composer", "LOPD student"}
     assert all(0.0 <= m["reward"] <= 1.0 and "calls_per_step" in m for m in rows.values())
@@ -84,12 +84,12 @@ def test_code_world_run_reports_pass_at_1(runs):
 
 
 def test_code_tables_say_pass_at_1_and_tool_tables_keep_table_3(tmp_path):
-    """train.write_results from summaries (no model): a code run's json and markdown hold pass@1 and reply length,
+    """results.write_results from summaries (no model): a code run's json and markdown hold pass@1 and reply length,
     with Table 2's values labelled; a tool run keeps Table 3's columns with EnvScaler's values in brackets."""
     summary = {"reward": 0.25, "steps": 1.0, "calls_per_step": 0.0, "first_len": 40.0, "repeated_calls": 0.0,
                "reward_per_call": 0.25, "full_pass": 0.25}
     rows = {"vanilla": dict(summary), "LOPD student": {**summary, "reward": 0.5}}
-    train.write_results(str(tmp_path), rows, table="pass@1")
+    results.write_results(str(tmp_path), rows, table="pass@1")
     saved = json.load(open(tmp_path / "results.json"))["rows"]
     assert saved == {"vanilla": {"pass@1": 0.25, "reply_tokens": 40.0},
                      "LOPD student": {"pass@1": 0.5, "reply_tokens": 40.0}}
@@ -97,7 +97,7 @@ def test_code_tables_say_pass_at_1_and_tool_tables_keep_table_3(tmp_path):
     assert "| vanilla | 0.250 | 40.000 | 45.61 / – |" in md
     assert "| LOPD student | 0.500 | 40.000 | 48.78 / 81.36 |" in md
     assert "calls/step" not in md and "(0.486)" not in md
-    train.write_results(str(tmp_path), rows, table="table3")
+    results.write_results(str(tmp_path), rows, table="table3")
     md = open(tmp_path / "results.md").read()
     assert "| vanilla | 0.250 (0.486) |" in md and "calls/step" in md and "pass@1" not in md
 

@@ -16,22 +16,22 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import engine  # noqa: E402
-import envs  # noqa: E402
-import inject  # noqa: E402
-import losses  # noqa: E402
-import lopd  # noqa: E402
-import runtime  # noqa: E402
-import toy  # noqa: E402
-import train  # noqa: E402
 from composer import Composer, ComposerConfig  # noqa: E402
+import engine  # noqa: E402
+import inject  # noqa: E402
+import lopd  # noqa: E402
+import losses  # noqa: E402
+import runtime  # noqa: E402
+import train  # noqa: E402
+from worlds import tool_world  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 
 CFG = ComposerConfig(n_latents=2, n_layers=1)
 
 
 def toy_world():
     """The toy's prompts: short system prompt and framing, no tool schemas listed."""
-    return envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING, tools=None)
+    return tool_world.ToolWorld(system_prompt=tool_world.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING, tools=None)
 
 
 def tiny_qwen3(tok, seed=0):
@@ -71,8 +71,8 @@ def models(tok, ckpt: bool, student_kind: str):
 @pytest.fixture(scope="module")
 def world():
     tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(60, 0), 0))
-    tasks, chat = envs.make_splits(0, 3, 1)[0], toy.toy_chat(tok, toy_world)
-    eps = [engine.scripted_episode(chat, t, envs.oracle_calls(t)) for t in tasks]
+    tasks, chat = tool_world.make_splits(0, 3, 1)[0], toy.toy_chat(tok, toy_world)
+    eps = [engine.scripted_episode(chat, t, tool_world.oracle_replies(t)) for t in tasks]
     exps = [[{"task": t.text, "trace": e.trace}] * 2 for t, e in zip(tasks, eps[::-1])]
     return dict(tok=tok, chat=chat, tasks=tasks, eps=eps, exps=exps)
 
@@ -93,8 +93,8 @@ def lopd_loss(student, comp, world):
     latents = lopd.compose(comp, world["tasks"], world["exps"])                          # (B, J·K, d)
     ls, lt, ids, omega = lopd.student_teacher_logits(student, comp, world["chat"], world["eps"], latents)
     rewards = torch.tensor([1.0, 0.0, 1.0])
-    return losses.lopd_objective(ls, lt, ids, omega, rewards, (latents, latents.detach() + 0.01),
-                                 losses.Eq13(0.3, 0.05, 0.2, top_m=5))[0]
+    return losses.lopd_objective(ls, lt, ids, omega, rewards, latents=(latents, latents.detach() + 0.01),
+                                 eq=losses.Eq13(beta=0.3, margin=0.05, anchor=0.2, top_m=5, delta_per="trajectory", kl_per="token"))[0]
 
 
 def grads(student, comp):
@@ -111,19 +111,20 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
     args = train.parse_args(["--model", str(folder), "--out", str(tmp_path / "run"), "--max-env-steps", "3"])
     assert not train.is_toy(args) and (args.max_new_tokens, args.max_len) == (10000, 40960)   # PAPER_DEFAULTS
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    train.fit_context(args, model)                                       # 40,960 > the model's 2,048 positions
+    n_ctx = model.config.max_position_embeddings                         # 40,960 > the model's 2,048 positions
+    args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
     assert args.max_len == model.config.max_position_embeddings == 2048 and "2048" in capsys.readouterr().out
     assert args.max_new_tokens == 1024                                   # and 10,000-token replies would not fit
     make_env, cfg = train.env_factory(args), train.sample_config(args)
 
     def without_tools():
-        """No tool list: this toy template ignores tools=, and the 1,800-token list (inject.tools_block) would fill
+        """No tool list: this toy template ignores tools=, and the 1,800-token list (engine.tools_block) would fill
         the 2,048 positions; the toy backbone knows its tools from its demonstrations."""
         env = make_env()
         env.tools = None
         return env
     torch.manual_seed(0)
-    eps = engine.rollout(model, engine.Chat(tok, without_tools), envs.make_splits(0, 1, 4)[1], cfg)
+    eps = engine.rollout(model, engine.Chat(tok, without_tools), tool_world.make_splits(0, 1, 4)[1], cfg)
     assert max(e.steps for e in eps) == 3                                # --max-env-steps, not one reply
     for e in eps:
         assert len(e.ids) <= cfg.max_len
@@ -131,7 +132,6 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
     # the toy keeps its 768-token budget (its results do not move)
     toy_args = train.parse_args(["--out", str(tmp_path / "toy")])
     assert train.sample_config(toy_args).max_len == 768 == engine.SampleConfig().max_len
-    assert train.sample_config(train.Args()).max_len == 768             # eval.py on a run from before --max-len
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def make_candidates():
 def build_tokenizer():
     """WordLevel tokenizer over every pre-token of the test corpus and the query prompt (no [UNK] in tests)."""
     pre = pre_tokenizers.Whitespace()  # splits r"\w+|[^\w\s]+"
-    corpus = [Embedder.doc_text(e) for e in make_candidates()] + [f"Instruct: {retrieval.DEFAULT_INSTRUCTION}\nQuery:"]
+    corpus = [retrieval.experience_text(e) for e in make_candidates()] + [f"Instruct: {retrieval.DEFAULT_INSTRUCTION}\nQuery:"]
     words = {w for text in corpus for w, _ in pre.pre_tokenize_str(text)}
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]"] + sorted(words))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -180,7 +180,7 @@ def test_pool_functions_left_and_right_padding():
 def test_pooling_matches_unpadded_hidden_states(qwen_dir, bank, pooling):
     """Right padding: each text's embedding equals pooling its own unpadded forward (batch invariance)."""
     emb = Embedder(qwen_dir, pooling=pooling, batch_size=8, device="cpu")
-    texts = [Embedder.doc_text(e) for e in bank[:3]] + ["ana", "cancel the order"]
+    texts = [retrieval.experience_text(e) for e in bank[:3]] + ["ana", "cancel the order"]
     got = emb.embed_texts(texts)  # (5, d)
     for text, row in zip(texts, got):
         ids = emb.tokenizer(text, return_tensors="pt")["input_ids"]  # (1, T)
@@ -192,7 +192,7 @@ def test_pooling_matches_unpadded_hidden_states(qwen_dir, bank, pooling):
 
 def test_last_pooling_with_left_padding_picks_last_real_token(qwen_dir, bank):
     emb = Embedder(qwen_dir, pooling="last", padding_side="left", batch_size=8, device="cpu")
-    texts = ["ana", Embedder.doc_text(bank[0]), "refund the last payment"]
+    texts = ["ana", retrieval.experience_text(bank[0]), "refund the last payment"]
     got = emb.embed_texts(texts)
     enc = emb.tokenizer(texts, padding=True, padding_side="left", return_tensors="pt")
     assert enc["attention_mask"][0, 0] == 0  # really left-padded
@@ -204,7 +204,7 @@ def test_last_pooling_with_left_padding_picks_last_real_token(qwen_dir, bank):
 
 def test_bert_mean_pooling_and_truncation(bert_dir, bank):
     emb = Embedder(bert_dir, pooling="mean", max_length=6, device="cpu")
-    text = Embedder.doc_text(bank[0])
+    text = retrieval.experience_text(bank[0])
     first6 = " ".join(emb.tokenizer.convert_ids_to_tokens(emb.tokenizer(text)["input_ids"][:6]))
     a, b = emb.embed_texts([text, first6])
     np.testing.assert_allclose(a, b, atol=1e-5)
@@ -350,17 +350,17 @@ def test_missing_faiss_fails_only_when_building(monkeypatch, bank):
 
 
 def test_bank_recall_takes_the_self_exclusion_into_account():
-    """train.bank_recall on a bank of 3 whose test task also trained (2 of its own entries there): recall@3 would ask
+    """retrieval.bank_recall on a bank of 3 whose test task also trained (2 of its own entries there): recall@3 would ask
     for 3 entries of other tasks where 1 exists, and raised 'experience bank too small'; k is now what the bank
     holds beside the task's own entries, by hand: 1 entry, of the same schema."""
     import train
-    from envs import Task
+    from worlds.tool_world import Task
     bank = [retrieval.make_entry(tid, "t", "1. a -> b", 1.0, {"schema": s, "variant": "v"})
             for tid, s in (("both", "x"), ("both", "x"), ("other", "x"))]
     r = Retriever(bank, doc_vectors=np.eye(3, 2, dtype=np.float32))
     r.query_cache = {"both": np.array([1, 0], np.float32)}
     test = [Task("both", "v", "x", "t", {}, {}, [])]
-    got = train.bank_recall(r, test)
+    got = retrieval.bank_recall(r, test)
     assert got["recall3_schema"] == 1.0 and got["recall3_variant"] == 1.0 and got["schemas_in_bank"] == 1
     with pytest.raises(ValueError, match="experience bank too small"):       # what a k of 3 would ask
         retrieval.recall_at_k(r, [{"task_id": "both", "task": "t"}], 3, lambda q, e: True)

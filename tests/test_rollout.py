@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import bench
 import engine
-import code_env
-import envs
-import toy
+from scripts import bench
+from worlds import code_world
+from worlds import common, tool_world
+from worlds import toy_backbone as toy
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_chat_template_renders_tool_calls_like_qwen3(backbone):
                     "<|im_end|>\n<|im_start|>user\n<tool_response>\nO1 pear x1 open\n</tool_response>\n"
                     "<tool_response>\nsecond\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     # the assistant content written by format_call renders identically to a structured tool call
-    as_text = msgs[:2] + [{"role": "assistant", "content": envs.format_call("list_orders", {"customer_id": "C1"})}]
+    as_text = msgs[:2] + [{"role": "assistant", "content": common.format_call("list_orders", {"customer_id": "C1"})}]
     assert tok.apply_chat_template(as_text, tokenize=False) == tok.apply_chat_template(msgs[:3], tokenize=False)
 
 
@@ -74,14 +74,14 @@ def _segments(ep):
 
 def test_rollout_omega_covers_exactly_the_sampled_tokens(backbone):
     model, tok, _ = backbone
-    _, test = envs.make_splits(seed=0, n_train=10, n_test=12)
+    _, test = tool_world.make_splits(seed=0, n_train=10, n_test=12)
     torch.manual_seed(0)
     eps = engine.rollout(model, toy.toy_chat(tok), test,
                          engine.SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=5))
     assert max(e.steps for e in eps) >= 2                               # multi-turn episodes occur
     for ep in eps:
         segs = _segments(ep)
-        env = envs.ToolWorld()
+        env = tool_world.ToolWorld()
         assert segs[0] == (0, engine.prompt_ids(tok, env.reset(ep.task)))  # the prompt, unsampled
         assert len(ep.ids) == len(ep.mask) == len(ep.logps) and ep.prompt_len == len(segs[0][1])
         replies = [ids for m, ids in segs if m == 1]
@@ -92,12 +92,12 @@ def test_rollout_omega_covers_exactly_the_sampled_tokens(backbone):
             result = env.step(text)
             if k < len(observations):
                 assert observations[k] == engine.observation_ids(tok, result.observations)
-        assert env.reward() == ep.reward and envs.lite_trace(env.trace) == ep.trace
+        assert env.reward() == ep.reward and common.lite_trace(env.trace) == ep.trace
 
 
 def test_rescoring_recorded_ids_matches_sampling_logprobs(backbone):
     model, tok, _ = backbone
-    _, test = envs.make_splits(seed=0, n_train=10, n_test=6)
+    _, test = tool_world.make_splits(seed=0, n_train=10, n_test=6)
     torch.manual_seed(1)
     eps = engine.rollout(model, toy.toy_chat(tok), test,
                          engine.SampleConfig(temperature=0.7, max_new_tokens=32, batch_size=6))
@@ -114,9 +114,9 @@ def test_rescoring_recorded_ids_matches_sampling_logprobs(backbone):
 
 def test_scripted_episode_uses_the_same_bookkeeping(backbone):
     _, tok, _ = backbone
-    task = envs.make_splits(seed=2, n_train=1, n_test=1)[0][0]
-    ep = engine.scripted_episode(toy.toy_chat(tok), task, envs.oracle_calls(task))
-    assert ep.reward == 1.0 and ep.steps == len(envs.oracle_calls(task)) + 1
+    task = tool_world.make_splits(seed=2, n_train=1, n_test=1)[0][0]
+    ep = engine.scripted_episode(toy.toy_chat(tok), task, tool_world.oracle_replies(task))
+    assert ep.reward == 1.0 and ep.steps == len(tool_world.oracle_calls(task)) + 1
     rendered = tok.decode(ep.ids)
     assert rendered.endswith("Task Completed<|im_end|>") and rendered.count("<tool_call>") == ep.tool_calls
     sampled = tok.decode([i for i, m in zip(ep.ids, ep.mask) if m])
@@ -133,9 +133,9 @@ def _conventions_shown(text: str, code: bool) -> tuple:
 @pytest.mark.parametrize("code", [False, True])
 def test_reading_references_show_the_tasks_own_conventions_or_another_variants(backbone, code):
     _, tok, _ = backbone
-    tasks = (code_env.make_code_splits(3, n_train=0, n_test=40)[1] if code else
-             envs.make_splits(3, n_train=0, n_test=40)[1])
-    table = code_env.JUDGES if code else envs.SHOPS                   # variant -> its pair of conventions
+    tasks = (code_world.make_code_splits(3, n_train=0, n_test=40)[1] if code else
+             tool_world.make_splits(3, n_train=0, n_test=40)[1])
+    table = code_world.JUDGES if code else tool_world.SHOPS                   # variant -> its pair of conventions
     same, other = toy.reading_references(tok, tasks, True, 0), toy.reading_references(tok, tasks, False, 0)
     assert set(same) == set(other) == {t.text for t in tasks}
     for t in tasks:
@@ -145,7 +145,7 @@ def test_reading_references_show_the_tasks_own_conventions_or_another_variants(b
 
 def test_reading_check_puts_each_tasks_reference_in_the_span(backbone, monkeypatch):
     model, tok, _ = backbone
-    tasks = envs.make_splits(4, n_train=0, n_test=6)[1]
+    tasks = tool_world.make_splits(4, n_train=0, n_test=6)[1]
     seen = []
     real = toy.rollout
 
@@ -154,7 +154,7 @@ def test_reading_check_puts_each_tasks_reference_in_the_span(backbone, monkeypat
         seen.append(eps)
         return eps
     monkeypatch.setattr(toy, "rollout", spy)
-    rewards = toy.reading_check(model, tok, tasks, envs.ToolWorld, seed=0)
+    rewards = toy.reading_check(model, tok, tasks, tool_world.ToolWorld, seed=0)
     assert set(rewards) == {"same variant", "other variant"} and len(seen) == 2
     for eps, same in zip(seen, (True, False)):
         refs = toy.reading_references(tok, tasks, same, 0)
@@ -193,9 +193,9 @@ def test_cached_turns_give_the_ids_of_generating_each_whole_conversation(backbon
     greedy ids equal the reference's; sampled ones too, from the same seed (the same warpers and draws); the
     recorded log-probs agree."""
     model, tok, _ = backbone
-    tasks = envs.make_splits(0, n_train=24, n_test=0)[0]
+    tasks = tool_world.make_splits(0, n_train=24, n_test=0)[0]
     cfg = engine.SampleConfig(temperature=temperature, max_new_tokens=24, max_len=400, batch_size=10)
-    chat = toy.toy_chat(tok, lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6, tools=None))
+    chat = toy.toy_chat(tok, lambda: tool_world.ToolWorld(system_prompt=tool_world.TOY_SYSTEM_PROMPT, max_steps=6, tools=None))
     torch.manual_seed(0)
     got = engine.rollout(model, chat, tasks, cfg)
     torch.manual_seed(0)
@@ -211,9 +211,9 @@ def test_cached_turns_give_the_ids_of_generating_each_whole_conversation(backbon
 def test_the_shared_prefix_is_computed_once_and_turns_feed_only_new_tokens(backbone, monkeypatch):
     """Count the tokens the model is fed: the system prompt once per batch, then per turn what the turn added."""
     model, tok, _ = backbone
-    tasks = envs.make_splits(0, n_train=8, n_test=0)[0]
+    tasks = tool_world.make_splits(0, n_train=8, n_test=0)[0]
     cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=24, max_len=400, batch_size=8)
-    chat = toy.toy_chat(tok, lambda: envs.ToolWorld(system_prompt=envs.TOY_SYSTEM_PROMPT, max_steps=6, tools=None))
+    chat = toy.toy_chat(tok, lambda: tool_world.ToolWorld(system_prompt=tool_world.TOY_SYSTEM_PROMPT, max_steps=6, tools=None))
     fed = []
     real = engine.Conversations.forward
     monkeypatch.setattr(engine.Conversations, "forward",

@@ -70,7 +70,7 @@ def test_every_eos_id_of_the_generation_config_ends_a_reply():
 def test_real_models_think_by_default_with_the_papers_budgets(tmp_path):
     """B.2: Qwen3 with thinking on and 10,000-token calls (code: B.3's 16,384); the toy keeps its short replies."""
     import shutil
-    import toy
+    from worlds import toy_backbone as toy
     folder = tmp_path / "model"
     shutil.copytree(toy.SHIPPED, folder)
     os.remove(folder / "toy_backbone.json")                              # a "real" model to train.py
@@ -80,12 +80,13 @@ def test_real_models_think_by_default_with_the_papers_budgets(tmp_path):
     assert real.max_new_tokens == 10000 and train.thinks_by_default(real, qwen3)
     assert not train.thinks_by_default(real, plain)                     # SmolLM2's template has no switch
     off = train.parse_args(["--model", str(folder), "--out", str(tmp_path / "r"), "--no-thinking"])
-    assert real.thinking is None and off.thinking is False             # None: load_backbone decides
+    assert real.thinking is None and off.thinking is False             # None: fit_to_model decides
     template = tmp_path / "qwen3.jinja"                                 # a template with the switch
     template.write_text(qwen3.chat_template)
     for a, want in ((real, True), (off, False)):                        # --no-thinking is kept as given
         a.chat_template = str(template)
-        train.load_backbone(a, "cpu", torch.float32)
+        model, tok = train.load_backbone(a, "cpu", torch.float32)
+        train.fit_to_model(a, model, tok, torch.device("cpu"))
         assert a.thinking is want
     toy_args = train.parse_args(["--out", str(tmp_path / "t")])
     assert toy_args.max_new_tokens == 64 and not train.thinks_by_default(toy_args, qwen3)
@@ -134,7 +135,7 @@ def test_micro_batches_by_a_token_budget(monkeypatch):
 def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
     """--kv-budget: as many conversations as their KV cache fits; sort_by_length: batches of similar tasks, the
     episodes back in task order and embed_fn told which task each row is."""
-    import envs
+    from worlds import tool_world
     from transformers import AutoModelForCausalLM, AutoTokenizer
     qwen3_4b = type("C", (), {"head_dim": 128, "num_hidden_layers": 36, "num_key_value_heads": 8,
                               "num_attention_heads": 32, "hidden_size": 2560})()
@@ -142,14 +143,14 @@ def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
     assert runtime.kv_budget_batch(qwen3_4b, 48, 40960) == 7 and runtime.kv_budget_batch(qwen3_4b, 1, 40960) == 1
     model = AutoModelForCausalLM.from_pretrained(toy_backbone_dir).eval()
     tok = AutoTokenizer.from_pretrained(toy_backbone_dir)
-    tasks = envs.make_splits(0, 6, 1)[0]
+    tasks = tool_world.make_splits(0, 6, 1)[0]
     seen = []
 
     def embed_fn(ids, att, rows):
         seen.append(sorted(rows))
         return model.get_input_embeddings()(ids)
     cfg = engine.SampleConfig(max_new_tokens=6, batch_size=2, temperature=0.0, sort_by_length=True)
-    chat = engine.Chat(tok, lambda: envs.ToolWorld(max_steps=1, tools=None))
+    chat = engine.Chat(tok, lambda: tool_world.ToolWorld(max_steps=1, tools=None))
     eps = engine.rollout(model, chat, tasks, cfg, embed_fn=embed_fn)
     assert [e.task for e in eps] == tasks                                   # task order, whatever the batches
     by_length = sorted(range(6), key=lambda i: len(tasks[i].text))
@@ -190,10 +191,10 @@ def test_prepare_leaves_the_full_student_to_the_joint_stage(toy_backbone_dir, tm
                              "--n-test", "2", "--bank-threshold", "0", "--cold-steps", "1", "--latents", "2",
                              "--max-new-tokens", "8", "--max-env-steps", "2"])
     run = train.prepare(args)
-    assert run["student"] is None and run["source"]["cls"].__name__ == "Qwen3ForCausalLM"
-    peft = run["composer"].peft                                        # θ̄ with the composer's LoRA inside
+    assert run.student is None and run.source["cls"].__name__ == "Qwen3ForCausalLM"
+    peft = run.composer.peft                                        # θ̄ with the composer's LoRA inside
     backbone = {t.data_ptr() for t in [*peft.parameters(), *peft.buffers()]}
-    assert {t.data_ptr() for t in run["source"]["tensors"].values()} <= backbone   # θ̄'s own tensors, not copies
+    assert {t.data_ptr() for t in run.source["tensors"].values()} <= backbone   # θ̄'s own tensors, not copies
 
 
 def test_each_per_token_term_of_the_memory_plan_is_within_20_percent_of_a_measurement():
@@ -203,7 +204,7 @@ def test_each_per_token_term_of_the_memory_plan_is_within_20_percent_of_a_measur
     peak is read from the RSS, which memory freed by earlier tests would hide."""
     import json
     import subprocess
-    code = "import bench, json; print(json.dumps(bench.check_plan(tokens=128, chunk=64)))"
+    code = "from scripts import bench; import json; print(json.dumps(bench.check_plan(tokens=128, chunk=64)))"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     for term, (measured, planned) in json.loads(out.strip().splitlines()[-1]).items():

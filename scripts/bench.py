@@ -1,25 +1,27 @@
 """Benchmarks: figures printed, never asserted (speed and memory targets live here, not in tests).
 
-    python bench.py --loss                  # top-M + tail reverse KL vs F.cross_entropy on the same logits
-    python bench.py --loss --vocab 151936   # at Qwen3's vocabulary size
-    python bench.py --step --model runs/toy/backbone   # one LOPD step vs one OPSD-style step, time per phase
-    python bench.py --memory                # train.py's memory plan for the card's command on an H200, then
+    python -m scripts.bench --loss                  # top-M + tail reverse KL vs F.cross_entropy on the same logits
+    python -m scripts.bench --loss --vocab 151936   # at Qwen3's vocabulary size
+    python -m scripts.bench --step --model runs/toy/backbone   # one LOPD step vs one OPSD-style step, time per phase
+    python -m scripts.bench --memory                # train.py's memory plan for the card's command on an H200, then
                                             # the phases of Qwen3-4B/8B (and Olmo3-7B) from meta-device counts
-    python bench.py --memory --gpus 8       # the same per GPU under torchrun (FSDP2 student, replicated backbone)
-    python bench.py --check-plan            # the plan's per-token terms against CPU measurements (V 151,936)
-    python bench.py --dist-step --model assets/toy-backbone --rollouts 16           # one toy LOPD iteration, then
-    torchrun --nproc-per-node 2 bench.py --dist-step --model assets/toy-backbone --rollouts 16   # on 2 processes
-    python bench.py --arch qwen3-4b --rollouts 32 --tokens 2048   # one LOPD step of a paper backbone (random
+    python -m scripts.bench --memory --gpus 8       # the same per GPU under torchrun (FSDP2 student, replicated
+                                            # backbone)
+    python -m scripts.bench --check-plan            # the plan's per-token terms against CPU measurements (V 151,936)
+    # one toy LOPD iteration, then the same on 2 processes:
+    python -m scripts.bench --dist-step --model assets/toy-backbone --rollouts 16
+    torchrun --nproc-per-node 2 -m scripts.bench --dist-step --model assets/toy-backbone --rollouts 16
+    python -m scripts.bench --arch qwen3-4b --rollouts 32 --tokens 2048   # one LOPD step of a paper backbone (random
                                             # weights, no download): memory, generation tok/s, phases, MFU
-    python bench.py --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
-    python bench.py --rollout               # multi-turn generation: cached conversations vs generate every turn
-    python bench.py --engines               # sampled tokens/s, --engine hf vs --engine vllm (vLLM's virtualenv)
-    python bench.py --verifier              # the code sandbox: programs/s on all cores, overhead per program
-    python bench.py --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
-    python bench.py --loss --fused --vocab 151936 --rows 4096 --hidden 2560   # the chunked loss vs chunked CE
-    python bench.py --arch qwen3-vocab --rollouts 32 --micro-batch 32 --tokens 256 --loss-chunk 256   # Qwen3's
+    python -m scripts.bench --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
+    python -m scripts.bench --rollout               # multi-turn generation: cached conversations vs generate every turn
+    python -m scripts.bench --engines               # sampled tokens/s, --engine hf vs --engine vllm (vLLM's virtualenv)
+    python -m scripts.bench --verifier              # the code sandbox: programs/s on all cores, overhead per program
+    python -m scripts.bench --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
+    python -m scripts.bench --loss --fused --vocab 151936 --rows 4096 --hidden 2560   # the chunked loss vs chunked CE
+    python -m scripts.bench --arch qwen3-vocab --rollouts 32 --micro-batch 32 --tokens 256 --loss-chunk 256   # Qwen3's
                                             # vocabulary on CPU: the step's memory with and without --loss-chunk
-    python bench.py --gpu-check OUT         # a lent GPU's checks in one command (toy size on CPU without one)
+    python -m scripts.bench --gpu-check OUT         # a lent GPU's checks in one command (toy size on CPU without one)
 
 Machines are noisy: every comparison is a ratio measured in one run, best of --repeats.
 """
@@ -32,14 +34,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-import code_env
-import sandbox
 import engine
-import envs
-import losses
 import lopd
+import losses
+import retrieval
 import runtime
-import toy
+from worlds import code_benchmarks
+from worlds import sandbox
+from worlds import tool_world
+from worlds import toy_backbone as toy
 
 
 def best_of(fn, repeats: int) -> float:
@@ -92,7 +95,7 @@ def bench_fused_loss(N: int, d: int, V: int, M: int, chunk: int, repeats: int):
 
     def fused():
         loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, ((w_s, None), (w_t, None), (w_t, None)), ids, mask, r,
-                                                    eq=losses.Eq13(beta=0.1, margin=0.05, top_m=M), chunk=chunk)
+                                                    eq=lopd.LOPDConfig(top_m=M).eq13(0.1), chunk=chunk)
         loss.backward()
 
     def ce_rows(h, w, a):
@@ -137,8 +140,8 @@ def text_teacher_logits(model, tok, eps, exps):
     message, re-scoring the student's continuation. -> teacher logits (B, Tc, V) aligned like lopd's."""
     prompts = []
     for e, es in zip(eps, exps):
-        ref = "\n\n".join(lopd.experience_text(x) for x in es)
-        msgs = [{"role": "system", "content": envs.TOY_SYSTEM_PROMPT + "\n\nSolved examples:\n" + ref},
+        ref = "\n\n".join(retrieval.experience_text(x) for x in es)
+        msgs = [{"role": "system", "content": tool_world.TOY_SYSTEM_PROMPT + "\n\nSolved examples:\n" + ref},
                 {"role": "user", "content": e.task.text}]
         prompts.append(engine.prompt_ids(tok, msgs))
     return engine.continuation_logits(model, tok, prompts, eps, "cpu")[0]                   # (B, Tc, V)
@@ -155,10 +158,10 @@ def bench_step(model_dir: str, batch: int, repeats: int):
     base = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
     student = copy.deepcopy(base).requires_grad_(True)
     composer = Composer(base, tok, ComposerConfig(n_latents=8))
-    train, _ = envs.make_splits(0, 200, 1)
+    train, _ = tool_world.make_splits(0, 200, 1)
     chat = toy.toy_chat(tok)
-    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(chat, t, envs.oracle_calls(t)).trace, 1.0)
-            for t in train[:100]]
+    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(chat, t, tool_world.oracle_replies(t)).trace,
+                                 1.0) for t in train[:100]]
     ret = retrieval.Retriever(bank, retrieval.Embedder(retrieval.minilm_path(), pooling="mean"))
     tasks = random.Random(0).sample(train, batch)
     torch.manual_seed(0)
@@ -170,9 +173,9 @@ def bench_step(model_dir: str, batch: int, repeats: int):
         lat = tm("compose", lambda: lopd.compose(composer, tasks, exps))
         ls, lt, ids, om = tm("teacher + student forward", lambda: lopd.student_teacher_logits(
             student, composer, chat, eps, lat))
-        eq = losses.Eq13(beta=0.1, margin=0.05, anchor=0.2)
-        loss = tm("loss", lambda: losses.lopd_objective(ls, lt, ids, om, torch.ones(batch), (lat, lat.detach()),
-                                                         eq)[0])
+        eq = lopd.LOPDConfig().eq13(0.1)
+        loss = tm("loss", lambda: losses.lopd_objective(ls, lt, ids, om, torch.ones(batch), latents=(lat, lat.detach()),
+                                                         eq=eq)[0])
         tm("backward", loss.backward)
         tm = clock["OPSD-style (text teacher)"]
         tm("rollout", lambda: engine.rollout(student, chat, tasks, engine.SampleConfig()))
@@ -191,10 +194,10 @@ def bench_step(model_dir: str, batch: int, repeats: int):
 
 
 def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
-    """One toy LOPD iteration (lopd.lopd_step) on `rollouts` tasks split over the ranks: `python bench.py
-    --dist-step` (one process) against `torchrun --nproc-per-node 2 bench.py --dist-step` (the same global batch),
-    one thread per process. Greedy rollouts, so both see the same episodes. Exclusive wall time per phase (rank 0;
-    mean of `repeats` after a warm-up): backward is what remains of the iteration, and includes FSDP2's
+    """One toy LOPD iteration (lopd.lopd_step) on `rollouts` tasks split over the ranks: `python -m scripts.bench
+    --dist-step` (one process) against `torchrun --nproc-per-node 2 -m scripts.bench --dist-step` (the same global
+    batch), one thread per process. Greedy rollouts, so both see the same episodes. Exclusive wall time per phase (rank
+    0; mean of `repeats` after a warm-up): backward is what remains of the iteration, and includes FSDP2's
     reduce-scatter and its re-gathers of layer weights; "collectives" are the explicit ones (normalisers, Δ,
     replicated gradients, gathered metrics) and the gather of the student's weights for generation."""
     import contextlib
@@ -208,10 +211,10 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     tok = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
     student = copy.deepcopy(base).requires_grad_(True)
-    train_tasks, _ = envs.make_splits(0, 200, 1)
+    train_tasks, _ = tool_world.make_splits(0, 200, 1)
     chat = toy.toy_chat(tok)
-    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(chat, t, envs.oracle_calls(t)).trace, 1.0)
-            for t in train_tasks[:100]]
+    bank = [retrieval.make_entry(t.task_id, t.text, engine.scripted_episode(chat, t, tool_world.oracle_replies(t)).trace,
+                                 1.0) for t in train_tasks[:100]]
     ret = retrieval.Retriever(bank, retrieval.Embedder.from_model(base, tok, pooling="mean"))
     tasks = random.Random(0).sample(train_tasks, rollouts)
     ret.cache_queries([t.task_id for t in tasks], [t.text for t in tasks])
@@ -254,7 +257,7 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     runtime.gathered = gathered
     cfg = lopd.LOPDConfig(micro_batch=4, sample=engine.SampleConfig(temperature=0.0))
     mine = runtime.shard(tasks)
-    step = lambda: lopd.lopd_step(student, composer, chat, mine, ret, c0, 0.1, opts, cfg)   # noqa: E731
+    step = lambda: lopd.lopd_step(student, composer, chat, mine, ret, c0_cache=c0, beta=0.1, opts=opts, cfg=cfg)   # noqa: E731
     step()
     spent.clear()
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -403,7 +406,7 @@ def _loss_peak(cfg, chunk: int) -> int:
         f.write("5")                                                   # VmHWM back to the current RSS
     base = _proc_bytes("VmRSS")
     loss, _ = losses.lopd_objective_from_hidden(h_s, h_t, heads, ids, mask, torch.ones(1),
-                                                eq=losses.Eq13(margin=0.0), chunk=chunk)
+                                                eq=lopd.LOPDConfig(margin=0.0).eq13(0.0), chunk=chunk)
     loss.backward()
     return _proc_bytes("VmHWM") - base
 
@@ -432,9 +435,11 @@ def headline_plans() -> list:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(arch_config(arch), dtype=dtype)
         args = train.parse_args(["--model", "org/" + arch, *flags])       # a hub id: the paper's defaults
-        train.fit_context(args, model)
+        n_ctx = model.config.max_position_embeddings
+        args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
         free = int(free_of(sum(p.numel() for p in model.parameters())))
-        out.append((command, where, free, train.memory_plan(args, model, free, device), args.max_len))
+        out.append((command, where, free, runtime.memory_plan(args, model, free, device,
+                                                                 train.trained_parameters(args, model)), args.max_len))
     return out
 
 
@@ -521,7 +526,7 @@ def synthetic_episodes(tok, tasks, tokens: int, vocab: int, make_env):
 
 
 # A small random Qwen3 with Qwen3's whole vocabulary (~10 M parameters, most of them the tied embedding): on CPU it
-# shows what the vocabulary alone costs a step, and that --loss-chunk bounds it (bench.py --arch qwen3-vocab).
+# shows what the vocabulary alone costs a step, and that --loss-chunk bounds it (scripts/bench.py --arch qwen3-vocab).
 SMALL_QWEN3_VOCAB = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=32, vocab_size=151936, tie_word_embeddings=True)
 
@@ -536,7 +541,7 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
     from composer import Composer, ComposerConfig
     cuda = torch.cuda.is_available()
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
-    tasks, _ = envs.make_splits(0, rollouts, 1)
+    tasks, _ = tool_world.make_splits(0, rollouts, 1)
     tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(200, 0), 0))
     config = (toy.toy_config(tok) if name == "toy" else arch_config(name) if name in ARCHS else
               AutoConfig.for_model("qwen3", **SMALL_QWEN3_VOCAB))
@@ -551,9 +556,9 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
     student = runtime.LoraStudent(composer.peft, 64) if student_lora else student
     opts = (torch.optim.AdamW(student.parameters(), lr=1e-5), torch.optim.AdamW(composer.trainable_parameters(),
                                                                                   lr=1e-5))
-    eps = synthetic_episodes(tok, tasks, tokens, config.vocab_size, envs.ToolWorld)
+    eps = synthetic_episodes(tok, tasks, tokens, config.vocab_size, tool_world.ToolWorld)
     cfg = lopd.LOPDConfig(loss_chunk=loss_chunk)
-    chat = engine.Chat(tok, functools.partial(envs.ToolWorld, tools=None))
+    chat = engine.Chat(tok, functools.partial(tool_world.ToolWorld, tools=None))
     eq = cfg.eq13(0.1, rollouts * tokens, rollouts)                     # β 0.1, the whole batch's counts
     exps = [[{"task": t.text, "trace": "1. find_customer(account=\"A5\") -> C3\n" * 24} for _ in range(3)]
             for t in random.Random(0).sample(tasks, rollouts)]
@@ -646,18 +651,18 @@ def rollout_model():
     return model.eval(), tok, name, path
 
 
-def tool_world(rollouts: int, steps: int):
+def tool_world_tasks(rollouts: int, steps: int):
     """`rollouts` tool-world tasks with A.5's system prompt and tool schemas, `steps` environment steps each."""
     args = argparse.Namespace(max_env_steps=steps, conventions=2)
-    return (lambda: envs.ToolWorld.for_run(args, toy=False)), envs.make_splits(0, rollouts, 0)[0]
+    return (lambda: tool_world.ToolWorld.for_run(args, toy=False)), tool_world.make_splits(0, rollouts, 0)[0]
 
 
 def bench_rollout(rollouts: int, tokens: int, steps: int):
-    """One rollout of `rollouts` tool-world tasks (`tool_world`, `tokens` new tokens a reply, greedy) by
+    """One rollout of `rollouts` tool-world tasks (`tool_world_tasks`, `tokens` new tokens a reply, greedy) by
     `rollout_model`: lopd's cached conversations against generate on every whole conversation, the same ids
     checked. Prints seconds and tokens fed per rollout."""
     model, tok, name, _ = rollout_model()
-    make_env, tasks = tool_world(rollouts, steps)
+    make_env, tasks = tool_world_tasks(rollouts, steps)
     cfg = engine.SampleConfig(temperature=0.0, max_new_tokens=tokens, max_len=8192, batch_size=rollouts)
     out, real = {}, engine.generate_replies
     for how in ("whole", "cached"):
@@ -676,18 +681,17 @@ def bench_rollout(rollouts: int, tokens: int, steps: int):
 
 
 def bench_engines(rollouts: int, tokens: int, steps: int):
-    """The same tool-world rollout (`tool_world`, B.2's sampling, `tokens` new tokens a reply) by `rollout_model`
+    """The same tool-world rollout (`tool_world_tasks`, B.2's sampling, `tokens` new tokens a reply) by `rollout_model`
     through engine.Conversations (--engine hf) and through vLLM (--engine vllm, its own virtualenv): sampled tokens
     a second of each, measured in one run, the engine's start and first weight load outside the clock."""
-    import vllm_engine
     model, tok, name, path = rollout_model()
     model = model.to("cuda" if torch.cuda.is_available() else "cpu")    # a GPU times both engines on it
-    make_env, tasks = tool_world(rollouts, steps)
+    make_env, tasks = tool_world_tasks(rollouts, steps)
     threads, rate = torch.get_num_threads(), {}
     for how in ("hf", "vllm"):                           # HF first: vLLM's start binds the process's threads
         gen = None
         if how == "vllm":
-            gen = vllm_engine.VLLMGenerator(path, model.config, model.config.max_position_embeddings, runtime.GB)
+            gen = runtime.VLLMGenerator(path, model.config, model.config.max_position_embeddings, runtime.GB)
             gen.sync(model)
         cfg = engine.SampleConfig(max_new_tokens=tokens, max_len=8192, batch_size=rollouts, generator=gen)
         t0 = time.perf_counter()
@@ -700,15 +704,15 @@ def bench_engines(rollouts: int, tokens: int, steps: int):
 
 
 def bench_verifier(n: int, workers: int | None = None):
-    """The code verifier (code_env.py on sandbox.py): programs per second with `workers` parallel runs (default: the core count),
+    """The code verifier (worlds/code_world.py on worlds/sandbox.py): programs per second with `workers` parallel runs (default: the core count),
     and the sandbox's overhead per program against a bare `python -c` of the same program."""
     import os
     import subprocess
     import sys
-    prob = code_env.CodeProblem("bench", "sum", tests=[{"input": "2 3\n", "output": "5\n"}])
+    prob = code_benchmarks.CodeProblem("bench", "sum", tests=[{"input": "2 3\n", "output": "5\n"}])
     code = "a, b = map(int, input().split())\nprint(a + b)\n"
     t0 = time.perf_counter()
-    results = code_env.verify_many([(prob, code)] * n, workers=workers)
+    results = code_benchmarks.verify_many([(prob, code)] * n, workers=workers)
     wall = time.perf_counter() - t0
     assert all(ok for ok, _ in results)
     t0 = time.perf_counter()
@@ -762,7 +766,7 @@ def bench_pretrain(steps: int = 40):
     if not os.path.isfile(os.path.join(toy.SHIPPED, "config.json")):
         return
     model, tok = AutoModelForCausalLM.from_pretrained(toy.SHIPPED), AutoTokenizer.from_pretrained(toy.SHIPPED)
-    test, evals = envs.make_splits(0, n_train=1000, n_test=200)[1], 0.0
+    test, evals = tool_world.make_splits(0, n_train=1000, n_test=200)[1], 0.0
     for temp in (0.0, 0.7):
         torch.manual_seed(0)
         t1 = time.perf_counter()
@@ -795,8 +799,8 @@ def gpu_check(out: str, timeout: int = 300):
     cmd = [sys.executable, "train.py", "--device", "cuda" if cuda else "cpu", "--out", run, "--n-train", "48",
            "--n-test", "8", "--cold-steps", "5", "--steps", "3", "--rollouts-per-step", "8", "--micro-batch", "4",
            "--eval-every", "0", "--loss-chunk", "32"]
-    done = subprocess.run(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
-                          timeout=timeout)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
     steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if done.returncode == 0 else []
     skipped = [r["skipped"] for r in steps if r["stage"] == "lopd"]
     ok = done.returncode == 0 and len(skipped) == 3 and not any(skipped)

@@ -23,7 +23,7 @@ return True on the final state, rounded to 4 places. At --max-env-steps (30) the
 the official episode ends unscored. Results report mean reward and full-pass rate (`results = "behaviour"`).
 
 The dataset's code is written by a model, so none of it runs in the trainer: each episode has a worker process
-(`WORKER`) that the kernel confines (sandbox.py: no file read outside the interpreter's folders, no write outside
+(`WORKER`) that the kernel confines (worlds/sandbox.py: no file read outside the interpreter's folders, no write outside
 its scratch directory, no network, no new processes, no signal to another process; CPU and memory limits, a
 wall-clock limit per request). A worker that hangs, dies, breaks a limit or answers anything but an answer costs its
 episode (an error observation and reward 0), not the run.
@@ -41,9 +41,9 @@ import os
 from dataclasses import dataclass, field
 
 import inject
-import sandbox
-from envs import Environment, StepResult, parse_tool_calls
 from runtime import UserError
+from worlds.common import Environment, StepResult, parse_tool_calls
+from worlds import sandbox
 
 # The official system prompt (envs/envscaler/runtime.py, SYSTEM_PROMPT), word for word
 SYSTEM_PROMPT = (
@@ -124,7 +124,7 @@ for line in sys.stdin:
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class EnvScalerTask:
-    """One RL scenario in the project's task fields (envs.Environment), with its environment's record."""
+    """One RL scenario in the project's task fields (common.Environment), with its environment's record."""
     task_id: str
     text: str                      # the scenario's task: the user message
     variant: str                   # its env_id: --retrieval other skips the same environment's experience

@@ -1,5 +1,6 @@
 """The sandbox: code nobody here wrote (a model's programs, a dataset's environment code) in a process of its own
-that the kernel confines. The code world (code_env.py) and EnvScaler's worker (envscaler_env.py) both run on it.
+that the kernel confines. The code world (worlds/code_world.py) and EnvScaler's worker (worlds/envscaler.py) both run on
+it.
 
     python -m pytest tests/test_escape.py -q      # the escape suite: every way out we know of, tried for real
 
@@ -37,7 +38,7 @@ What it does NOT cover:
     and wall limits.
   - Side channels and denial of service through shared resources (CPU caches, memory bandwidth, the page cache).
   - System V IPC objects and reads of what the allowed folders hold (the interpreter's and the libraries' files).
-  - The verdict: a program can still try to fool its own checker from inside (code_env.py, "call-based tests").
+  - The verdict: a program can still try to fool its own checker from inside (worlds/code_world.py, "call-based tests").
   - Kernels without Landlock or seccomp, and machines other than x86_64 and aarch64: there nothing untrusted runs,
     unless `--unsafe-no-sandbox` (the environment variable LOPD_UNSAFE_NO_SANDBOX=1) says to run it with layers 1,
     2 and 7 only, on any machine (RLIMIT_NPROC then stands against new processes, and root ignores it). That is also
@@ -206,6 +207,17 @@ def check_confinement(what: str = "untrusted code") -> None:
 @functools.lru_cache(maxsize=None)
 def _warn_unconfined():
     print(f"sandbox: {UNSAFE_ENV}=1: untrusted code runs UNCONFINED (process limits only)", file=sys.stderr)
+
+
+def require_for(env_cls, unsafe: bool, what: str) -> None:
+    """Before a run or an evaluation: --unsafe-no-sandbox (`unsafe`) sets UNSAFE_ENV, so that every process of it,
+    workers and torchrun ranks included, reads the same; a world that runs untrusted code
+    (`Environment.untrusted_code`) then needs the confinement: a one-line UserError before any model loads where
+    this machine has none (`check_confinement`)."""
+    if unsafe:
+        os.environ[UNSAFE_ENV] = "1"
+    if env_cls.untrusted_code:
+        check_confinement(what)
 
 
 PID_SLOT = 0xFFFFFFFF         # the filter's "itself": the child writes its own pid here (no pid has this value)

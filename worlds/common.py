@@ -1,0 +1,329 @@
+"""What every world shares: the interface the learner reads (`Environment`, `StepResult`), the loader of --env, the
+tool-call parsers of the model families, and the small helpers of task files and traces (paper A.3, A.5).
+
+    python train.py --env my_world.py:MyWorld      # a world of your own: a subclass of Environment
+    python -m pytest tests/test_envs.py tests/test_custom_env.py -q
+
+The shipped worlds, one file each beside this one: tool_world.py (the toy tool-use world, the default), code_world.py
+(single-turn programs; code_benchmarks.py reads TACO, LiveCodeBench and EvalPlus as released), bfcl.py (BFCL-v3),
+envscaler.py (EnvScaler's released environments); worlds/sandbox.py confines the code they run, results.py tabulates
+what they score, toy_backbone.py builds the offline backbone that knows the toy worlds. `ENVS` names them for --env.
+
+A reply is text: the parsers turn it into (name, arguments) pairs of JSON values, in one pass over the reply, and a
+call that cannot be read is an error observation, never an exception and never code. Nothing here evaluates text.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import inject
+import retrieval
+
+DONE_TEXT = "Task Completed"       # A.5: the reply that ends an episode (a reply without a call ends it too)
+
+
+def read_jsonl(path: str, parse) -> list:
+    """parse(row, "path:line") for each non-blank line of a JSONL file; a line that is not JSON raises ValueError
+    naming `path:line`, and parse raises its own, naming the same place."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            out.append(parse(row, f"{path}:{n}"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tool calls: the formats of the model families (Qwen3/Hermes, Llama 3, Olmo 3), or the tokenizer's own parser
+# ----------------------------------------------------------------------------------------------------------------
+# A model whose template lists the tools answers in its family's format; one whose template ignores them is told
+# the Qwen3 format (engine.tools_block). Each parser returns (name, arguments) per call, or (None, error message)
+# for a call that is there but malformed: the error is the call's observation, never an exception.
+#   Qwen3 / Hermes   <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number per reply
+#   Llama 3.x        the whole reply is JSON {"name": ..., "parameters": {...}} (calls may be joined by ";"),
+#                    optionally after <|python_tag|>
+#   Olmo 3           <function_calls>name(key=value, ...)</function_calls>, one Python-style call a line with
+#                    keyword arguments and literal values (as the official code's olmo3 protocol parses it)
+# A tokenizer with a `response_template` (transformers >= 5 reads it from tokenizer_config.json) parses its own
+# replies (`parse_with_template`); where it finds no call, the formats above are tried.
+PYTHON_TAG = "<|python_tag|>"
+
+
+def tagged_blocks(text: str, open_tag: str, close_tag: str) -> list[str]:
+    """The text between each `open_tag` and the first `close_tag` after it, left to right (what the regex
+    open(.*?)close finds), in one pass: a reply of n unclosed tags costs n steps, not n² (the regex retries the
+    search for a close tag from every open tag)."""
+    blocks, i = [], 0
+    while (start := text.find(open_tag, i)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:                        # no close tag after this one, so none after any later one either
+            break
+        blocks.append(text[start + len(open_tag):end])
+        i = end + len(close_tag)
+    return blocks
+
+
+def _call_from_object(obj, key: str = "arguments"):
+    """(name, arguments) from a decoded call object, or (None, error)."""
+    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):      # OpenAI style {"function": {...}}
+        obj = obj["function"]
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None, "Error: tool call needs a string 'name'"
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):                                                # arguments sent as a JSON string
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):    # not JSON, an integer past Python's digit limit, or nested too deep
+            return None, f"Error: '{key}' is not valid JSON"
+    if not isinstance(args, dict):
+        return None, f"Error: '{key}' must be an object"
+    return obj["name"], args
+
+
+def _json_call(body: str, key: str = "arguments"):
+    try:
+        return _call_from_object(json.loads(body), key)
+    except (ValueError, RecursionError):        # not JSON, an integer past Python's digit limit, or nested too deep
+        return None, "Error: tool call is not valid JSON"
+
+
+def parse_qwen_calls(text: str):
+    """Qwen3 / Hermes: each <tool_call> block; an unterminated one is an error."""
+    calls = [_json_call(body) for body in tagged_blocks(text, "<tool_call>", "</tool_call>")]
+    if text.count("<tool_call>") > len(calls):
+        calls.append((None, "Error: unterminated <tool_call>"))
+    return calls
+
+
+def parse_llama_calls(text: str):
+    """Llama 3.x: the reply is a JSON call (or several joined by ';'). Prose, even prose quoting JSON, is no call."""
+    body = text.strip()
+    body = body[len(PYTHON_TAG):].strip() if body.startswith(PYTHON_TAG) else body
+    if not body.startswith("{"):
+        return []
+    calls, decoder, i = [], json.JSONDecoder(), 0
+    while i < len(body):
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except (ValueError, RecursionError):
+            return calls + [(None, "Error: tool call is not valid JSON")]
+        calls.append(_call_from_object(obj, "parameters"))
+        while i < len(body) and body[i] in " \t\r\n;":
+            i += 1
+    return calls
+
+
+def _literal(node):
+    """A Python literal of an Olmo 3 call argument (strings, numbers, booleans, None, lists, dicts)."""
+    value = ast.literal_eval(node)
+    if isinstance(value, (tuple, set, bytes, complex)):
+        raise ValueError("arguments must be JSON values")
+    return value
+
+
+def parse_olmo_calls(text: str):
+    """Olmo 3: each line inside <function_calls> is name(key=literal, ...)."""
+    calls, blocks = [], tagged_blocks(text, "<function_calls>", "</function_calls>")
+    for block in blocks:
+        for line in filter(None, (x.strip() for x in block.splitlines())):
+            try:
+                node = ast.parse(line, mode="eval").body
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                    raise ValueError("a call needs the form name(key=value, ...)")
+                if any(k.arg is None for k in node.keywords):
+                    raise ValueError("**kwargs is not allowed")
+                calls.append((node.func.id, {k.arg: _literal(k.value) for k in node.keywords}))
+            except (SyntaxError, ValueError, RecursionError, MemoryError) as err:   # the parser's own limits too
+                calls.append((None, f"Error: malformed function call {line[:60]!r} ({str(err)[:200]})"))
+    if text.count("<function_calls>") > len(blocks):
+        calls.append((None, "Error: unterminated <function_calls>"))
+    return calls
+
+
+def parse_with_template(text: str, response_template: dict):
+    """The tokenizer's own parser (transformers' `parse_response` on its `response_template`). A call region it
+    cannot parse is an error observation."""
+    from transformers.utils.chat_parsing import parse_response
+    try:
+        parsed = parse_response(text, response_template, prefix="")
+    except (ValueError, RecursionError) as err:
+        return [(None, f"Error: tool call could not be parsed ({(str(err).splitlines() or [''])[0][:200]})")]
+    return [_call_from_object(c) for c in parsed.get("tool_calls") or []]
+
+
+def parse_tool_calls(text: str, response_template: dict | None = None):
+    """Every tool call in one reply, in whichever family's format it is written: a list of (name, arguments) or
+    (None, error message). The tokenizer's own parser first, where it has one."""
+    if response_template:
+        calls = parse_with_template(text, response_template)
+        if calls:
+            return calls
+    for parse in (parse_qwen_calls, parse_olmo_calls, parse_llama_calls):
+        calls = parse(text)
+        if calls:
+            return calls
+    return []
+
+
+def format_call(name: str, args: dict) -> str:
+    """The assistant text of one tool call, exactly as the Qwen3 chat template renders `tool_calls`."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The environment: reset / step / reward
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    observations: list            # one tool-result string per call (empty when the episode ended)
+    done: bool
+    n_calls: int = 0
+    errors: int = 0
+    user: str | None = None       # a multi-turn task's next user message, once a reply has ended a turn (BFCL)
+
+
+class Environment:
+    """What the learner reads of an environment, all of it: lopd.py and train.py use nothing else, and find nothing
+    by getattr. A world subclasses this, implements the three episode methods and the task source, and keeps or
+    overrides the rest. One instance plays one episode at a time; `engine.rollout` makes one per episode.
+
+    A task is any object with these four fields (the tool world's `Task`, code_env's `CodeProblem`):
+        task_id   unique; retrieval never returns a task's own bank entries (eq. 16)
+        text      the user message: what the student sees
+        variant   the family of hidden rules it follows ("" if none): --retrieval other skips it, bank recall reads it
+        schema    the kind of task ("" if none): the cold start (A.2) draws schema-balanced batches (our choice)
+    """
+    # -- what the learner reads: prompts, tools, retrieval --------------------------------------------------------
+    system_prompt: str = ""            # the first message (reset's to write; an empty one may be left out)
+    framing: tuple = inject.AGENTIC_FRAMING   # the words before and after the teacher's latent block (A.5)
+    tools: list | None = None          # JSON schemas for the chat template (`tools=`); None: no tools are listed.
+    #                                    A world whose tasks list their own tools sets them in reset (BFCL)
+    retrieval_instruction: str = retrieval.DEFAULT_INSTRUCTION   # the retriever's query prompt (eq. 15)
+    parallel_steps: bool = False       # True: a batch's step() calls run in threads (CodeWorld: one sandbox each)
+    untrusted_code: bool = False       # True: step() runs code nobody here wrote, or feeds a model's values to a
+    #                                    benchmark's code, in worlds/sandbox.py's confined processes; train.py checks
+    #                                    first that this machine can confine them (CodeWorld, BFCL, EnvScaler)
+    response_template: dict | None = None   # the tokenizer's reply parser; engine.rollout sets it where there is one
+    # -- what train.py reads: the run ------------------------------------------------------------------------------
+    toy_world: str | None = None       # the toy backbone that knows this world (toy_backbone.py --world): tools | code
+    toy_defaults: dict = {}            # settings of the toy run that differ from train.TOY_DEFAULTS, and why
+    paper_defaults: dict = {}          # settings of a real model's run that differ from train.PAPER_DEFAULTS
+    results: str = "behaviour"         # the results table: behaviour (Table 3's columns) | table3 (the same, with
+    #                                    the paper's EnvScaler values in brackets: the tool world) | pass@1 (Table 2)
+
+    def __init__(self):
+        self.trace = []                # [(name, arguments, result)] of the episode's actions: Table 3's counts
+
+    # -- the episode --------------------------------------------------------------------------------------------
+    def reset(self, task) -> list[dict]:
+        """Start an episode of `task` -> its first chat messages ([system, user])."""
+        raise NotImplementedError
+
+    def step(self, reply: str) -> "StepResult":
+        """Act on one assistant reply. Never raises on what the model wrote: a malformed action is an observation."""
+        raise NotImplementedError
+
+    def reward(self) -> float:
+        """The episode's reward in [0, 1], read from its final state (A = 2r − 1, eq. 12)."""
+        raise NotImplementedError
+
+    def trace_text(self) -> str:
+        """The experience the bank keeps of a successful episode (A.3): the observation-lite trace by default."""
+        return lite_trace(self.trace)
+
+    def oracle_trace(self, task) -> str | None:
+        """A known-good trajectory of `task` as text, or None. OPSD's pool falls back on it (baselines.opsd_pool)."""
+        return None
+
+    # -- the run: how train.py makes episodes and tasks -------------------------------------------------------------
+    @classmethod
+    def for_run(cls, args, toy: bool) -> "Environment":
+        """A fresh environment for a run with settings `args` (train.Args); `toy`: the backbone is toy_backbone.py's."""
+        return cls()
+
+    @classmethod
+    def make_splits(cls, args) -> tuple[list, list]:
+        """Generated (train, test) tasks from args.seed, args.n_train, args.n_test, when no --tasks is given."""
+        raise NotImplementedError(f"{cls.__name__} generates no tasks: give --tasks DIR")
+
+    @classmethod
+    def load_tasks(cls, path: str) -> list:
+        """The tasks of one JSONL file (--tasks DIR holds train.jsonl and test.jsonl)."""
+        raise NotImplementedError(f"{cls.__name__} reads no task files: leave --tasks out")
+
+    @classmethod
+    def save_tasks(cls, tasks, path: str) -> None:
+        """Write generated tasks to OUT/tasks (optional: a world that cannot write them keeps none)."""
+
+    @classmethod
+    def check_args(cls, args) -> str | None:
+        """A one-line error for settings this world cannot run, or None."""
+        return None
+
+
+# The shipped worlds by --env name. Any other world is --env FILE.py:CLASS (or module:CLASS), a subclass of
+# Environment in the user's own file: `environment_class` loads both the same way.
+ENVS = {"tools": "worlds.tool_world:ToolWorld", "code": "worlds.code_world:CodeWorld", "bfcl": "worlds.bfcl:BFCLWorld",
+        "envscaler": "worlds.envscaler:EnvScalerWorld"}
+
+
+@functools.lru_cache(maxsize=None)
+def environment_class(spec: str) -> type:
+    """--env's value -> its class: a name in ENVS, or FILE.py:CLASS / module:CLASS. A ValueError of one line
+    naming what was expected otherwise."""
+    want = f"expected {' or '.join(ENVS)}, or FILE.py:CLASS naming a subclass of worlds.common.Environment"
+    where, _, name = ENVS.get(spec, spec).rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--env {spec!r}: {want}")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ValueError(f"--env {spec!r}: no such file {where!r}; {want}")
+            folder = os.path.dirname(os.path.abspath(where))
+            if folder not in sys.path:                    # the file may import its neighbours
+                sys.path.append(folder)
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module        # dataclasses with string annotations look it up there
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as err:                              # SyntaxError, NameError, ...: the user's file, one line
+        raise ValueError(f"--env {spec!r}: cannot import {where!r} ({type(err).__name__}: {err}); {want}") from None
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"--env {spec!r}: {where} has no class {name!r} that subclasses common.Environment; {want}")
+    missing = [m for m in ("reset", "step", "reward") if getattr(cls, m) is getattr(Environment, m)]
+    if missing:
+        raise ValueError(f"--env {spec!r}: {name} does not implement {', '.join(missing)}, the episode methods of "
+                         "worlds.common.Environment (docs/adding-an-environment.md)")
+    return cls
+
+
+def lite_trace(trace: list) -> str:
+    """Observation-lite action-result trace (A.3): `1. tool(k="v") -> result`, one line per call."""
+    lines = []
+    for n, (name, args, result) in enumerate(trace, 1):
+        arg_text = ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items())
+        lines.append(f"{n}. {name}({arg_text}) -> {result}")
+    return "\n".join(lines)
+
+
+def scripted_replies(calls, done: str = DONE_TEXT) -> list[str]:
+    """The replies of a scripted episode (a demonstration, a test's ground truth): each entry one (name, arguments)
+    call, or a list of them for one reply with several calls, in the Qwen3 format; then `done`, which ends it."""
+    return ["\n".join(format_call(n, a) for n, a in (c if isinstance(c, list) else [c])) for c in calls] + [done]
