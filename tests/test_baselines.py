@@ -251,6 +251,7 @@ def test_text_context_span_puts_the_text_where_the_latents_go(world):
 
 
 @pytest.mark.parametrize("method", ["rft", "grpo", "opsd", "sdpo"])
+@pytest.mark.equality
 def test_every_baseline_gives_the_same_step_with_the_chunked_loss(world, method):
     """--loss-chunk on the baselines: hidden states out, the heads applied 3 rows at a time by the loss. From the
     same seed, the same metrics and the same student gradients as from full logits."""

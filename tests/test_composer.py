@@ -97,6 +97,7 @@ def test_hidden_states_are_final_normed_layer(tok):
     assert torch.allclose(hidden, full.hidden_states[-1], atol=1e-6)
 
 
+@pytest.mark.equality
 def test_padding_invariance(tok):
     comp, _ = build(tok)
     short = C.ENCODER_TEMPLATE.format(task="[cedar] Cancel Ana's pear order.", experience="1. find -> C1")
@@ -111,6 +112,7 @@ def test_padding_invariance(tok):
     assert torch.allclose(a[0], b[1], atol=1e-5)
 
 
+@pytest.mark.equality
 def test_repeated_experiences_are_encoded_once_with_the_same_values_and_gradients(tok):
     """forward() encodes each distinct text once; the latents and the gradients equal encoding every row alone."""
     cfg = C.ComposerConfig(n_latents=4, n_layers=3, max_exp_tokens=160, task_conditional=True)
@@ -131,6 +133,7 @@ def test_repeated_experiences_are_encoded_once_with_the_same_values_and_gradient
     assert torch.allclose(g_dedup, g_brute, atol=1e-4)
 
 
+@pytest.mark.equality
 def test_chunked_encoding_in_length_order_returns_the_input_order(tok):
     """encode_batch_size chunks the texts by length; the latents come back in the order of the texts."""
     comp, _ = build(tok)
@@ -143,6 +146,7 @@ def test_chunked_encoding_in_length_order_returns_the_input_order(tok):
     assert torch.allclose(whole, chunked, atol=1e-5) and torch.allclose(alone, chunked, atol=1e-5)
 
 
+@pytest.mark.equality
 def test_qformer_matches_multihead_attention_applied_per_layer():
     """The QFormer projects keys and values once; nn.MultiheadAttention called in every layer (the textbook
     block, with the same weights) gives the same latents and the same gradients, padding included."""
@@ -299,6 +303,7 @@ def test_existing_peft_model_with_another_adapter(tok):
     assert a.shape == (1, CFG.n_latents, 64) and torch.equal(a, b)
 
 
+@pytest.mark.equality
 def test_the_chunked_cold_start_loss_equals_the_full_logits_one(tok, episodes):
     """--loss-chunk on the cold start (eq. 14): hidden states out, the NLL applies the head 3 rows at a time; the
     same value and the same gradients for ψ and χ."""

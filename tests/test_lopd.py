@@ -122,6 +122,7 @@ def test_pack_puts_continuation_token_t_in_column_P_plus_t():
         assert pos[i][att[i].bool()].tolist() == list(range(len(prefixes[i]) + len(conts[i])))
 
 
+@pytest.mark.equality
 def test_student_and_teacher_logits_equal_unpadded_single_forwards(world):
     """Batched, padded scoring = each episode scored alone, at every continuation position, for both models."""
     tok, student, comp = world["tok"], *make_models(world)
@@ -203,6 +204,7 @@ def test_frozen_composer_stays_bit_identical(world):
 # 3. micro-batching: micro_batch=2 sums to the same metrics and gradients as one batch of 4
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("against", ["student", "phi0"])
+@pytest.mark.equality
 def test_the_chunked_loss_gives_the_full_logits_step(world, against):
     """--loss-chunk: the forwards return hidden states, the loss applies the LM heads 3 rows at a time. The same
     rollouts give the same metrics, β and clipped gradients (student, its tied head included, and composer)."""
@@ -223,6 +225,7 @@ def test_the_chunked_loss_gives_the_full_logits_step(world, against):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.equality
 def test_a_token_budget_splits_the_step_without_changing_it(world):
     """--token-budget: micro-batches of as many episodes as fit in 300 padded tokens give the step of one batch."""
     results = []
@@ -241,6 +244,7 @@ def test_a_token_budget_splits_the_step_without_changing_it(world):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.equality
 def test_a_budget_planned_from_a_small_free_memory_splits_the_step_without_changing_it(world):
     """runtime.plan_memory on a faked free memory that leaves room for about 300 tokens beside the resident terms:
     the planned budget splits the step into micro-batches, each within the plan, with the gradient of one batch."""
@@ -268,6 +272,7 @@ def test_a_budget_planned_from_a_small_free_memory_splits_the_step_without_chang
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.equality
 def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(world):
     """Eq. (14)'s step (train.cold_start_step) on four bank entries, whole and split by a budget that a faked
     free memory leaves (about two entries' tokens): the same loss and the same gradient of ψ and χ."""
@@ -321,6 +326,7 @@ def test_the_plan_checkpoints_only_when_needed_and_refuses_what_cannot_train():
         runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) + 1, 1000, dict(none, grad_ckpt=False))
 
 
+@pytest.mark.equality
 def test_micro_batches_sum_to_the_whole_batch(world):
     """Same seed -> the same rollouts (checked); the metrics add up and the clipped gradients agree."""
     results = []

@@ -153,6 +153,7 @@ def test_beta_changes_the_composer_gradient_by_beta_times_the_privilege_gradient
     torch.testing.assert_close(diff, want, rtol=0, atol=2e-3 * want.abs().max().item())
 
 
+@pytest.mark.equality
 def test_student_gradient_does_not_depend_on_beta(two_betas):
     """Eq. (11) detaches the student's side of δ: Δ never moves θ, whatever β (break: no detach in δ)."""
     _, runs = two_betas

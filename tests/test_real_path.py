@@ -138,6 +138,7 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
 # 2. --grad-ckpt: teacher, encoder and student are recomputed, under the adapter state of their forward
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("student_kind", ["full", "lora"])
+@pytest.mark.equality
 def test_checkpointing_gives_the_same_gradients_also_after_an_evaluation(world, student_kind):
     results = {}
     for ckpt in (False, True):

@@ -95,6 +95,7 @@ def test_rollout_omega_covers_exactly_the_sampled_tokens(backbone):
         assert env.reward() == ep.reward and common.lite_trace(env.trace) == ep.trace
 
 
+@pytest.mark.equality
 def test_rescoring_recorded_ids_matches_sampling_logprobs(backbone):
     model, tok, _ = backbone
     _, test = tool_world.make_splits(seed=0, n_train=10, n_test=6)
