@@ -222,7 +222,7 @@ def test_the_answers_cite_what_the_course_command_measured():
 
 
 def test_the_walkthroughs_staged_table_is_the_course_table():
-    """Stop 5's table (the header, vanilla, the five stages and stages 3-5 at lr 1e-4) is assets/course.md's, which
+    """Stop 11's table (the header, vanilla, the five stages and stages 3-5 at lr 1e-4) is assets/course.md's, which
     is what scripts/experiments.py writes from assets/course.csv."""
     import csv
     from scripts import experiments

@@ -534,3 +534,16 @@ def test_a_run_that_cannot_fit_stops_before_any_work(backbone, tmp_path):
     assert rc == 2 and "Traceback" not in err, err[-2000:]
     assert last.startswith("error: memory plan: one conversation of --max-len 768 tokens") and "lower --max-len" in last
     assert not os.path.exists(tmp_path / "run" / "base_rollouts.jsonl")
+
+
+def test_the_papers_base_plus_composer_stands_beside_lopds_teacher():
+    """B.4's "Base + Composer" (0.631) is the jointly optimised composer on the unadapted backbone: the ablation
+    table sets it beside the LOPD (m = 0.05) row, whose teacher that is, not beside φ0's world-check row."""
+    from scripts import experiments
+    seed = {"vanilla": {"student": 0.4, "generations": 0},
+            "base + composer": {"teacher": 0.7, "generations": 2000},
+            "LOPD (m = 0.05)": {"student": 0.6, "teacher": 0.75, "generations": 3920}}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in experiments.ablation_table([seed]).splitlines()[2:]
+            if line.startswith("| ")}
+    assert "0.631" in rows["LOPD (m = 0.05)"] and "0.637" in rows["LOPD (m = 0.05)"]
+    assert "0.631" not in rows["base + composer"] and "0.486" in rows["vanilla"]
