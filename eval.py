@@ -30,7 +30,6 @@ split stands in for the first.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import html
@@ -447,7 +446,7 @@ def reference_lines(experiences) -> list[list[str]]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Evaluate a run on held-out tasks.")
+    p = runtime.OneLineParser(description="Evaluate a run on held-out tasks.")
     p.add_argument("--run", required=True, help="run folder written by train.py (holds args.json)")
     p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")

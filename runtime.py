@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import difflib
 import functools
 import json
 import os
@@ -66,10 +67,27 @@ def arg(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag or value is answered in one line (what was wrong, and where the flags are listed),
+    not after the whole usage: train.py has some seventy flags, and the line that matters came last."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments: "):         # a misspelt flag: name the closest
+            flags = [f for f in message.split(": ", 1)[1].split() if f.startswith("--")]
+            message += "".join(did_you_mean(f.split("=")[0], self._option_string_actions) for f in flags[:1])
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
+
+
+def did_you_mean(value, allowed) -> str:
+    """' (did you mean 'grpo'?)' for a close misspelling of one of `allowed`, else ''."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def parser_of(cls, description: str, notes: dict | None = None) -> argparse.ArgumentParser:
     """An argparse parser with a flag per field of the dataclass `cls` (--field-name, its metadata's help, `notes`
     appended by name): bool fields are switches, `bool | None` ones --x / --no-x (None: decided later)."""
-    p = argparse.ArgumentParser(description=description)
+    p = OneLineParser(description=description)
     for f in dataclasses.fields(cls):
         flag, doc = "--" + f.name.replace("_", "-"), f.metadata["help"]
         doc += f" ({notes[f.name]})" if notes and f.name in notes else ""
@@ -84,11 +102,12 @@ def parser_of(cls, description: str, notes: dict | None = None) -> argparse.Argu
 
 
 def check_values(p, args, choices: dict, positive=(), non_negative=()):
-    """argparse's error (one line of usage, exit 2) for a field outside its `choices`, or not positive / below 0."""
+    """A one-line error (exit 2) for a field outside its `choices` (with a close match, if any), or not positive /
+    below 0."""
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             p.error(f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}, not "
-                    f"{getattr(args, name)!r}")
+                    f"{getattr(args, name)!r}{did_you_mean(getattr(args, name), allowed)}")
     for name in tuple(positive) + tuple(non_negative):
         if getattr(args, name) is not None and getattr(args, name) < (name in positive):
             p.error(f"--{name.replace('_', '-')} must be {'positive' if name in positive else 'at least 0'}, "

@@ -68,12 +68,11 @@ class Args:
     (`resolve_defaults`); a default written as a config's field (lopd.LOPDConfig.margin) is that config's."""
     # -- the run: which backbone, world, method and folder
     model: str = arg("", "HF causal-LM id or local folder; empty = the offline toy backbone (worlds/toy_backbone.py)")
-    env: str = arg("tools", "the world (worlds/): tools (the toy tool world) | code (programs in a sandbox: the toy "
-                            "code world, or --tasks as TACO, LiveCodeBench, EvalPlus release them) | bfcl (BFCL-v3) | "
-                            "envscaler (EnvScaler's release, --tasks DIR) | FILE.py:CLASS (yours: "
-                            "docs/adding-an-environment.md)")
+    env: str = arg("tools", "the world (worlds/): tools (toy) | code (toy, or --tasks TACO/LiveCodeBench/EvalPlus) | "
+                            "bfcl | envscaler (--tasks DIR) | FILE.py:CLASS (docs/adding-an-environment.md)")
     tasks: str = arg("", "folder with train.jsonl and test.jsonl in the world's format; empty = its generated splits")
     out: str = arg("runs/toy", "run folder: every stage's output, checkpoints, metrics.jsonl")
+    quick: bool = arg(False, "a first look in about a minute: every stage on fewer tasks and steps (QUICK), not a result")
     seed: int = arg(0, "seeds random, numpy and torch (and the toy world's tasks)")
     method: str = arg("lopd", "lopd (Algorithm 1) | rft (control: NLL on the bank's successes) | grpo | opsd | sdpo")
     conventions: int = arg(2, "hidden conventions per shop of the generated tool world, 1-4 (the dial; 2 elsewhere)")
@@ -187,6 +186,8 @@ PAPER_DEFAULTS = {"latents": ComposerConfig.n_latents, "composer_input": "task+r
                   "max_env_steps": 30, "max_len": 40960, "eval_every": 0, "text_context": "system",
                   "loss_chunk": 1024}   # the budgets: the memory plan (`fit_to_model`)
 METHODS = {"lopd": lopd.METHOD, **baselines.METHODS}     # what --method runs: lopd, rft, grpo, opsd, sdpo
+# --quick: the same pipeline, small (flags given beside it win); its own folder, so it never mixes with runs/toy
+QUICK = {"n_train": 200, "n_test": 50, "cold_steps": 100, "steps": 10, "rollouts_per_step": 16, "out": "runs/quick"}
 
 
 def main(argv=None):
@@ -202,9 +203,7 @@ def _main(argv=None):
     _, world, backend = runtime.dist_setup(args.device, args.dist_timeout)
     runtime.check_world(args, world, rollouts_per_task(args))
     run = prepare(args)
-    student = None
-    if args.steps > 0:
-        student = joint_training(run)
+    student = joint_training(run) if args.steps > 0 else None
     rows = evaluate(args, run, student, run.test)
     if runtime.rank() == 0:
         table = environment(args).results
@@ -616,8 +615,11 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
 def parse_args(argv=None) -> Args:
     """The command line as `Args`: a flag per field (its metadata's help), every default resolved (TOY_DEFAULTS or
     PAPER_DEFAULTS, and the world's own) before anything reads them."""
-    p = runtime.parser_of(Args, __doc__.split("\n")[0], {"method": f"registered: {', '.join(METHODS)}"})
-    args = resolve_defaults(Args(**vars(p.parse_args(argv))))
+    registered = {"method": f"registered: {', '.join(METHODS)}", "env": f"registered: {', '.join(common.ENVS)}"}
+    p = runtime.parser_of(Args, __doc__.split("\n")[0], registered)
+    given = vars(p.parse_args(argv))
+    given.update({k: v for k, v in QUICK.items() if given["quick"] and given[k] == p.get_default(k)})
+    args = resolve_defaults(Args(**given))
     _check(p, args)
     return runtime.absolute_paths(args)
 

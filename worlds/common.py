@@ -15,7 +15,9 @@ call that cannot be read is an error observation, never an exception and never c
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -286,7 +288,8 @@ def environment_class(spec: str) -> type:
     want = f"expected {' or '.join(ENVS)}, or FILE.py:CLASS naming a subclass of worlds.common.Environment"
     where, _, name = ENVS.get(spec, spec).rpartition(":")
     if not where or not name:
-        raise ValueError(f"--env {spec!r}: {want}")
+        close = difflib.get_close_matches(spec, list(ENVS), n=1, cutoff=0.6)
+        raise ValueError(f"--env {spec!r}: " + (f"did you mean {close[0]!r}? " if close else "") + want)
     try:
         if where.endswith(".py"):
             if not os.path.isfile(where):
@@ -294,7 +297,9 @@ def environment_class(spec: str) -> type:
             folder = os.path.dirname(os.path.abspath(where))
             if folder not in sys.path:                    # the file may import its neighbours
                 sys.path.append(folder)
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            # a module name of its own: a world saved as calendar.py must not take the place of Python's calendar
+            own = "lopd_world_" + hashlib.sha1(os.path.abspath(where).encode()).hexdigest()[:10]
+            module_spec = importlib.util.spec_from_file_location(own, where)
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[module_spec.name] = module        # dataclasses with string annotations look it up there
             module_spec.loader.exec_module(module)
