@@ -101,6 +101,16 @@ def parser_of(cls, description: str, notes: dict | None = None) -> argparse.Argu
     return p
 
 
+def parse_with_preset(p, argv, preset: dict, switch: str) -> dict:
+    """p's values by field; where the switch (--quick) is on, `preset` fills each of its fields that the command
+    line did not give (a flag given beside it wins, even at its default value)."""
+    defaults = {k: p.get_default(k) for k in preset}
+    p.set_defaults(**dict.fromkeys(preset))                  # None: the command line did not give it
+    given = vars(p.parse_args(argv))
+    given.update({k: preset[k] if given[switch] else defaults[k] for k in preset if given[k] is None})
+    return given
+
+
 def check_values(p, args, choices: dict, positive=(), non_negative=()):
     """A one-line error (exit 2) for a field outside its `choices` (with a close match, if any), or not positive /
     below 0."""

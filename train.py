@@ -617,9 +617,7 @@ def parse_args(argv=None) -> Args:
     PAPER_DEFAULTS, and the world's own) before anything reads them."""
     registered = {"method": f"registered: {', '.join(METHODS)}", "env": f"registered: {', '.join(common.ENVS)}"}
     p = runtime.parser_of(Args, __doc__.split("\n")[0], registered)
-    given = vars(p.parse_args(argv))
-    given.update({k: v for k, v in QUICK.items() if given["quick"] and given[k] == p.get_default(k)})
-    args = resolve_defaults(Args(**given))
+    args = resolve_defaults(Args(**runtime.parse_with_preset(p, argv, QUICK, "quick")))
     _check(p, args)
     return runtime.absolute_paths(args)
 

@@ -556,6 +556,7 @@ def test_quick_is_the_same_pipeline_small_and_flags_beside_it_win():
     quick, plain = train.parse_args(["--quick"]), train.parse_args([])
     assert {k: getattr(quick, k) for k in train.QUICK} == train.QUICK
     assert train.parse_args(["--quick", "--steps", "3"]).steps == 3
+    assert train.parse_args(["--quick", "--n-test", "200"]).n_test == 200              # given at its default: kept
     same = {f.name for f in dataclasses.fields(train.Args)} - set(train.QUICK) - {"quick"}
     assert all(getattr(quick, k) == getattr(plain, k) for k in same)
     assert plain.steps == 60 and plain.n_train == 1000                 # the check can fail: the default run differs
