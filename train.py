@@ -69,7 +69,7 @@ class Args:
     # -- the run: which backbone, world, method and folder
     model: str = arg("", "HF causal-LM id or local folder; empty = the offline toy backbone (worlds/toy_backbone.py)")
     env: str = arg("tools", "the world (worlds/): tools (toy) | code (toy, or --tasks TACO/LiveCodeBench/EvalPlus) | "
-                            "bfcl | envscaler (--tasks DIR) | FILE.py:CLASS (docs/adding-an-environment.md)")
+                            "bfcl | envscaler (--tasks DIR or hf) | FILE.py:CLASS (docs/adding-an-environment.md)")
     tasks: str = arg("", "folder with train.jsonl and test.jsonl in the world's format; empty = its generated splits")
     out: str = arg("runs/toy", "run folder: every stage's output, checkpoints, metrics.jsonl")
     quick: bool = arg(False, "a first look in about a minute: every stage on fewer tasks and steps (QUICK), not a result")
@@ -344,7 +344,7 @@ def load_splits(args: Args, record: bool = True):
     cls = environment(args)
     try:
         if args.tasks:
-            return tuple(cls.load_tasks(os.path.join(args.tasks, f"{name}.jsonl")) for name in ("train", "test"))
+            return cls.read_splits(args, record)           # DIR/train.jsonl and test.jsonl, or the world's layout
         train, test = cls.make_splits(args)                # the same on every rank (seeded)
     except NotImplementedError as err:                     # a world without a task source of that kind
         raise UserError(f"--env {args.env!r}: {err}") from None
@@ -661,8 +661,8 @@ def _check(p, a: Args):
         p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
     if a.chat_template and not os.path.isfile(a.chat_template):
         p.error(f"--chat-template {a.chat_template!r}: no such file (give a Jinja chat-template file)")
-    if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in ("train.jsonl", "test.jsonl")):
-        p.error(f"--tasks {a.tasks!r}: expected a folder holding train.jsonl and test.jsonl")
+    if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in environment(a).task_files):
+        p.error(f"--tasks {a.tasks!r}: expected a folder holding {' and '.join(environment(a).task_files)}")
     if a.conventions != 2 and not issubclass(environment(a), tool_world.ToolWorld):
         raise UserError("--conventions sets the generated tool world's difficulty; it takes --env tools and no --tasks")
     if environment(a).check_args(a):

@@ -6,16 +6,27 @@ state, one check that returns a non-boolean) and a hostile one (a tool that read
 never returns, class code that loops when it is defined). The rewards are compared with the checklist computed here
 by hand; the hostile episodes must cost only themselves.
 
+The release as published: a small one (one environment, 230 scenarios) under each copy's file names (GitHub's,
+the ROLL graft's, the Hugging Face datasets'), as JSON documents and as JSON Lines, read through train.py's loader:
+the held-out 200 are the split rule's (computed here by hand), the same from either format, file order or --seed,
+disjoint from training and covering the release, and recorded in OUT. `--tasks hf` with the download simulated
+(monkeypatched) and offline (HF_HUB_OFFLINE=1, an empty cache, its own process): nothing is downloaded. Bad folders
+and files are one line each.
+
 Run: python -m pytest tests/test_envscaler.py -q
 """
+import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
+import types
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from runtime import UserError  # noqa: E402
 from worlds import common  # noqa: E402
 from worlds import envscaler as es  # noqa: E402
@@ -196,15 +207,209 @@ def test_a_prompt_needs_no_worker(tasks, monkeypatch):
     assert env.tools and env.reward() == 0.0
 
 
-def test_bad_files_are_one_line_errors(tmp_path):
+# ----------------------------------------------------------------------------------------------------------------
+# The release as published: its file names and formats, the held-out split, --tasks hf
+# ----------------------------------------------------------------------------------------------------------------
+N_RELEASE = 230                  # more than the 200 held out, as the release's 2,550 are
+RELEASE_NAMES = {"github": ("191_env_metadata.json", "rl_scenario_metadata.json"),
+                 "roll": ("191_env_metadata.json", "envscaler_rl_scenario_metadata.json"),
+                 "hf": ("191_env_metadata_processed.json", "envscaler_rl_scenario_metadata.json")}
+
+
+def release_records(n=N_RELEASE):
+    """The library environment as the release stores it (tools and init_config as JSON strings), and n scenarios."""
+    meta = {"env_id": "env_1_rl", "env_class_code": LIBRARY, "environment_introduction": "A small library.",
+            "constraints_rules": ["Books are lent to one user at a time."], "env_class_name": "Library",
+            "tools": json.dumps([TOOL("find_book", {"title": {"type": "string"}}), TOOL("audit", {})])}
+    scenarios = [{"env_id": "env_1_rl", "env_class_name": "Library", "task_id": f"env_1_rl-task_{i}",
+                  "init_config": "{}", "task": f"Lend book {i}.", "checklist_with_func": CHECKS[:1]}
+                 for i in range(1, n + 1)]
+    return meta, scenarios
+
+
+def write_release(folder, copy="github", fmt="json", n=N_RELEASE, order=1) -> str:
+    """The release's two files under `copy`'s names. fmt json: one document (the env-meta file an object keyed by
+    env_id, as the GitHub copy has it; the scenarios a list); jsonl: one record a line. order -1: scenarios reversed."""
+    os.makedirs(folder, exist_ok=True)
+    meta, scenarios = release_records(n)
+    meta_name, scenario_name = RELEASE_NAMES[copy]
+    with open(os.path.join(folder, meta_name), "w") as f:
+        f.write(json.dumps({meta["env_id"]: meta}, indent=1) if fmt == "json" else json.dumps(meta) + "\n")
+    with open(os.path.join(folder, scenario_name), "w") as f:
+        rows = scenarios[::order]
+        f.write(json.dumps(rows, indent=1) if fmt == "json" else "".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder)
+
+
+def read(folder, out, record=True, seed=0):
+    """The run's loader (train.load_splits calls the world's read_splits with --tasks and --out)."""
+    args = types.SimpleNamespace(tasks=str(folder), out=str(out), seed=seed)
+    return es.EnvScalerWorld.read_splits(args, record)
+
+
+def ids(tasks):
+    return [t.task_id for t in tasks]
+
+
+def split_by_hand(all_ids, test_size=200, seed=0):
+    """The split rule computed here: the test_size ids of smallest sha256(f"{seed}:{id}")."""
+    return set(sorted(all_ids, key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).hexdigest())[:test_size])
+
+
+@pytest.mark.parametrize("copy, fmt", [("github", "json"), ("roll", "jsonl"), ("hf", "json"), ("github", "jsonl")])
+def test_the_release_is_read_under_its_own_names_and_split(tmp_path, copy, fmt):
+    folder = write_release(tmp_path / "release", copy, fmt)
+    train, test = read(folder, tmp_path / "run")
+    every = {f"env_1_rl-task_{i}" for i in range(1, N_RELEASE + 1)}
+    assert len(test) == 200 and len(train) == N_RELEASE - 200
+    assert set(ids(train)) | set(ids(test)) == every and not set(ids(train)) & set(ids(test))
+    assert set(ids(test)) == split_by_hand(every)
+    task = test[0]                                   # joined to its environment, the JSON strings decoded
+    assert task.variant == "env_1_rl" and task.scenario["init_config"] == {}
+    assert [t["function"]["name"] for t in task.env["tools"]] == ["find_book", "audit"]
+    assert task.text == f"Lend book {task.task_id.rsplit('_', 1)[1]}."
+    with open(tmp_path / "run" / es.SPLIT_RECORD) as f:
+        record = json.load(f)
+    assert record["train"] == ids(train) and record["test"] == ids(test) and record["seed"] == es.SPLIT_SEED
+    assert set(record["sha256"]) == set(RELEASE_NAMES[copy])
+
+
+def test_train_py_takes_the_release_folder(tmp_path):
+    """train.py's own path: the folder passes parse_args (no train.jsonl asked for) and load_splits splits it."""
+    import train
+    folder = write_release(tmp_path / "release", "roll", "jsonl")
+    args = train.parse_args(["--env", "envscaler", "--tasks", folder, "--out", str(tmp_path / "run")])
+    tr, te = train.load_splits(args)
+    assert len(te) == 200 and ids(te) == json.loads((tmp_path / "run" / es.SPLIT_RECORD).read_text())["test"]
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(UserError, match="holds none of its files"):              # refused before any model loads
+        train.parse_args(["--env", "envscaler", "--tasks", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
+
+
+def test_the_same_release_gives_the_same_split(tmp_path):
+    """Whatever the format, the order of the file and --seed: the split reads the task ids alone."""
+    a = read(write_release(tmp_path / "a", "github", "json"), tmp_path / "run-a", seed=0)
+    b = read(write_release(tmp_path / "b", "roll", "jsonl", order=-1), tmp_path / "run-b", seed=7)
+    assert [ids(a[0]), ids(a[1])] == [ids(b[0]), ids(b[1])]
+    assert (tmp_path / "run-a" / es.SPLIT_RECORD).read_text().count("env_1_rl-task_") == N_RELEASE
+    train, test = es.split_ids(ids(a[0] + a[1]), "here", seed=1)     # another split seed, another split
+    assert set(test) != set(ids(a[1])) and set(test) == split_by_hand(ids(a[0] + a[1]), seed=1)
+
+
+def test_a_run_read_back_must_find_its_split(tmp_path):
+    folder = write_release(tmp_path / "release")
+    read(folder, tmp_path / "unrecorded", record=False)
+    assert not (tmp_path / "unrecorded" / es.SPLIT_RECORD).exists()      # a run read back writes nothing
+    train, test = read(folder, tmp_path / "run")
+    assert ids(read(folder, tmp_path / "run", record=False)[1]) == ids(test)
+    write_release(folder, n=N_RELEASE + 5)                                # the release changed under the run
+    with pytest.raises(UserError, match="gives another split than .*envscaler_split.json") as err:
+        read(folder, tmp_path / "run")
+    assert "\n" not in str(err.value)
+
+
+def test_a_split_of_ones_own_comes_first(tmp_path):
+    """The three-file layout: train.jsonl and test.jsonl beside env_metadata.json, even with a release file there."""
     folder = write_dataset(tmp_path / "data")
+    with open(os.path.join(folder, "rl_scenario_metadata.json"), "w") as f:
+        json.dump(release_records()[1], f)
+    train, test = read(folder, tmp_path / "run")
+    assert ids(train) == ["lend-1", "lend-2"] and ids(test) == ["peek", "loop"]
+    with open(tmp_path / "run" / es.SPLIT_RECORD) as f:
+        assert json.load(f)["rule"].startswith("given")
+    with open(os.path.join(folder, "test.jsonl"), "w") as f:             # one record on its one line
+        f.write(json.dumps({"task_id": "lend-1", "task": "again", "env_id": "library", "env_class_name": "Library"}))
+    with pytest.raises(UserError, match="share 1 task ids .*'lend-1'.*disjoint"):
+        read(folder, tmp_path / "run2")
+
+
+def test_tasks_hf_fetches_the_two_datasets(tmp_path, monkeypatch):
+    """Online, simulated: snapshot_download of each dataset gives a folder; the two are read as one release."""
+    import huggingface_hub
+    meta, scenarios = release_records()
+    folders = {}
+    for repo, (name, rows) in zip(es.HF_DATASETS, [("191_env_metadata_processed.json", [meta]),
+                                                    ("envscaler_rl_scenario_metadata.json", scenarios)]):
+        folders[repo] = str(tmp_path / repo.replace("/", "--"))
+        os.makedirs(folders[repo])
+        with open(os.path.join(folders[repo], name), "w") as f:
+            json.dump(rows, f)
+    calls = []
+
+    def snapshot_download(repo_id, repo_type=None, **kw):
+        calls.append((repo_id, repo_type))
+        return folders[repo_id]
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    train, test = read("hf", tmp_path / "run")
+    assert calls == [(r, "dataset") for r in es.HF_DATASETS]
+    assert set(ids(test)) == split_by_hand(ids(train + test)) and len(train) == N_RELEASE - 200
+
+
+def test_tasks_hf_offline_is_one_line(tmp_path):
+    """Offline (HF_HUB_OFFLINE=1, an empty cache), in a process of its own: one line naming what to download."""
+    code = ("from runtime import UserError\nfrom worlds import envscaler\ntry:\n    envscaler.find_release('hf')\n"
+            "except UserError as err:\n    print('UserError:', err)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("UserError: --tasks hf: cannot fetch"), out.stdout + out.stderr
+    assert all(repo in lines[0] for repo in es.HF_DATASETS) and "--repo-type dataset" in lines[0]
+    assert "give --tasks DIR" in lines[0]
+
+
+def one_line(call, match):
+    with pytest.raises(UserError, match=match) as err:
+        call()
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_bad_folders_and_files_are_one_line_errors(tmp_path):
+    empty = tmp_path / "empty"
+    os.makedirs(empty)
+    msg = one_line(lambda: read(empty, tmp_path / "run"), "holds none of its files")
+    assert str(empty) in msg and "191_env_metadata.json and rl_scenario_metadata.json" in msg and "or hf" in msg
+    one_line(lambda: read(tmp_path / "nowhere", tmp_path / "run"), "no such folder")
+    folder = write_release(tmp_path / "release")
+    os.remove(os.path.join(folder, "rl_scenario_metadata.json"))
+    one_line(lambda: read(folder, tmp_path / "run"), "holds only 191_env_metadata.json")
+
+    folder = write_release(tmp_path / "cut")                             # a download cut short
+    path = os.path.join(folder, "rl_scenario_metadata.json")
+    text = open(path).read()
+    open(path, "w").write(text[:len(text) // 2])
+    one_line(lambda: read(folder, tmp_path / "run"), r"rl_scenario_metadata.json:\d+: not JSON .*download it again")
+    path = os.path.join(folder, "191_env_metadata.json")                # the env-meta object, cut short too
+    text = open(path).read()
+    open(path, "w").write(text[:len(text) // 2])
+    one_line(lambda: read(folder, tmp_path / "run"), r"191_env_metadata.json:\d+: not JSON .*download it again")
+    folder = write_release(tmp_path / "lines", fmt="jsonl")              # a JSON Lines file with a broken line
+    path = os.path.join(folder, "rl_scenario_metadata.json")
+    rows = open(path).read().splitlines()
+    open(path, "w").write("\n".join(rows[:3] + ["{oops"] + rows[3:]))
+    one_line(lambda: read(folder, tmp_path / "run"), r"rl_scenario_metadata.json:4: not JSON")
+    open(path, "w").write(json.dumps([1, 2]))                            # JSON, but not records
+    one_line(lambda: read(folder, tmp_path / "run"), "rl_scenario_metadata.json: expected records")
+    meta, scenarios = release_records()
+    del scenarios[5]["env_class_name"]
+    open(path, "w").write(json.dumps(scenarios))
+    one_line(lambda: read(folder, tmp_path / "run"), r"record 6 \(env_1_rl-task_6\) lacks env_class_name")
+    scenarios[5]["env_class_name"], scenarios[7]["task_id"] = "Library", "env_1_rl-task_1"
+    open(path, "w").write(json.dumps(scenarios))
+    one_line(lambda: read(folder, tmp_path / "run"), "task_id 'env_1_rl-task_1' appears twice")
+    scenarios[7]["task_id"], scenarios[2]["init_config"] = "env_1_rl-task_8", "{not json"
+    open(path, "w").write(json.dumps(scenarios))
+    one_line(lambda: read(folder, tmp_path / "run"), r"scenario 3 \(env_1_rl-task_3\): init_config is a string but")
+    write_release(folder, n=150)
+    one_line(lambda: read(folder, tmp_path / "run"), "150 scenarios, too few to hold out 200")
+
+    folder = write_dataset(tmp_path / "data")                            # the three-file layout
     with open(os.path.join(folder, "test.jsonl"), "a") as f:
         f.write(json.dumps({"task_id": "x", "task": "t", "env_id": "nowhere", "env_class_name": "X"}) + "\n")
-    with pytest.raises(UserError, match="names env_id 'nowhere', which env_metadata.json lacks"):
-        es.load_scenarios(os.path.join(folder, "test.jsonl"))
+    one_line(lambda: es.load_scenarios(os.path.join(folder, "test.jsonl")),
+             "names env_id 'nowhere', which the env-meta file lacks")
     os.remove(os.path.join(folder, "env_metadata.json"))
-    with pytest.raises(UserError, match="needs env_metadata.json, train.jsonl and test.jsonl"):
-        es.load_scenarios(os.path.join(folder, "train.jsonl"))
+    one_line(lambda: es.load_scenarios(os.path.join(folder, "train.jsonl")), "has no env-meta file")
     assert "give --tasks DIR" in es.EnvScalerWorld.check_args(type("A", (), {"tasks": "", "conventions": 2})())
 
 

@@ -224,6 +224,8 @@ class Environment:
     paper_defaults: dict = {}          # settings of a real model's run that differ from train.PAPER_DEFAULTS
     results: str = "behaviour"         # the results table: behaviour (Table 3's columns) | table3 (the same, with
     #                                    the paper's EnvScaler values in brackets: the tool world) | pass@1 (Table 2)
+    task_files: tuple = ("train.jsonl", "test.jsonl")   # what --tasks DIR must hold (train.parse_args checks); ()
+    #                                    for a world that reads a layout of its own (read_splits; EnvScaler)
 
     def __init__(self):
         self.trace = []                # [(name, arguments, result)] of the episode's actions: Table 3's counts
@@ -264,6 +266,13 @@ class Environment:
     def load_tasks(cls, path: str) -> list:
         """The tasks of one JSONL file (--tasks DIR holds train.jsonl and test.jsonl)."""
         raise NotImplementedError(f"{cls.__name__} reads no task files: leave --tasks out")
+
+    @classmethod
+    def read_splits(cls, args, record: bool = True) -> tuple[list, list]:
+        """(train, test) of --tasks: DIR/train.jsonl and DIR/test.jsonl through `load_tasks`. A world whose release
+        has a layout of its own overrides it (EnvScaler: one scenario file, split by the world, which writes the
+        split into args.out when `record`)."""
+        return tuple(cls.load_tasks(os.path.join(args.tasks, f"{name}.jsonl")) for name in ("train", "test"))
 
     @classmethod
     def save_tasks(cls, tasks, path: str) -> None:

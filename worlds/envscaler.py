@@ -1,17 +1,33 @@
 """EnvScaler as released: the paper's training environments (§4.1; 191 environments, ~2,550 RL scenarios), read
-from their two published files and run by the official episode rules, each environment's code in a sandboxed
-worker process.
+from their published files, split into the paper's training tasks and 200 held-out ones (B.2, B.3), and run by the
+official episode rules, each environment's code in a sandboxed worker process.
 
-    python train.py --model Qwen/Qwen3-4B --env envscaler --tasks DIR     # DIR: env_metadata.json, train.jsonl,
-                                                                          # test.jsonl (EnvScaler's files)
+    python train.py --model Qwen/Qwen3-4B --env envscaler --tasks DIR    # DIR: the release's files (below)
+    python train.py --model Qwen/Qwen3-4B --env envscaler --tasks hf     # the Hugging Face datasets, fetched
     python -m pytest tests/test_envscaler.py -q
 
-The files (the official loader's fields, bingreeky/LOPD envs/envscaler/data.py):
-    DIR/env_metadata.json   the env-meta file: a JSON list (or an object of records) of {env_id, env_class_code,
-                            tools, environment_introduction, constraints_rules}
-    DIR/train.jsonl, test.jsonl   scenario records {task_id, env_id, env_class_name, task, init_config,
-                            checklist_with_func: [{check_item, check_func}]}, one per line or as one JSON list;
-                            split the released scenario file into the two as you like.
+What --tasks reads (`find_release`), each file one JSON document or JSON Lines (one record a line), with the
+fields the official LOPD code reads (bingreeky/LOPD envs/envscaler/data.py):
+    env-meta file   191_env_metadata.json, RUC-NLPIR/EnvScaler's name (interact_with_env/ and its ROLL graft's
+                    envscaler_env/data/; an object keyed by env_id), or 191_env_metadata_processed.json (the name
+                    others' code fetches from the Hugging Face dataset; a list), or env_metadata.json. Records
+                    {env_id, env_class_code, tools (a list, or a JSON string), environment_introduction,
+                    constraints_rules}
+    scenarios       rl_scenario_metadata.json, EnvScaler's name (envscaler_rl_scenario_metadata.json in the ROLL
+                    graft, and as others fetch it from Hugging Face), split here (below); or train.jsonl and
+                    test.jsonl, a split of your own, which comes first when the folder holds both. Records {task_id,
+                    env_id, env_class_name, task, init_config (an object, or a JSON string), checklist_with_func:
+                    [{check_item, check_func}]}
+    --tasks hf      the datasets XXHStudyHard/EnvScaler-191-Env and XXHStudyHard/EnvScaler-RL-Scenario through
+                    huggingface_hub (snapshot_download into its cache); offline and not cached, one line names what
+                    to download and where to put it. A folder named hf is ./hf.
+
+The split (`split_ids`), when --tasks gives the release's one scenario file: every task id ranked by
+sha256(f"{SPLIT_SEED}:{task_id}") with SPLIT_SEED = 0, the first 200 held out (B.3's test split), the rest trained
+on. It reads the ids alone (not the file's order or format, not --seed), so two users with the same release hold
+out the same tasks, and every run compares on them. The run writes the rule, the files it read (with their sha256)
+and both sides' task ids to OUT/envscaler_split.json; a run resumed or read back that finds another split there
+stops with one line. A bad folder or file is one line naming it and what to change.
 
 An episode, as the official code runs it (envs/envscaler/env.py, runtime.py): the system prompt is the official
 one, the environment's introduction and rules, and its tools (the chat template's block, as the official code
@@ -28,6 +44,11 @@ its scratch directory, no network, no new processes, no signal to another proces
 wall-clock limit per request). A worker that hangs, dies, breaks a limit or answers anything but an answer costs its
 episode (an error observation and reward 0), not the run.
 
+Choices the paper leaves open:
+1. The held-out split. B.3 samples 200 tasks at random from the pool and publishes no ids; the rule above is ours.
+   The release's 2,550 scenarios less 200 leave 2,350 training tasks; B.2 says 2,349 and does not say which one it
+   left out, so none is left out here.
+
 Deviations from the official code:
 1. A method name starting with "_" is not a tool (the official code would call any attribute).
 2. Only the first call of a reply runs, as the official parser reads only the first; the others are counted but not
@@ -35,12 +56,14 @@ Deviations from the official code:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 from dataclasses import dataclass, field
 
 import inject
+import runtime
 from runtime import UserError
 from worlds.common import Environment, StepResult, parse_tool_calls
 from worlds import sandbox
@@ -122,6 +145,20 @@ for line in sys.stdin:
 # ----------------------------------------------------------------------------------------------------------------
 # The released files
 # ----------------------------------------------------------------------------------------------------------------
+# The file names, as each copy of the release spells them (the module docstring says where each comes from)
+META_FILES = ("191_env_metadata.json", "191_env_metadata_processed.json", "env_metadata.json")
+SCENARIO_FILES = ("rl_scenario_metadata.json", "envscaler_rl_scenario_metadata.json")
+SPLIT_FILES = ("train.jsonl", "test.jsonl")        # a split of the user's own, beside an env-meta file
+META_FIELDS = ("env_id", "env_class_code")         # and tools, environment_introduction, constraints_rules
+SCENARIO_FIELDS = ("task_id", "env_id", "env_class_name", "task")   # and init_config, checklist_with_func
+HF_DATASETS = ("XXHStudyHard/EnvScaler-191-Env", "XXHStudyHard/EnvScaler-RL-Scenario")   # --tasks hf
+TEST_SIZE = 200                      # B.3: the held-out tasks
+SPLIT_SEED = 0                       # the split's own: runs of any --seed hold out the same tasks, so they compare
+SPLIT_RECORD = "envscaler_split.json"   # in OUT: the rule and the task ids of both sides
+WANT = (f"--tasks wants EnvScaler's release ({META_FILES[0]} and {SCENARIO_FILES[0]}; ROLL's copy names the "
+        f"second {SCENARIO_FILES[1]}), or an env-meta file with train.jsonl and test.jsonl of your own, or hf")
+
+
 @dataclass
 class EnvScalerTask:
     """One RL scenario in the project's task fields (common.Environment), with its environment's record."""
@@ -133,26 +170,57 @@ class EnvScalerTask:
     env: dict = field(repr=False)
 
 
-def _records(path: str) -> list[dict]:
-    """A JSON list (or an object of records) or JSONL, as the releases come; a bad file is one line naming it."""
+def _parse(path: str):
+    """The file's JSON: one document, or one value a line (JSON Lines). A bad file is one line naming it."""
     try:
         text = open(path, encoding="utf-8").read()
-    except OSError as err:
-        raise UserError(f"--env envscaler: cannot read {path!r} ({err.strerror}); --tasks DIR needs "
-                        "env_metadata.json, train.jsonl and test.jsonl") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"--env envscaler: cannot read {path!r} ({getattr(err, 'strerror', None) or err}); "
+                        f"{WANT}") from None
     try:
-        data = json.loads(text)
-        return list(data.values()) if isinstance(data, dict) else data
-    except json.JSONDecodeError:
-        pass
-    out = []
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        document = f"{path}:{err.lineno}: not JSON ({err.msg}); the file is cut short or was edited: download it again"
+    rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{n}: not JSON ({err.msg}); give a JSON list or one record a line") from None
-    return out
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:       # not even the first line a record: a broken document
+                raise UserError(document if not rows else f"{path}:{n}: not JSON ({err.msg}); give one JSON "
+                                "document (a list of records) or one record a line") from None
+    return rows
+
+
+def _records(path: str, key: str | None = None) -> list[dict]:
+    """The records of a file as the releases come: a JSON list, an object of records (the GitHub copy's env-meta
+    file, keyed by env_id: the key fills `key` where a record lacks it), or one record a line."""
+    data = _parse(path)
+    if isinstance(data, dict):
+        keyed = data and all(isinstance(v, dict) for v in data.values())
+        data = [{key: k, **v} if key else v for k, v in data.items()] if keyed else [data]
+    if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
+        raise UserError(f"{path}: expected records (a JSON list of objects, an object of them, or one a line); "
+                        f"found {type(data).__name__ if not isinstance(data, list) else 'no objects'}; {WANT}")
+    return data
+
+
+def _need(path: str, n: int, rec: dict, fields: tuple) -> None:
+    missing = [f for f in fields if f not in rec]
+    if missing:
+        name = rec.get("task_id") or rec.get("env_id") or "no id"
+        raise UserError(f"{path}: record {n} ({name}) lacks {', '.join(missing)}; EnvScaler's records carry "
+                        f"{', '.join(fields)}")
+
+
+def _decoded(value, where: str, what: str):
+    """A field the release stores as a JSON string (tools, init_config), decoded; a decoded one as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{where}: {what} is a string but not JSON ({err.msg}); give it as JSON") from None
 
 
 def tool_schema(tool) -> dict:
@@ -161,21 +229,137 @@ def tool_schema(tool) -> dict:
     return tool if "function" in tool else {"type": "function", "function": tool}
 
 
-def load_scenarios(path: str) -> list[EnvScalerTask]:
-    """The scenarios of one file, joined to their environments from env_metadata.json in the same folder."""
+def load_meta(path: str) -> dict:
+    """The env-meta file -> {env_id: record}, its tools as chat-template schemas."""
     meta = {}
-    for rec in _records(os.path.join(os.path.dirname(path), "env_metadata.json")):
-        tools = json.loads(rec["tools"]) if isinstance(rec.get("tools"), str) else rec.get("tools") or []
-        meta[rec["env_id"]] = {**rec, "tools": [tool_schema(t) for t in tools]}
-    tasks = []
-    for n, s in enumerate(_records(path), 1):
-        if s.get("env_id") not in meta:
-            raise UserError(f"{path}: scenario {n} ({s.get('task_id')}) names env_id {s.get('env_id')!r}, which "
-                            "env_metadata.json lacks")
-        config = json.loads(s["init_config"]) if isinstance(s.get("init_config"), str) else s.get("init_config")
-        scenario = {**s, "init_config": config or {}, "checklist_with_func": s.get("checklist_with_func") or []}
-        tasks.append(EnvScalerTask(str(s["task_id"]), s["task"], s["env_id"], s["env_id"], scenario, meta[s["env_id"]]))
+    for n, rec in enumerate(_records(path, key="env_id"), 1):
+        _need(path, n, rec, META_FIELDS)
+        tools = _decoded(rec.get("tools"), f"{path}: record {n} ({rec['env_id']})", "tools") or []
+        meta[str(rec["env_id"])] = {**rec, "tools": [tool_schema(t) for t in tools]}
+    return meta
+
+
+def load_scenarios(path: str, meta: dict | None = None) -> list[EnvScalerTask]:
+    """The scenarios of one file joined to their environments (`meta`: load_meta's; by default the env-meta file
+    in the same folder). Task ids are unique within the file."""
+    if meta is None:
+        folder = os.path.dirname(path)
+        found = _first([folder], META_FILES)
+        if found is None:
+            raise UserError(f"--env envscaler: {folder or '.'!r} has no env-meta file ({' or '.join(META_FILES)}) "
+                            f"beside {os.path.basename(path)}; {WANT}")
+        meta = load_meta(found)
+    tasks, seen = [], set()
+    for n, s in enumerate(_records(path, key="task_id"), 1):
+        _need(path, n, s, SCENARIO_FIELDS)
+        task_id, env_id, where = str(s["task_id"]), str(s["env_id"]), f"{path}: scenario {n} ({s['task_id']})"
+        if env_id not in meta:
+            raise UserError(f"{where} names env_id {env_id!r}, which the env-meta file lacks; give the env-meta "
+                            "file of the same release")
+        if task_id in seen:
+            raise UserError(f"{where}: task_id {task_id!r} appears twice; task ids must be unique")
+        seen.add(task_id)
+        scenario = {**s, "init_config": _decoded(s.get("init_config"), where, "init_config") or {},
+                    "checklist_with_func": _decoded(s.get("checklist_with_func"), where, "checklist_with_func") or []}
+        tasks.append(EnvScalerTask(task_id, s["task"], env_id, env_id, scenario, meta[env_id]))
     return tasks
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Where --tasks points, and the held-out split
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Release:
+    """The files of a --tasks value: the env-meta file, and the scenarios as the release's one file (split here)
+    or as a split of the user's own (train.jsonl and test.jsonl)."""
+    meta: str
+    scenarios: str | None = None
+    train: str | None = None
+    test: str | None = None
+
+
+def _first(folders: list, names: tuple) -> str | None:
+    """The first of `names` found in any of `folders`, in the order of `names`."""
+    for name in names:
+        for folder in folders:
+            if os.path.isfile(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+    return None
+
+
+def hub_snapshots() -> list[str]:
+    """--tasks hf: the two datasets' folders in huggingface_hub's cache, fetched when the Hub answers. Offline and
+    not cached: one line naming what to download and where to put it."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+    try:
+        return [snapshot_download(repo, repo_type="dataset", allow_patterns=["*.json", "*.jsonl"])
+                for repo in HF_DATASETS]
+    except (OSError, HfHubHTTPError) as err:
+        why = " ".join(f"{type(err).__name__}: {err}".split())[:160].split(". ")[0].rstrip(" .")
+        raise UserError(f"--tasks hf: cannot fetch the datasets {' and '.join(HF_DATASETS)} ({why}); where the "
+                        f"Hub is reachable run `hf download {HF_DATASETS[0]} --repo-type dataset --local-dir DIR` "
+                        f"and the same for {HF_DATASETS[1]}, copy DIR here and give --tasks DIR") from None
+
+
+def find_release(spec: str) -> Release:
+    """--tasks DIR (or hf) -> its files. A split of one's own (train.jsonl, test.jsonl) comes before the release's
+    scenario file when a folder holds both."""
+    if spec == "hf":
+        folders = hub_snapshots()
+    elif os.path.isdir(spec):
+        folders = [spec]
+    else:
+        raise UserError(f"--tasks {spec!r}: no such folder; {WANT}")
+    meta, scenarios = _first(folders, META_FILES), _first(folders, SCENARIO_FILES)
+    train, test = (_first(folders, (name,)) for name in SPLIT_FILES)
+    if meta and train and test:
+        return Release(meta, train=train, test=test)
+    if meta and scenarios:
+        return Release(meta, scenarios=scenarios)
+    held = ", ".join(os.path.basename(p) for p in (meta, scenarios, train, test) if p)
+    raise UserError(f"--tasks {spec!r}: {f'holds only {held}' if held else 'holds none of its files'} (in "
+                    f"{', '.join(folders)}); {WANT}")
+
+
+def split_ids(ids: list[str], where: str, test_size: int = TEST_SIZE, seed: int = SPLIT_SEED) -> tuple[list, list]:
+    """B.3's held-out split of the release's scenarios -> (train ids, test ids): every id ranked by
+    sha256(f"{seed}:{task_id}"), the first `test_size` held out, the rest trained on, each side in that order. It
+    reads the ids alone: not the file's order or format, not --seed."""
+    if len(ids) <= test_size:
+        raise UserError(f"{where}: {len(ids)} scenarios, too few to hold out {test_size} (B.3); give a split of "
+                        "your own as train.jsonl and test.jsonl beside the env-meta file")
+    ranked = sorted(ids, key=lambda i: hashlib.sha256(f"{seed}:{i}".encode()).hexdigest())
+    return ranked[test_size:], ranked[:test_size]
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def load_release(spec: str) -> tuple[list, list, dict]:
+    """--tasks DIR (or hf) -> (train tasks, test tasks, the split's record for OUT/envscaler_split.json: the rule,
+    the files read, and the task ids of both sides in order)."""
+    rel = find_release(spec)
+    meta = load_meta(rel.meta)
+    if rel.scenarios:
+        tasks = {t.task_id: t for t in load_scenarios(rel.scenarios, meta)}
+        train_ids, test_ids = split_ids(list(tasks), rel.scenarios)
+        train, test = [tasks[i] for i in train_ids], [tasks[i] for i in test_ids]
+        rule = f"held out: the {TEST_SIZE} task ids of smallest sha256(f'{SPLIT_SEED}:{{task_id}}'); trained: the rest"
+    else:
+        train, test = load_scenarios(rel.train, meta), load_scenarios(rel.test, meta)
+        both = {t.task_id for t in train} & {t.task_id for t in test}
+        if both:
+            raise UserError(f"--tasks {spec!r}: train.jsonl and test.jsonl share {len(both)} task ids (e.g. "
+                            f"{sorted(both)[0]!r}); the held-out tasks must be disjoint from training (B.3)")
+        rule = "given: the folder's train.jsonl and test.jsonl"
+    files = [p for p in (rel.scenarios, rel.train, rel.test) if p]
+    record = {"rule": rule, "seed": SPLIT_SEED, "env_metadata": rel.meta, "scenarios": files,
+              "sha256": {os.path.basename(p): _sha256(p) for p in [rel.meta, *files]},
+              "train": [t.task_id for t in train], "test": [t.task_id for t in test]}
+    return train, test, record
 
 
 def system_prompt(env: dict) -> str:
@@ -219,6 +403,7 @@ class EnvScalerWorld(Environment):
     limits: sandbox.SandboxLimits = field(default_factory=lambda: LIMITS)
     task: EnvScalerTask | None = None
     untrusted_code = True                       # the dataset's class code and check functions
+    task_files = ()                             # --tasks: the release's layout (find_release), checked by check_args
 
     def reset(self, task: EnvScalerTask) -> list[dict]:
         """The first messages; the worker starts at the first step (a prompt rendered for scoring needs none)."""
@@ -291,8 +476,32 @@ class EnvScalerWorld(Environment):
         return load_scenarios(path)
 
     @classmethod
+    def read_splits(cls, args, record: bool = True) -> tuple[list, list]:
+        """--tasks DIR or hf -> (train, test), the split recorded in OUT/envscaler_split.json; a run resumed or read
+        back must find the same split there."""
+        train, test, split = load_release(args.tasks)
+        path = os.path.join(args.out, SPLIT_RECORD)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                kept = json.load(f)
+            if [kept.get("train"), kept.get("test")] != [split["train"], split["test"]]:
+                raise UserError(f"--tasks {args.tasks!r} gives another split than {path} records (another release, "
+                                "or files changed); give the files this run was made with, or a new --out")
+        elif record and runtime.rank() == 0:
+            os.makedirs(args.out, exist_ok=True)
+            runtime.write_json(path, split)
+        return train, test
+
+    @classmethod
     def check_args(cls, args) -> str | None:
         if not args.tasks:
-            return ("--env envscaler reads EnvScaler's files: give --tasks DIR (env_metadata.json, train.jsonl, "
-                    "test.jsonl)")
+            return ("--env envscaler reads EnvScaler's files: give --tasks DIR (the release's "
+                    f"{META_FILES[0]} and {SCENARIO_FILES[0]}, or env_metadata.json, train.jsonl and test.jsonl) "
+                    "or --tasks hf (its Hugging Face datasets)")
+        own_split = all(os.path.isfile(os.path.join(args.tasks, f)) for f in SPLIT_FILES)
+        if args.tasks != "hf" and not own_split:   # the Hub, and a split's env-meta file, when the tasks are read
+            try:
+                find_release(args.tasks)
+            except UserError as err:
+                return str(err)
         return super().check_args(args)
