@@ -277,10 +277,13 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]
         turns = sum(v["turns_passed"] / v["turns"] for v in log.values())     # the training reward per task
         rows.append({"category": cat, "tasks": len(tasks), "accuracy": passed / len(tasks),
                      "turns": turns / len(tasks)})
-    print(results.bfcl_table(rows, name))
+    print(results.bfcl_table(rows, name, single=bfcl.SINGLE_TURN))
     result = {"student": name, "release": bfcl.RELEASE, "rows": rows}
     runtime.write_json(os.path.join(args.out, "bfcl.json"), result)
     return rows
+
+
+BENCHMARK_NAMES = ("bfcl-v3", "bfcl-v3:single")     # --tasks values that name a benchmark rather than a file
 
 
 def bfcl_categories(spec: str) -> list[str] | None:
@@ -448,7 +451,8 @@ def reference_lines(experiences) -> list[list[str]]:
 def main(argv=None):
     p = runtime.OneLineParser(description="Evaluate a run on held-out tasks.")
     p.add_argument("--run", required=True, help="run folder written by train.py (holds args.json)")
-    p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all)")
+    p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all); with --tasks, the first N "
+                        "problems of each benchmark file, or of each BFCL-v3 category")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
     p.add_argument("--inspect-latents", action="store_true",
                    help="what the composer carries: how latents differ between tasks of the same and of other "
@@ -478,6 +482,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
+    missing = [f for f in a.tasks or () if not f.startswith("bfcl-v3") and not os.path.isfile(f)]
+    if missing:                                                           # before the run is read: one line at once
+        hint = runtime.did_you_mean(missing[0], BENCHMARK_NAMES)          # bfcl-v4 -> bfcl-v3
+        p.error(f"--tasks: no such file {missing[0]!r}{hint}; give JSONL benchmark files or bfcl-v3")
     if not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
     # the folder given, wherever it was trained; the engine this command asks for, whichever trained it
@@ -491,9 +499,6 @@ def main(argv=None):
         with runtime.one_line_errors():
             return eval_bfcl(args, bfcl_categories(a.tasks[0]), a.n_test, a.temperature)
     if a.tasks:
-        missing = [f for f in a.tasks if not os.path.isfile(f)]
-        if missing:
-            p.error(f"--tasks: no such file {missing[0]!r}; give JSONL benchmark files")
         return eval_benchmarks(args, a.tasks, a.n_test, a.temperature)
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")

@@ -309,3 +309,16 @@ def test_a_turn_past_its_step_limit_fails_the_task(tasks):
     assert not env.step(common.format_call(name, args)).done and not env.step(common.format_call(name, args)).done
     r = env.step(common.format_call(name, args))                       # the third step of the turn: forced quit
     assert r.done and r.observations == ["Model has been forced to quit after 2 steps."] and env.reward() == 0.0
+
+
+def test_bfcl_table_is_headed_by_what_it_holds():
+    """A single-turn table is not called multi-turn and has no turns column; a mixed one marks single-turn turns."""
+    from worlds import results
+    multi = {"category": "base", "tasks": 2, "accuracy": 0.5, "turns": 0.75}
+    single = {"category": "simple", "tasks": 2, "accuracy": 1.0, "turns": 1.0}
+    only_single = results.bfcl_table([single], "m", single=bfcl.SINGLE_TURN)
+    assert only_single.startswith("BFCL-v3 single-turn") and "turns" not in only_single
+    assert results.bfcl_table([multi], "m", single=bfcl.SINGLE_TURN).startswith("BFCL-v3 multi-turn")
+    mixed = results.bfcl_table([multi, single], "m", single=bfcl.SINGLE_TURN)
+    assert "multi-turn" not in mixed and "| simple | 2 | 1.000 | – |" in mixed
+    assert "| mean | 4 | 0.750 | 0.750 |" in mixed          # accuracy over both; turns over the multi-turn row only

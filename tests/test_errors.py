@@ -121,3 +121,15 @@ def test_a_bad_flag_or_choice_is_one_line_with_the_closest_name(argv, says, caps
     with pytest.raises(SystemExit):
         train.main(["--method", "zzzzzz"])
     assert "did you mean" not in capsys.readouterr().err
+
+
+def test_eval_tasks_misspelled_benchmark_names_the_closest(tmp_path, capsys):
+    """eval.py --tasks bfcl-v4 (no such file): one line, exit 2, before any run is read; it suggests bfcl-v3."""
+    import eval as evaluate
+    for name, hint in (("bfcl-v4", "(did you mean 'bfcl-v3'?)"), ("zzzz.jsonl", None)):
+        with pytest.raises(SystemExit) as err:
+            evaluate.main(["--run", str(tmp_path / "none"), "--tasks", name])
+        assert err.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"no such file {name!r}" in lines[0], lines
+        assert (hint in lines[0]) if hint else "did you mean" not in lines[0]

@@ -123,10 +123,19 @@ def benchmark_table(rows: list[dict], student: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bfcl_table(rows, name: str) -> str:
-    """Markdown: BFCL-v3 multi-turn accuracy per category and their mean (BFCL's overall), turns passed beside."""
-    lines = [f"BFCL-v3 multi-turn, {name}", "", "| category | tasks | accuracy | turns passed |", "|---|---|---|---|"]
-    lines += [f"| {r['category']} | {r['tasks']} | {r['accuracy']:.3f} | {r['turns']:.3f} |" for r in rows]
-    mean = lambda k: sum(r[k] for r in rows) / len(rows)          # noqa: E731
-    lines.append(f"| mean | {sum(r['tasks'] for r in rows)} | {mean('accuracy'):.3f} | {mean('turns'):.3f} |")
+def bfcl_table(rows, name: str, single=()) -> str:
+    """Markdown: BFCL-v3 accuracy per category and their mean (BFCL's overall). Multi-turn categories also show the
+    fraction of turns passed (the training reward); `single` names the single-turn ones (one reply, BFCL's AST
+    checker), which have no turns: their column says so, and a table of them alone has none."""
+    multi = [r for r in rows if r["category"] not in single]
+    kind = ("multi-turn, " if len(multi) == len(rows) else "single-turn (AST checker), " if not multi
+            else "")                                                         # a mixed table: both kinds
+    turns = (lambda r: "–" if r["category"] in single else f"{r['turns']:.3f}") if multi else None   # noqa: E731
+    cols = "| category | tasks | accuracy |" + (" turns passed |" if turns else "")
+    lines = [f"BFCL-v3 {kind}{name}", "", cols, "|---|---|---|" + ("---|" if turns else "")]
+    lines += [f"| {r['category']} | {r['tasks']} | {r['accuracy']:.3f} |" + (f" {turns(r)} |" if turns else "")
+              for r in rows]
+    mean = lambda k, rs: sum(r[k] for r in rs) / len(rs)          # noqa: E731
+    tail = f" {mean('turns', multi):.3f} |" if turns else ""
+    lines.append(f"| mean | {sum(r['tasks'] for r in rows)} | {mean('accuracy', rows):.3f} |" + tail)
     return "\n".join(lines)
