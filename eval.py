@@ -81,6 +81,34 @@ def eval_name(n_tasks: int, temperature=None, controls: bool = False) -> str:
             ("_world-check" if controls else ""))
 
 
+def result_stem(out: str, what: str, n_test: int = 0, temperature=None) -> str:
+    """OUT/<what>_<split>[_T<t>]: a benchmark evaluation's files, named by the benchmark (and its categories), the
+    split (all, or first<N>) and the temperature; a name already taken gets -2, -3, ...: never another's files."""
+    stem = os.path.join(out, f"{what}_{f'first{n_test}' if n_test else 'all'}" +
+                        ("" if temperature is None else f"_T{temperature:g}"))
+    taken = lambda s: any(os.path.exists(s + ext) for ext in (".json", ".records.jsonl"))   # noqa: E731
+    n = 1
+    while taken(stem if n == 1 else f"{stem}-{n}"):
+        n += 1
+    return stem if n == 1 else f"{stem}-{n}"
+
+
+def task_records(tok, benchmark: str, episodes, log: dict) -> list[dict]:
+    """One JSON line per task: its id, reward, the checker's verdict (the world's log) and the conversation as
+    text (the prompt, then every reply and observation), so a reader can see why a task scored what it did."""
+    return [{"benchmark": benchmark, "task_id": ep.task.task_id, "reward": ep.reward,
+             "verdict": log.get(ep.task.task_id), "prompt": tok.decode(ep.ids[:ep.prompt_len]),
+             "conversation": tok.decode(ep.ids[ep.prompt_len:])} for ep in episodes]
+
+
+def write_result(stem: str, result: dict, records: list[dict]) -> None:
+    """STEM.json (the rows) and STEM.records.jsonl (a line per task), each written atomically."""
+    runtime.write_json(stem + ".json", result)
+    with runtime.atomic_open(stem + ".records.jsonl") as f:
+        f.writelines(json.dumps(r, default=str) + "\n" for r in records)   # a verdict may hold non-JSON values
+    print(f"written to {stem}.json and {stem}.records.jsonl")
+
+
 def conventions_table(tok, episodes: dict) -> str:
     """Toy code world: per row, how often replies write the `Answer` prefix and the `END` line, and how often each
     is right for the problem's judge. A student that learned WHEN (per judge) is right well above 0.5; one that
@@ -236,9 +264,9 @@ def load_eval_student(args):
 def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict]:
     """The run's student on each benchmark file (TACO, LiveCodeBench, HumanEval+, MBPP+ or ours; worlds/tool_world.py): A.5's
     coding system prompt for TACO / LiveCodeBench, none for EvalPlus (B.3; CodeWorld.reset), B.3's sampling
-    (`benchmark_sample_config`). Prints the table and writes OUT/benchmarks.json."""
+    (`benchmark_sample_config`). Prints the table and writes its files (`result_stem`, `write_result`)."""
     model, tok, name = load_eval_student(args)
-    cfg, rows = benchmark_sample_config(args, temperature), []
+    cfg, rows, records = benchmark_sample_config(args, temperature), [], []
     thinking = bool(args.thinking) if train.is_toy(args) else B3_THINKING
     for path in files:
         problems = code_benchmarks.load_problems(path)
@@ -248,21 +276,22 @@ def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict
         runtime.seed_everything(args.seed + 1)
         with runtime.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}",
                                             leave=False) as bar:
-            engine.rollout(model, chat, problems, cfg, progress=bar)
+            eps = engine.rollout(model, chat, problems, cfg, progress=bar)
         rows += results.benchmark_rows(problems, log, os.path.basename(path))
+        records += task_records(tok, os.path.basename(path), eps, log)
     print(results.benchmark_table(rows, name))
-    with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
-        json.dump({"student": name, "rows": rows}, f, indent=1)
+    what = "-".join(os.path.splitext(os.path.basename(f))[0] for f in files)
+    write_result(result_stem(args.out, what, n_test, temperature), {"student": name, "rows": rows}, records)
     return rows
 
 
 def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]:
     """The run's student on BFCL-v3 multi-turn (bfcl.py): per category BFCL's accuracy (every turn passes its
     checker) and the mean fraction of turns passed (the training reward), then their mean over the categories as
-    BFCL averages them. The run's own sampling and budgets. Prints the table and writes OUT/bfcl.json."""
+    BFCL averages them. The run's own sampling and budgets. Prints the table and writes its files (`write_result`)."""
     from worlds import bfcl
     model, tok, name = load_eval_student(args)
-    cfg, rows = train.sample_config(args, temperature), []
+    cfg, rows, records = train.sample_config(args, temperature), [], []
     for cat in categories:
         single = cat in bfcl.SINGLE_TURN                      # one reply, BFCL's AST checker
         tasks = bfcl.load_single_turn([cat]) if single else bfcl.load_tasks([cat])
@@ -272,14 +301,17 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]
         chat = engine.Chat(tok, world, bool(args.thinking))
         runtime.seed_everything(args.seed + 1)
         with runtime.precision(model), tqdm(total=len(tasks), desc=f"eval bfcl {cat}", leave=False) as bar:
-            engine.rollout(model, chat, tasks, cfg, progress=bar)
+            eps = engine.rollout(model, chat, tasks, cfg, progress=bar)
+        records += task_records(tok, f"bfcl-v3:{cat}", eps, log)
         passed = sum(v["passed"] for v in log.values())                      # BFCL's verdict per task
         turns = sum(v["turns_passed"] / v["turns"] for v in log.values())     # the training reward per task
         rows.append({"category": cat, "tasks": len(tasks), "accuracy": passed / len(tasks),
                      "turns": turns / len(tasks)})
     print(results.bfcl_table(rows, name, single=bfcl.SINGLE_TURN))
     result = {"student": name, "release": bfcl.RELEASE, "rows": rows}
-    runtime.write_json(os.path.join(args.out, "bfcl.json"), result)
+    what = "bfcl-v3" + ("" if categories == list(bfcl.CATEGORIES) else
+                        "_single" if categories == list(bfcl.SINGLE_TURN) else "_" + "-".join(categories))
+    write_result(result_stem(args.out, what, n_test, temperature), result, records)
     return rows
 
 

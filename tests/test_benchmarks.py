@@ -238,7 +238,9 @@ def test_eval_tasks_prints_pass_at_1_per_benchmark(tmp_path, capsys):
     assert [r["benchmark"] for r in rows] == ["LiveCodeBench", "TACO", "HumanEval+", "MBPP+"]
     assert "LOPD student (step-1)" in out and "| LiveCodeBench | lcb.jsonl | 1 |" in out
     assert all(0 <= r["pass@1"] <= r.get("base pass@1", 1) for r in rows)
-    assert json.load(open(run / "benchmarks.json"))["rows"] == rows
+    assert json.load(open(run / "lcb-taco-humanevalplus-mbppplus_first1.json"))["rows"] == rows
+    records = [json.loads(x) for x in open(run / "lcb-taco-humanevalplus-mbppplus_first1.records.jsonl")]
+    assert [r["benchmark"] for r in records] == [f"{n}.jsonl" for n in ("lcb", "taco", "humanevalplus", "mbppplus")]
     with pytest.raises(SystemExit):
         ev.main(["--run", str(run), "--tasks", str(tmp_path / "missing.jsonl")])
 

@@ -232,7 +232,8 @@ def test_every_tool_schema_is_json_schema():
 
 def test_eval_py_reports_each_category_and_their_mean(tmp_path, capsys):
     """eval.py --tasks bfcl-v3 on a run folder (the toy backbone saved as its checkpoint's student): one task of each
-    category, BFCL's accuracy per category and the mean, written to OUT/bfcl.json; a bad category is one line."""
+    category, BFCL's accuracy per category and the mean, written to files of its own with a record per task (a
+    second evaluation beside the first); a bad category is one line."""
     import eval as ev
     import train
     from transformers import AutoModelForCausalLM
@@ -247,8 +248,15 @@ def test_eval_py_reports_each_category_and_their_mean(tmp_path, capsys):
     out = capsys.readouterr().out
     assert [r["category"] for r in rows] == list(bfcl.CATEGORIES) and all(r["tasks"] == 1 for r in rows)
     assert "| mean | 4 |" in out and "LOPD student (step-1)" in out
-    assert json.load(open(run / "bfcl.json"))["rows"] == rows
+    assert json.load(open(run / "bfcl-v3_first1.json"))["rows"] == rows
+    records = [json.loads(x) for x in open(run / "bfcl-v3_first1.records.jsonl")]     # a line per task
+    assert [r["benchmark"] for r in records] == [f"bfcl-v3:{c}" for c in bfcl.CATEGORIES]
+    assert all(r["verdict"]["passed"] in (True, False) and r["conversation"] for r in records)
     assert ev.main(["--run", str(run), "--tasks", "bfcl-v3:base", "--n-test", "1"])[0]["category"] == "base"
+    again = ev.main(["--run", str(run), "--tasks", "bfcl-v3", "--n-test", "1"])     # the same evaluation again
+    assert json.load(open(run / "bfcl-v3_first1-2.json"))["rows"] == again          # beside the first, not over it
+    assert json.load(open(run / "bfcl-v3_first1.json"))["rows"] == rows
+    assert os.path.isfile(run / "bfcl-v3_base_first1.json")
     with pytest.raises(SystemExit) as stop:
         ev.main(["--run", str(run), "--tasks", "bfcl-v3:simplest"])
     assert stop.value.code == 2 and "no BFCL-v3 category 'simplest'" in capsys.readouterr().err

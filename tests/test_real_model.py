@@ -127,7 +127,7 @@ def test_bfcl_v3_evaluates_a_real_model_run(runs):
     res = run_all({"bfcl": [sys.executable, "eval.py", "--run", out, "--tasks", "bfcl-v3", "--n-test", "1"]},
                   os.path.join(out, "bfcl-log"))
     assert "| mean | 4 |" in res["bfcl"][0]
-    rows = json.load(open(os.path.join(out, "bfcl.json")))["rows"]
+    rows = json.load(open(os.path.join(out, "bfcl-v3_first1.json")))["rows"]
     assert [r["category"] for r in rows] == ["base", "miss_func", "miss_param", "long_context"]
     assert all(0.0 <= r["accuracy"] <= r["turns"] <= 1.0 for r in rows)
 
