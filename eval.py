@@ -6,6 +6,7 @@
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
     python eval.py --run runs/toy --show 5           # OUT/show.html: 5 episodes token by token
     python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks (B.3)
+    python eval.py --model Qwen/Qwen3-4B --tasks bfcl-v3                      # a model as released: no run needed
 
 The rows themselves are train.py's stage 6 (`train.evaluate`: vanilla, base + composer, the LOPD student alone,
 each with Table 3's behaviour counts; a code run reports pass@1 and the reply length instead, beside paper Table
@@ -255,8 +256,9 @@ def load_eval_student(args):
     model, tok = train.load_backbone(args, device, dtype)
     runtime.start_engine(args, model, args.model or train.toy_backbone(args), runtime.free_memory(device))
     ckpt = runtime.latest_checkpoint(args.out)
-    if ckpt is None:
-        return model, tok, "vanilla (the run has no checkpoint)"
+    if ckpt is None:                     # eval.py --model, or a run not trained yet: the backbone as it is
+        plain = not os.path.isfile(os.path.join(args.out, "args.json"))
+        return model, tok, f"{args.model} (as released)" if plain else "vanilla (the run has no checkpoint)"
     saved = runtime.saved_student(os.path.join(ckpt, "student"), dtype, model if args.student_lora else None)
     return saved.to(device).eval(), tok, f"{train.student_row(args)} ({os.path.basename(ckpt)})"
 
@@ -480,9 +482,21 @@ def reference_lines(experiences) -> list[list[str]]:
     return [[(e.get("task") or "(no reference)").splitlines()[0][:160] for e in es] for es in experiences]
 
 
+def plain_model_args(a, flags) -> train.Args:
+    """--model without a run: train.py's settings for that backbone (its defaults, the paper's for a real model;
+    `flags`, train.py's, change them: --max-new-tokens 512), writing into --out (default runs/eval/<name>), where
+    no checkpoint is: the model is scored as it is."""
+    name = os.path.basename(a.model.rstrip("/")) or "model"
+    return train.parse_args(["--model", a.model, "--out", a.out or os.path.join("runs", "eval", name), *flags])
+
+
 def main(argv=None):
     p = runtime.OneLineParser(description="Evaluate a run on held-out tasks.")
-    p.add_argument("--run", required=True, help="run folder written by train.py (holds args.json)")
+    p.add_argument("--run", default="", help="run folder written by train.py (holds args.json)")
+    p.add_argument("--model", default="", metavar="ID_OR_FOLDER",
+                   help="instead of --run: this model itself (an HF id or folder, train.py --model) on --tasks; "
+                        "train.py's flags after it set its settings (--max-new-tokens 512)")
+    p.add_argument("--out", default="", help="with --model: where its files go (default runs/eval/<model's name>)")
     p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all); with --tasks, the first N "
                         "problems of each benchmark file, or of each BFCL-v3 category")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
@@ -511,18 +525,24 @@ def main(argv=None):
                    help="run untrusted code (programs, environments, BFCL's calls) even where the kernel cannot "
                         "confine it (train.py --unsafe-no-sandbox); asked again here, whatever the run was "
                         "trained with")
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)         # with --model, train.py's flags set the model's settings
+    if rest and not a.model:
+        a = p.parse_args(argv)                  # one line naming the closest flag (runtime.OneLineParser)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
     missing = [f for f in a.tasks or () if not f.startswith("bfcl-v3") and not os.path.isfile(f)]
     if missing:                                                           # before the run is read: one line at once
         hint = runtime.did_you_mean(missing[0], BENCHMARK_NAMES)          # bfcl-v4 -> bfcl-v3
         p.error(f"--tasks: no such file {missing[0]!r}{hint}; give JSONL benchmark files or bfcl-v3")
-    if not os.path.isfile(os.path.join(a.run, "args.json")):
+    if bool(a.run) == bool(a.model) or (a.model and not a.tasks):
+        p.error("give --run DIR (a run of train.py), or --model ID_OR_FOLDER with --tasks (the model as released)")
+    if a.run and not os.path.isfile(os.path.join(a.run, "args.json")):
         p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
+    args = plain_model_args(a, rest) if a.model else train.load_args(a.run)
     # the folder given, wherever it was trained; the engine this command asks for, whichever trained it
-    args = dataclasses.replace(train.load_args(a.run), out=a.run, engine=a.engine,
+    args = dataclasses.replace(args, out=a.run or args.out, engine=a.engine,
                                unsafe_no_sandbox=a.unsafe_no_sandbox)
+    os.makedirs(args.out, exist_ok=True)
     with runtime.one_line_errors():            # programs, environments and BFCL's calls run confined, or not at all
         sandbox.require_for(train.environment(args), args.unsafe_no_sandbox, f"--env {args.env}")
         if a.tasks:

@@ -257,6 +257,11 @@ def test_eval_py_reports_each_category_and_their_mean(tmp_path, capsys):
     assert json.load(open(run / "bfcl-v3_first1-2.json"))["rows"] == again          # beside the first, not over it
     assert json.load(open(run / "bfcl-v3_first1.json"))["rows"] == rows
     assert os.path.isfile(run / "bfcl-v3_base_first1.json")
+    plain = ev.main(["--model", train.toy_backbone(args), "--tasks", "bfcl-v3", "--n-test", "1",
+                     "--out", str(tmp_path / "plain")])                    # the model as released, no run folder
+    assert [r["category"] for r in plain] == list(bfcl.CATEGORIES) and "(as released)" in capsys.readouterr().out
+    assert json.load(open(tmp_path / "plain" / "bfcl-v3_first1.json"))["rows"] == plain
+    assert not os.path.exists(tmp_path / "plain" / "args.json")             # not a run: nothing mistakes it for one
     with pytest.raises(SystemExit) as stop:
         ev.main(["--run", str(run), "--tasks", "bfcl-v3:simplest"])
     assert stop.value.code == 2 and "no BFCL-v3 category 'simplest'" in capsys.readouterr().err

@@ -133,3 +133,14 @@ def test_eval_tasks_misspelled_benchmark_names_the_closest(tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and f"no such file {name!r}" in lines[0], lines
         assert (hint in lines[0]) if hint else "did you mean" not in lines[0]
+
+
+@pytest.mark.parametrize("argv", [[], ["--model", "some/model"], ["--run", "x", "--model", "some/model", "--tasks",
+                                                                   "bfcl-v3"]])
+def test_eval_needs_a_run_or_a_model_with_tasks(argv, capsys):
+    """eval.py scores a run (--run) or a model as released (--model with --tasks): anything else is one line."""
+    import eval as evaluate
+    with pytest.raises(SystemExit) as err:
+        evaluate.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert err.value.code == 2 and len(lines) == 1 and "--model ID_OR_FOLDER with --tasks" in lines[0], lines

@@ -148,3 +148,17 @@ def test_envscaler_trains_two_steps_and_survives_its_hostile_environments(smollm
     assert all(m["reward"] == 0.0 for m in rows.values())           # the held-out environments cannot score
     steps = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"stage": "lopd"' in line]
     assert [s["step"] for s in steps] == [0, 1] and "| LOPD student |" in res["envscaler"][0]
+
+
+def test_eval_model_scores_smollm2_as_released_on_bfcl_v3(smollm2, tmp_path):
+    """eval.py --model FOLDER --tasks bfcl-v3: the plain model, no run folder; train.py's flags set its budgets
+    (the BFCL tier: skipped without bfcl-eval)."""
+    pytest.importorskip("bfcl_eval")
+    out = str(tmp_path / "plain")
+    cmd = [sys.executable, "eval.py", "--model", smollm2, "--tasks", "bfcl-v3:base", "--n-test", "1", "--out", out,
+           "--max-new-tokens", "8", "--max-env-steps", "1", "--device", "cpu"]
+    stdout = run_all({"plain": cmd}, os.path.join(out + "-log"))["plain"][0]
+    assert "(as released)" in stdout and "| base | 1 |" in stdout
+    rows = json.load(open(os.path.join(out, "bfcl-v3_base_first1.json")))["rows"]
+    assert [r["category"] for r in rows] == ["base"] and 0.0 <= rows[0]["accuracy"] <= 1.0
+    assert len(open(os.path.join(out, "bfcl-v3_base_first1.records.jsonl")).readlines()) == 1
