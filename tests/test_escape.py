@@ -88,7 +88,7 @@ def sandbox_processes():
     return n
 
 def left_behind():
-    deadline = time.time() + 2
+    deadline = time.time() + 10                    # a loaded machine may take seconds to reap a killed group
     while sandbox_processes() and time.time() < deadline:
         time.sleep(0.05)
     return sandbox_processes()
