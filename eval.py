@@ -7,6 +7,7 @@
     python eval.py --run runs/toy --show 5           # OUT/show.html: 5 episodes token by token
     python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks (B.3)
     python eval.py --model Qwen/Qwen3-4B --tasks bfcl-v3                      # a model as released: no run needed
+    python eval.py --run DIR --tasks acebench=../ACEBench                      # ACEBench, from its clone
 
 The rows themselves are train.py's stage 6 (`train.evaluate`: vanilla, base + composer, the LOPD student alone,
 each with Table 3's behaviour counts; a code run reports pass@1 and the reply length instead, beside paper Table
@@ -317,6 +318,55 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]
     return rows
 
 
+def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, user_model: str = "") -> list[dict]:
+    """The run's student on ACEBench's English agent tasks (worlds/acebench.py), from the clone at `path`: per
+    regime ACEBench's end-to-end and process accuracy (its own checker), then both over all the tasks (Figure 5's
+    overall). The multi-turn user simulator is `user_model` (--user-model; "" = the run's backbone). The run's own
+    sampling and budgets. Prints the table and writes its files (`write_result`)."""
+    from worlds import acebench
+    tasks = {r: acebench.load_tasks(path, [r])[:n_test or None] for r in regimes}   # a bad clone: one line, now
+    model, tok, name = load_eval_student(args)
+    user = acebench.ModelUser(*acebench_user(args, model, tok, user_model),
+                              min(acebench.USER_MAX_TOKENS, args.max_new_tokens))
+    cfg, rows, records = train.sample_config(args, temperature), [], []
+    for regime, part in tasks.items():
+        log = {}
+        chat = engine.Chat(tok, functools.partial(acebench.AceBenchWorld, user=user, log=log), bool(args.thinking))
+        runtime.seed_everything(args.seed + 1)
+        with runtime.precision(model), tqdm(total=len(part), desc=f"eval acebench {regime}", leave=False) as bar:
+            eps = engine.rollout(model, chat, part, cfg, progress=bar)
+        records += task_records(tok, f"acebench:{regime}", eps, log)
+        verdict = acebench.score(part, [log[t.task_id]["record"] for t in part])    # ACEBench's, over the regime
+        if "error" in verdict:
+            print(f"acebench {regime}: ACEBench's checker gave no verdict, scored 0 ({verdict['error']})")
+        rows.append({"regime": regime, "tasks": len(part), **verdict})
+    rows.append(results.acebench_overall(rows))
+    print(results.acebench_table(rows, name))
+    result = {"student": name, "clone": os.path.abspath(path), "user_model": user_model or "the backbone",
+              "rows": rows}
+    what = "acebench" + ("" if list(regimes) == list(acebench.REGIMES) else "_" + "-".join(regimes))
+    write_result(result_stem(args.out, what, n_test, temperature), result, records)
+    return rows
+
+
+def acebench_user(args, student, tok, spec: str):
+    """--user-model: the model that plays ACEBench's user -> (model, tokenizer). "" = the run's backbone: the model
+    under evaluation itself where there is no checkpoint, else the backbone loaded again; or an HF id or folder."""
+    if not spec and runtime.latest_checkpoint(args.out) is None:
+        return student, tok
+    device, dtype = runtime.pick_device(args.device, args.dtype)
+    if not spec:
+        return train.load_backbone(args, device, dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        runtime.check_causal_lm(spec)
+    except runtime.UserError as err:
+        raise runtime.UserError(str(err).replace("--model", "--user-model", 1)) from None
+    user_tok = AutoTokenizer.from_pretrained(spec)
+    user_tok.pad_token = user_tok.pad_token or user_tok.eos_token        # one row at a time, but the cache pads
+    return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval(), user_tok
+
+
 BENCHMARK_NAMES = ("bfcl-v3", "bfcl-v3:single")     # --tasks values that name a benchmark rather than a file
 
 
@@ -515,7 +565,11 @@ def main(argv=None):
                         "HumanEval+, MBPP+ JSONL; pass@1 per benchmark beside the paper's Table 2), or on bfcl-v3 "
                         "(BFCL-v3 multi-turn: base, miss_func, miss_param, long_context; bfcl-v3:base for one; "
                         "bfcl-v3:single for the single-turn AST categories; needs pip install --no-deps "
-                        "bfcl-eval==2025.7.17)")
+                        "bfcl-eval==2025.7.17), or on acebench=PATH (ACEBench's English agent tasks from a clone "
+                        "at PATH: M-Step, M-Turn, overall; acebench=PATH:multi_turn for one regime)")
+    p.add_argument("--user-model", default="", metavar="ID_OR_FOLDER",
+                   help="with --tasks acebench=PATH: the model that plays ACEBench's user in its multi-turn tasks "
+                        "(default: the run's backbone; the paper used deepseek-v4-flash through an API)")
     p.add_argument("--show", type=int, nargs="?", const=5, default=0, metavar="N",
                    help="write OUT/show.html: N held-out episodes of the student (default 5), each token coloured by "
                         "what the teacher knows")
@@ -530,7 +584,7 @@ def main(argv=None):
         a = p.parse_args(argv)                  # one line naming the closest flag (runtime.OneLineParser)
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
         p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
-    missing = [f for f in a.tasks or () if not f.startswith("bfcl-v3") and not os.path.isfile(f)]
+    missing = [f for f in a.tasks or () if not f.startswith(("bfcl-v3", "acebench=")) and not os.path.isfile(f)]
     if missing:                                                           # before the run is read: one line at once
         hint = runtime.did_you_mean(missing[0], BENCHMARK_NAMES)          # bfcl-v4 -> bfcl-v3
         p.error(f"--tasks: no such file {missing[0]!r}{hint}; give JSONL benchmark files or bfcl-v3")
@@ -550,6 +604,11 @@ def main(argv=None):
     if a.tasks and a.tasks[0].startswith("bfcl-v3"):
         with runtime.one_line_errors():
             return eval_bfcl(args, bfcl_categories(a.tasks[0]), a.n_test, a.temperature)
+    if a.tasks and a.tasks[0].startswith("acebench="):
+        from worlds import acebench
+        with runtime.one_line_errors():
+            path, regimes = acebench.parse_spec(a.tasks[0])
+            return eval_acebench(args, path, regimes, a.n_test, a.temperature, user_model=a.user_model)
     if a.tasks:
         return eval_benchmarks(args, a.tasks, a.n_test, a.temperature)
     if a.conventions and (args.env != "code" or args.tasks):

@@ -6,8 +6,9 @@ tool-call parsers of the model families, and the small helpers of task files and
 
 The shipped worlds, one file each beside this one: tool_world.py (the toy tool-use world, the default), code_world.py
 (single-turn programs; code_benchmarks.py reads TACO, LiveCodeBench and EvalPlus as released), bfcl.py (BFCL-v3),
-envscaler.py (EnvScaler's released environments); worlds/sandbox.py confines the code they run, results.py tabulates
-what they score, toy_backbone.py builds the offline backbone that knows the toy worlds. `ENVS` names them for --env.
+envscaler.py (EnvScaler's released environments), acebench.py (ACEBench, for evaluation); worlds/sandbox.py confines
+the code they run, results.py tabulates what they score, toy_backbone.py builds the offline backbone that knows the
+toy worlds. `ENVS` names them for --env.
 
 A reply is text: the parsers turn it into (name, arguments) pairs of JSON values, in one pass over the reply, and a
 call that cannot be read is an error observation, never an exception and never code. Nothing here evaluates text.
@@ -152,6 +153,34 @@ def parse_olmo_calls(text: str):
     if text.count("<function_calls>") > len(blocks):
         calls.append((None, "Error: unterminated <function_calls>"))
     return calls
+
+
+def parse_call_list(text: str):
+    """A reply in the Python call-list format `[name(key=literal, ...), ...]` (ACEBench's; one bare call too),
+    read with `ast` and never evaluated. None where the text is no list of calls (prose: the caller decides what
+    that means); else per call (name, arguments), or (None, error) for a call that is no plain name with keyword
+    arguments of literal values: an expression, a lambda, a name or a call as a value is an error, not code."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):      # the parser's own limits too
+        return None
+    items = node.elts if isinstance(node, (ast.List, ast.Tuple)) else [node]
+    if not items or not all(isinstance(c, ast.Call) for c in items):
+        return None
+    return [_literal_call(c) for c in items]
+
+
+def _literal_call(node: ast.Call):
+    if not isinstance(node.func, ast.Name):
+        return None, "Error: a call needs a plain function name: name(key=value, ...)"
+    name = node.func.id
+    if node.args or any(k.arg is None for k in node.keywords):
+        return None, f"Error: {name} takes keyword arguments only: {name}(key=value, ...)"
+    try:
+        return name, {k.arg: _literal(k.value) for k in node.keywords}
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return None, (f"Error: the arguments of {name} must be literal values (strings, numbers, True/False/None, "
+                      "lists, dicts), not expressions")
 
 
 def parse_with_template(text: str, response_template: dict):

@@ -139,3 +139,28 @@ def bfcl_table(rows, name: str, single=()) -> str:
     tail = f" {mean('turns', multi):.3f} |" if turns else ""
     lines.append(f"| mean | {sum(r['tasks'] for r in rows)} | {mean('accuracy', rows):.3f} |" + tail)
     return "\n".join(lines)
+
+
+# ACEBench (worlds/acebench.py): Figure 5 at n_ret = 3, the LOPD student of Qwen3-4B, end-to-end accuracy (%)
+ACEBENCH_PAPER = {"multi_step": 56.6, "multi_turn": 63.3, "overall": 60.6}
+ACEBENCH_LABELS = {"multi_step": "M-Step", "multi_turn": "M-Turn", "overall": "overall"}
+
+
+def acebench_overall(rows) -> dict:
+    """The regimes' rows taken together, as the paper's overall (Figure 5's 60.6 = (20 × 56.6 + 30 × 63.3) / 50):
+    the tasks passed over all tasks, and the process score weighted by tasks alike. (ACEBench's own summary is the
+    unweighted mean of the two regimes.)"""
+    n = max(1, sum(r["tasks"] for r in rows))
+    correct = sum(r["correct"] for r in rows)
+    return {"regime": "overall", "tasks": sum(r["tasks"] for r in rows), "correct": correct,
+            "end_to_end": correct / n, "process": sum(r["process"] * r["tasks"] for r in rows) / n}
+
+
+def acebench_table(rows, name: str) -> str:
+    """Markdown: ACEBench's end-to-end and process accuracy (%) per regime and overall, Figure 5's beside."""
+    lines = [f"ACEBench, English agent tasks, {name}: ACEBench's checker, accuracy %", "",
+             "| regime | tasks | end-to-end | process | paper: LOPD Qwen3-4B end-to-end (Fig. 5) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {ACEBENCH_LABELS[r['regime']]} | {r['tasks']} | {100 * r['end_to_end']:.1f} | "
+              f"{100 * r['process']:.1f} | {ACEBENCH_PAPER[r['regime']]} |" for r in rows]
+    return "\n".join(lines)
