@@ -3,14 +3,16 @@
 Each method shares with LOPD (lopd.py) the rollout, the re-scoring of the student's sampled ids, the optimizer step
 and the evaluation. What differs is only the teacher's context and the loss, each kept as its paper has it:
 
-    method  teacher                  its context                            loss
-    lopd    frozen θ̄ (LoRA off)      latents c_φ of J retrieved trajs       reverse KL, teacher top-M + tail, eq. 13
-    rft     none                     none: NLL of the bank's successes      masked NLL (the control; no rollouts)
-    grpo    none                     none                                   PPO-clip, group-normalised Â
-    opsd    frozen θ̄                 a successful traj. of the SAME task    forward KL, full vocabulary
-    sdpo    EMA of θ (rate 0.05)     a successful SIBLING of the group      reverse KL, student top-K + tail
+    method   teacher                  its context                            loss
+    lopd     frozen θ̄ (LoRA off)      latents c_φ of J retrieved trajs       reverse KL, teacher top-M + tail, eq. 13
+    rft      none                     none: NLL of the bank's successes      masked NLL (the control; no rollouts)
+    grpo     none                     none                                   PPO-clip, group-normalised Â
+    opsd     frozen θ̄                 a successful traj. of the SAME task    forward KL, full vocabulary
+    sdpo     EMA of θ (rate 0.05)     a successful SIBLING of the group      reverse KL, student top-K + tail
+    sdft     EMA of θ (rate 0.01)     the task's demonstration (the pool's)  forward KL, full vocabulary
+    skillsd  θ itself, detached       one skill of its family, by UCB1       PPO-clip (0.2, 0.28) + λ_sdl·IW reverse KL
 
-    python train.py --method grpo          # or rft | opsd | sdpo: the same pipeline, stages and evaluation
+    python train.py --method grpo          # or rft | opsd | sdpo | sdft | skillsd: the same pipeline and evaluation
     python -m pytest tests/test_baselines.py -q
 
 `METHODS` at the bottom is what train.py runs beside LOPD's own entry (lopd.METHOD): per method, what it keeps across
@@ -18,20 +20,51 @@ steps and one step. A new method is a step function, its loss and one entry ther
 
 Deviations from the papers
 --------------------------
-1. GRPO takes one update per batch, as LOPD does, so its PPO clip never binds (ρ = 1).
-2. OPSD's pool is the bank's successes, and the environment's oracle trace where a task has none (B.1 asks
-   stronger models to write them).
-3. On the toy backbone OPSD's and SDPO's teachers read their trajectory text in the framed span where LOPD's
-   latents go (`engine.Chat.context_prompt`, "span"): the toy learned to read a reference only there. Real models
-   get the B.1 system-message wording (OPSD) and a reprompt appended to the task (SDPO).
+1. GRPO and Skill-SD take one update per batch, as LOPD does, so their PPO clip never binds (ρ = 1).
+2. OPSD's pool (SDFT's too) is the bank's successes, and the environment's oracle trace where a task has none (B.1
+   asks stronger models to write them).
+3. On the toy backbone the text teachers (OPSD, SDPO, SDFT, Skill-SD) read their text in the framed span where
+   LOPD's latents go (`engine.Chat.context_prompt`, "span"): the toy learned to read a reference only there, and
+   only a trace. Real models get the B.1 system-message wording (OPSD), a reprompt appended to the task (SDPO), and
+   B.1's wordings appended to the first user message (SDFT, Skill-SD; --text-context chooses only span or not).
+   Skill-SD's span holds its skill's suggested workflow alone (a trace of a success of the family); the other two
+   fields are still written and logged.
 4. RFT spends no rollouts of its own: it re-reads the bank (its generations are the bank's).
+5. Skill-SD's skills on the toy backbone, which cannot write prose: `toy_skill`, a deterministic summary of the
+   family's traces. A real model's are written by the frozen base θ̄ (`SKILL_WRITER_PROMPT`).
+
+Choices B.1 leaves open (Skill-SD, arXiv 2604.10674: its abstract and project page, k1xe.github.io/skill-sd, say
+that each completed trajectory is summarised into a skill (success patterns, mistake analysis, a golden workflow),
+that skills condition only the teacher, that the teacher is synchronised with the improving student, and that the
+reverse KL is importance-weighted to make its gradient right; its method section and code were not open to us)
+------------------------------------------------------------------------------------------------------------------
+a. The teacher is the student itself behind its skill, detached (sg[θ]): the closest synchronisation (every step)
+   and no second copy of the model in memory.
+b. Skills belong to a task family, the task's `variant` and `schema` ("" where a world has none), B.1's "similar
+   past task": one per family from the base rollouts at setup (the bank's, already counted as generations), then
+   after each step one per task whose group has a success, from its G rollouts (a group rather than each
+   trajectory: one generation per task). The writer is the frozen base θ̄ (nothing we could read names Skill-SD's),
+   greedy, thinking off, from the family's best successes and worst failures; every skill is appended to
+   OUT/skill_bank.jsonl, which --resume replays.
+c. UCB1's arms are the task's family's skills (every skill where its family has none); one pull per task, its
+   reward the mean reward of the task's G student rollouts (in [0, 1], as UCB1 assumes; a signal every step has
+   without extra rollouts); a step's tasks all choose from the bank as it stood at the step's start, so that every
+   rank chooses alike.
+d. The importance-weighted sampled-token reverse KL is Σ ω·ρ·sg[log πθ(a) − log πT(a)] / Σ ω, ρ = πθ(a)/π_old(a):
+   its value estimates KL(πθ ‖ πT) at the sampled ids, and its gradient, through ρ, is the reverse KL's
+   score-function gradient (without ρ the sampled-token KL's gradient, ∇log πθ(a), is zero in expectation). PPO-clip
+   and λ_sdl times it are both normalised by the batch's ω tokens.
 
 Notation: B trajectories, T tokens, V vocabulary, G rollouts per task (a group), K the student's top-K.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, fields
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -51,6 +84,10 @@ class BaselineConfig:
     clip_eps: float = 0.2      # ε_lo = ε_hi (GRPO; B.1)
     top_k: int = losses.TOP_M  # SDPO's top-K support (the same M as LOPD's)
     ema_rate: float = 0.05     # SDPO's teacher update rate (B.1)
+    sdft_ema_rate: float = 0.01   # SDFT's α_EMA, its teacher synced after every step (B.1)
+    skill_clip: tuple = (0.2, 0.28)   # Skill-SD's PPO clip (ε_lo, ε_hi) (B.1)
+    sdl_weight: float = 0.001  # λ_sdl, Skill-SD's importance-weighted reverse KL beside PPO-clip (B.1)
+    ucb_c: float = math.sqrt(2)   # c of UCB1's bonus c·√(ln N / n), Skill-SD's skill choice (B.1)
     success: float = 1.0       # reward threshold of a "successful" trajectory (the bank's)
     context: str = "system"    # where the text goes: system | user | span (`engine.Chat.context_prompt`)
     micro_batch: int = 8
@@ -134,7 +171,7 @@ def grpo_step(student, chat: engine.Chat, tasks, opt, cfg: BaselineConfig):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Teachers that read a trajectory as TEXT (OPSD, SDPO): where LOPD's teacher has latents
+# Teachers that read a trajectory as TEXT (OPSD, SDPO, SDFT): where LOPD's teacher has latents
 # ----------------------------------------------------------------------------------------------------------------
 # B.1, OPSD: appended to the system message (the paper's wording).
 OPSD_CONTEXT = (
@@ -150,10 +187,10 @@ SDPO_CONTEXT = "\n\nA successful attempt at this task:\n{text}\n\nNow complete t
 
 @dataclass
 class TextTeacher:
-    """A teacher that reads a trajectory as text (OPSD, SDPO): its model, the template around the text
+    """A teacher that reads a trajectory as text (OPSD, SDPO, SDFT): its model, the template around the text
     (`engine.Chat.context_prompt` puts it where BaselineConfig.context says), and its loss against the student."""
     model: object              # a module, or OPSD's composer.base_forward (the base with the composer's LoRA off)
-    template: str              # OPSD_CONTEXT or SDPO_CONTEXT, with {text}
+    template: str              # OPSD_CONTEXT, SDPO_CONTEXT or SDFT_CONTEXT, with {text}
     loss_fn: object            # (student logits, teacher logits (b, Tc, V), ω (b, Tc), n_tokens) -> scalar
 
 
@@ -182,7 +219,7 @@ def _distill_loss(student, teacher: TextTeacher, chat, eps, texts, *, cfg, n_tok
 
 
 def _distill_step(student, teacher: TextTeacher, chat, eps, texts, *, opt, cfg):
-    """Shared by OPSD and SDPO: rows with a text context are distilled, normalised by their token count."""
+    """Shared by OPSD, SDPO and SDFT: rows with a text context are distilled, normalised by their token count."""
     rows = [i for i, x in enumerate(texts) if x is not None]
     n_tokens = engine.supervised_tokens(engine.pick(eps, rows))
 
@@ -281,12 +318,291 @@ def sdpo_step(student, ema_teacher, chat: engine.Chat, tasks, opt, cfg: Baseline
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# SDFT: an EMA teacher (rate 0.01) reads the task's demonstration in the first user message; forward KL
+# ----------------------------------------------------------------------------------------------------------------
+# B.1, SDFT: appended to the first user message (the paper's wording; Chat.context_prompt adds no separator there).
+SDFT_CONTEXT = ("\n\nThis is an example for a response to the question:\n\n{text}\n\nNow answer with a response of "
+                "your own, including the thinking process.")
+
+
+def user_or_span(cfg: BaselineConfig) -> str:
+    """Where SDFT's and Skill-SD's teachers read their text: B.1's first user message, or the toy's span."""
+    return "span" if cfg.context == "span" else "user"
+
+
+def sdft_step(student, ema_teacher, chat: engine.Chat, tasks, *, pool, opt, cfg: BaselineConfig):
+    """SDFT: one rollout per task; the EMA teacher θ̄_ema reads the task's demonstration from the shared pool
+    (`opsd_pool`) appended to its first user message; forward KL over the full vocabulary; then
+    θ̄_ema ← (1 − α)·θ̄_ema + α·θ with α = cfg.sdft_ema_rate, after every step. A task missing from the pool gives no
+    teacher signal."""
+    with runtime.gathered(student):
+        eps = engine.rollout(student, chat, tasks, cfg.sample)
+    texts = [pool.get(t.task_id) for t in tasks]
+    teacher = TextTeacher(ema_teacher, SDFT_CONTEXT, forward_kl_full)
+    m = _distill_step(student, teacher, chat, eps, texts, opt=opt, cfg=replace(cfg, context=user_or_span(cfg)))
+    ema_update(ema_teacher.parameters(), student.parameters(), cfg.sdft_ema_rate)   # shard by shard under FSDP2
+    return {"reward/student": engine.summarize_all(eps)["reward"], **m}, eps
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Skill-SD: skills written from rollouts, one per task by UCB1, read by the student itself; PPO-clip + IW reverse KL
+# ----------------------------------------------------------------------------------------------------------------
+# B.1, Skill-SD: appended to the teacher's first user message (the paper's wording).
+SKILLSD_CONTEXT = ("\n\nHere is a skill summary from a similar past task that may help guide your approach:\n\n"
+                   "**What works:** {success_analysis}\n\n**What to avoid:** {mistake_analysis}\n\n"
+                   "**Suggested workflow:** {golden_workflow}\n\nNow solve the current task using your own reasoning.")
+SKILL_FIELDS = ("success_analysis", "mistake_analysis", "golden_workflow")
+SKILL_LABELS = ("What works", "What to avoid", "Suggested workflow")     # the writer's three lines, in that order
+
+# What the frozen base reads to write a skill on a real model (ours: B.1 gives no prompt), and its reply budget.
+SKILL_WRITER_PROMPT = (
+    "Below are attempts at tasks of one kind, each with its outcome and its actions. Distill them into a skill for "
+    "future attempts at similar tasks.\n\n{attempts}\n\nAnswer with exactly three lines and nothing else:\n"
+    "What works: <what the successful attempts did that made them succeed>\n"
+    "What to avoid: <the mistakes of the failed attempts>\n"
+    "Suggested workflow: <the steps to follow, in order>")
+SKILL_WRITER_TOKENS = 512
+
+
+def iw_reverse_kl(logp, logp_old, logp_teacher, mask, n_tokens=None):
+    """Skill-SD's distillation term: the sampled-token reverse KL(πθ ‖ πT), importance-weighted,
+    Σ ω·ρ·sg[log πθ(a) − log πT(a)] / n_tokens with ρ = πθ(a)/π_old(a) and a ~ π_old (choice d, module docstring).
+    Its value estimates KL(πθ ‖ πT) on the sampled ids; its gradient ρ·(log πθ(a) − log πT(a))·∇log πθ(a) is the
+    reverse KL's score-function gradient. The teacher is a target: detached.
+
+    logp (B, T) log πθ(a_t) with gradient, logp_old (B, T) the sampling policy's, logp_teacher (B, T) the skill
+    teacher's, mask ω (B, T) -> scalar fp32."""
+    ratio = torch.exp(fp32(logp) - fp32(logp_old).detach())                   # (B, T) ρ
+    gap = (fp32(logp) - fp32(logp_teacher)).detach()                          # (B, T) log πθ(a) − log πT(a)
+    n = mask.sum() if n_tokens is None else n_tokens
+    return (ratio * gap * mask).sum() / n
+
+
+def skillsd_loss(logp, logp_old, logp_teacher, advantages, mask, *, clip=(0.2, 0.28), sdl_weight=0.001,
+                 n_tokens=None):
+    """Skill-SD's loss: PPO-clip with the range [1 − ε_lo, 1 + ε_hi] (`ppo_clip_loss`) plus λ_sdl times the
+    importance-weighted sampled-token reverse KL (`iw_reverse_kl`), both over the batch's ω tokens.
+
+    logp, logp_old, logp_teacher (B, T) as for `iw_reverse_kl`, advantages Â (B,), mask ω (B, T), clip (ε_lo, ε_hi)
+    -> (scalar loss, its two terms {"loss/ppo", "loss/sdl"} as floats, the clipped fraction of ω tokens)."""
+    ppo, clipped = ppo_clip_loss(logp, logp_old, advantages, mask, eps_lo=clip[0], eps_hi=clip[1], n_tokens=n_tokens)
+    sdl = iw_reverse_kl(logp, logp_old, logp_teacher, mask, n_tokens)
+    return ppo + sdl_weight * sdl, {"loss/ppo": ppo.item(), "loss/sdl": sdl.item()}, clipped
+
+
+def ucb1_scores(pulls, rewards, c: float = math.sqrt(2)) -> list:
+    """UCB1 (Auer et al., 2002) over arms pulled n_i times for a summed reward R_i: R_i / n_i + c·√(ln N / n_i),
+    N = Σ n_i; an arm never pulled scores +inf (it goes first)."""
+    N = sum(pulls)
+    return [math.inf if n == 0 else r / n + c * math.sqrt(math.log(N) / n) for n, r in zip(pulls, rewards)]
+
+
+def ucb1_choice(pulls, rewards, c: float = math.sqrt(2)) -> int:
+    """The arm of highest `ucb1_scores`, ties (never-pulled arms among them) to the lowest index."""
+    scores = ucb1_scores(pulls, rewards, c)
+    return max(range(len(scores)), key=lambda i: (scores[i], -i))
+
+
+def task_family(task) -> str:
+    """A task's family for the skill bank: its variant and schema (worlds/common.py's task fields; "" if none)."""
+    return "/".join(str(getattr(task, k, "") or "") for k in ("variant", "schema"))
+
+
+def family_attempts(eps, success: float = 1.0) -> list:
+    """Episodes by task family, each attempt (task text, trace, reward, succeeded?), for the families with a
+    success (a skill's workflow is a success's). -> [(family, attempts)], families in first-seen order."""
+    groups = {}
+    for e in eps:
+        groups.setdefault(task_family(e.task), []).append((e.task.text, e.trace, e.reward, e.reward >= success))
+    return [(f, a) for f, a in groups.items() if any(ok for *_, ok in a)]
+
+
+def _actions(trace: str) -> list:
+    """A trace's actions without their arguments and results (`2. get_order(id="O1") -> ...` -> `get_order`)."""
+    return [re.sub(r"^\d+\.\s*", "", line).split("(")[0].split(" -> ")[0].strip() for line in trace.splitlines()
+            if line.strip()]
+
+
+def toy_skill(attempts) -> dict:
+    """The toy backbone's skill writer (it cannot write prose): the three fields from the traces alone. What works:
+    the actions every success took; what to avoid: actions of failures that no success took; the workflow: the
+    trace of the best success (highest reward, then shortest). attempts as `family_attempts` gives them."""
+    wins = sorted((a for a in attempts if a[3]), key=lambda a: (-a[2], len(a[1])))
+    fails = [a for a in attempts if not a[3]]
+    won = [set(_actions(a[1])) for a in wins]
+    common = [x for x in dict.fromkeys(_actions(wins[0][1])) if all(x in w for w in won)]
+    bad = sorted({x for a in fails for x in _actions(a[1])} - set().union(*won))
+    return {"success_analysis": f"{len(wins)} of {len(attempts)} attempts succeeded; every success called "
+                                + (", ".join(common) or "no action in common"),
+            "mistake_analysis": ("failures called " + ", ".join(bad) + ", which no success did") if bad else
+                                ("no failed attempt" if not fails else "the failures called nothing new"),
+            "golden_workflow": wins[0][1]}
+
+
+def skill_prompt(attempts, per_kind: int = 2, chars: int = 2000) -> str:
+    """SKILL_WRITER_PROMPT for one family: its best `per_kind` successes and worst `per_kind` failures, each trace
+    cut at `chars` characters."""
+    wins = sorted((a for a in attempts if a[3]), key=lambda a: (-a[2], len(a[1])))[:per_kind]
+    fails = sorted((a for a in attempts if not a[3]), key=lambda a: a[2])[:per_kind]
+    shown = [f"Attempt {i}: {'success' if ok else 'failure'} (reward {r:.2f})\nTask: {text}\nActions:\n{trace[:chars]}"
+             for i, (text, trace, r, ok) in enumerate(wins + fails, 1)]
+    return SKILL_WRITER_PROMPT.format(attempts="\n\n".join(shown))
+
+
+def parse_skill(reply: str) -> dict:
+    """The three fields of a written skill, from its "What works: ..." lines (bold and a thinking block allowed); a
+    field the writer left out reads "(none)"."""
+    text = re.sub(r"<think>.*?</think>", "", reply, flags=re.S).replace("**", "")
+    any_label = "|".join(SKILL_LABELS)
+    out = {}
+    for name, label in zip(SKILL_FIELDS, SKILL_LABELS):
+        m = re.search(rf"{label}\s*:\s*(.*?)(?=\n\s*(?:{any_label})\s*:|\Z)", text, re.S | re.I)
+        out[name] = (m.group(1).strip() if m else "") or "(none)"
+    return out
+
+
+@torch.no_grad()
+def base_skills(composer, tokenizer, groups, batch: int = 8) -> list:
+    """A real model's skill writer: the frozen base θ̄ (the composer's LoRA off, A.4) answers `skill_prompt` for
+    each (family, attempts), greedily with thinking off, in batches. -> each reply's three fields (`parse_skill`)."""
+    cfg, out = engine.SampleConfig(temperature=0.0, max_new_tokens=SKILL_WRITER_TOKENS), []
+    for i in range(0, len(groups), batch):
+        prompts = [engine.prompt_ids(tokenizer, [{"role": "user", "content": skill_prompt(a)}])
+                   for _, a in groups[i:i + batch]]
+        with composer.adapter_disabled():
+            replies = engine.generate_replies(composer.peft, tokenizer, prompts, cfg)
+        out += [parse_skill(tokenizer.decode(ids, skip_special_tokens=True)) for ids, _, _ in replies]
+    return out
+
+
+def skill_writer(run: engine.Run):
+    """(family, attempts) list -> skills: `toy_skill` on the toy backbone (no --model, or a folder toy_backbone.py
+    wrote, as train.is_toy), the frozen base's `base_skills` on a real model."""
+    model = run.args.model
+    if not model or os.path.isfile(os.path.join(model, "toy_backbone.json")):
+        return lambda groups: [toy_skill(a) for _, a in groups]
+    return lambda groups: base_skills(run.composer, run.tok, groups)
+
+
+@dataclass
+class SkillBank:
+    """Skill-SD's skill bank: each skill its three fields, its family and its source, and UCB1's statistics per skill
+    (pulls: the tasks that chose it; reward: their summed rewards). Every event (a skill written, a step's pulls) is
+    appended to `path` (OUT/skill_bank.jsonl, rank 0), which a reader opens and --resume replays."""
+    path: str = ""
+    skills: list = field(default_factory=list)
+    pulls: list = field(default_factory=list)
+    reward: list = field(default_factory=list)
+    next_step: int = 0                                # the first step whose events the bank has not seen
+
+    def select(self, task, c: float) -> int:
+        """UCB1 over the task's family's skills (over every skill where its family has none)."""
+        arms = [i for i, s in enumerate(self.skills) if s["family"] == task_family(task)] or range(len(self.skills))
+        if not arms:
+            raise ValueError("Skill-SD's skill bank is empty: no rollout has succeeded to write a skill from")
+        return arms[ucb1_choice([self.pulls[i] for i in arms], [self.reward[i] for i in arms], c)]
+
+    def apply(self, event: dict):
+        if event["event"] == "skill":
+            self.skills.append({k: event[k] for k in ("family", "source", *SKILL_FIELDS)})
+            self.pulls.append(0)
+            self.reward.append(0.0)
+        for i, r in event.get("pulls", []):
+            self.pulls[i] += 1
+            self.reward[i] += r
+        self.next_step = max(self.next_step, event["step"] + 1)
+
+    def add(self, event: dict):
+        """Apply one event and append it to the log."""
+        event = {**event, "id": len(self.skills)} if event["event"] == "skill" else event
+        self.apply(event)
+        if self.path and runtime.rank() == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+    @classmethod
+    def replay(cls, path: str, events, before: int) -> "SkillBank":
+        """--resume: the bank after the logged events of steps before `before`; the log is cut to them."""
+        kept = [e for e in events if e["step"] < before]
+        bank = cls()
+        for e in kept:
+            bank.apply(e)
+        bank.path = path
+        if runtime.rank() == 0:
+            runtime.write_jsonl(path, kept)
+        return bank
+
+
+def skill_text(skill: dict, where: str) -> str:
+    """What the teacher reads of a skill: SKILLSD_CONTEXT with its three fields, or in the toy's span its workflow
+    alone (a trace: all the toy reads; deviation 3)."""
+    return skill["golden_workflow"] if where == "span" else SKILLSD_CONTEXT.format(**skill)
+
+
+def _teacher_token_logprobs(model, chat: engine.Chat, eps, texts, *, where: str, loss_chunk: int):
+    """log πT(a_t) of each episode's own ids, `model` behind its text as the prompt (`Chat.context_prompt`), no
+    gradient: (B, Tc) fp32, zeros off ω. loss_chunk > 0: from hidden states, the head applied in chunks."""
+    device = next(model.parameters()).device
+    prefixes = [chat.context_prompt(*chat.begin(e.task), x, "{text}", where) for e, x in zip(eps, texts)]
+    with torch.no_grad():
+        if not loss_chunk:
+            logits, ids, omega = engine.continuation_logits(model, chat.tokenizer, prefixes, eps, device)  # (B, Tc, V)
+            return losses.token_logprobs(logits, ids, omega)
+        with runtime.lm_head_bypassed(model):
+            h, ids, omega = engine.continuation_logits(model, chat.tokenizer, prefixes, eps, device)       # (B, Tc, d)
+        return losses.token_logprobs_from_hidden(h, runtime.lm_head(model), ids, omega, loss_chunk)
+
+
+def skillsd_step(student, chat: engine.Chat, tasks, bank: SkillBank, *, opt, cfg: BaselineConfig):
+    """Skill-SD: G rollouts per task from the task alone; each task chooses one skill by UCB1 (`SkillBank.select`);
+    the teacher, the student itself detached (choice a), reads it appended to its first user message; the loss is
+    PPO-clip on group-normalised Â plus λ_sdl times the importance-weighted sampled-token reverse KL
+    (`skillsd_loss`). -> (metrics, episodes, each task's skill index); the bank's update is `grow_skill_bank`'s."""
+    G, where = cfg.group, user_or_span(cfg)
+    group_tasks = [t for t in tasks for _ in range(G)]                                     # rows of a group adjacent
+    with runtime.gathered(student):
+        eps = engine.rollout(student, chat, group_tasks, cfg.sample)
+    adv = group_advantages(torch.tensor([e.reward for e in eps]), G)                      # (B,)
+    chosen = [bank.select(t, cfg.ucb_c) for t in tasks]                                   # one skill per task
+    texts = [skill_text(bank.skills[k], where) for k in chosen for _ in range(G)]
+    device, n_tokens = next(student.parameters()).device, engine.supervised_tokens(eps)
+
+    def part_loss(idx):
+        part = engine.pick(eps, idx)
+        logp, _, omega = engine.student_logprobs(student, chat.tokenizer, part, device, cfg.loss_chunk)   # (b, Tc)
+        logp_t = _teacher_token_logprobs(student, chat, part, engine.pick(texts, idx), where=where,
+                                         loss_chunk=cfg.loss_chunk)                                       # (b, Tc)
+        loss, terms, clipped = skillsd_loss(logp, logp.detach(), logp_t, adv[idx].to(device), omega,
+                                            clip=cfg.skill_clip, sdl_weight=cfg.sdl_weight, n_tokens=n_tokens)
+        return loss, {**terms, "skillsd/clip_frac": clipped * float(omega.sum()) / n_tokens}
+    m, ok = engine.update(student, (opt, None), eps, part_loss, cfg)
+    return {"reward/student": engine.summarize_all(eps)["reward"], **m, "skipped": int(not ok),
+            "tokens": n_tokens}, eps, chosen
+
+
+def grow_skill_bank(bank: SkillBank, write, tasks, eps, chosen, *, step: int, cfg: BaselineConfig) -> dict:
+    """After a Skill-SD step (choices b, c): each task's skill pulled once, its reward the mean of the task's G
+    rollouts; then a skill for each task whose group has a success, written by `write` from the group. Every rank's,
+    gathered in rank order, so that every rank holds the same bank. -> metrics."""
+    G = cfg.group
+    pulls = [[k, sum(e.reward for e in eps[i * G:(i + 1) * G]) / G] for i, k in enumerate(chosen)]
+    bank.add({"step": step, "event": "pulls", "pulls": runtime.gather(pulls)})
+    groups = [g for i in range(len(tasks)) for g in family_attempts(eps[i * G:(i + 1) * G], cfg.success)]
+    new = runtime.gather([{"family": f, **s} for (f, _), s in zip(groups, write(groups) if groups else [])])
+    for skill in new:
+        bank.add({"step": step, "event": "skill", "source": f"step {step}", **skill})
+    return {"skillsd/new_skills": len(new), "skillsd/skills": len(bank.skills)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The baselines as train.py runs them (--method): what each keeps across steps, and one step (engine.Method)
 # ----------------------------------------------------------------------------------------------------------------
 def baseline_config(args, sample: engine.SampleConfig = None) -> BaselineConfig:
     """The baselines' settings from train.py's Args, with the rollouts' sampling (train.sample_config). Most have a
-    flag of the same name; SDPO's top-K is LOPD's M, "success" the bank's threshold, "context" --text-context."""
-    same = [f.name for f in fields(BaselineConfig) if f.name not in ("top_k", "success", "context", "sample")]
+    flag of the same name; SDPO's top-K is LOPD's M, "success" the bank's threshold, "context" --text-context, and
+    Skill-SD's clip range and UCB1's c keep B.1's values (no flag)."""
+    same = [f.name for f in fields(BaselineConfig)
+            if f.name not in ("top_k", "success", "context", "sample", "skill_clip", "ucb_c")]
     return BaselineConfig(**{k: getattr(args, k) for k in same}, top_k=args.top_m, success=args.bank_threshold,
                           context=args.text_context, sample=sample or engine.SampleConfig())
 
@@ -334,9 +650,50 @@ def sdpo_train_step(run: engine.Run, state: dict, student, opts, step: int):
     return m, run.args.rollouts_per_step // G * G
 
 
+def sdft_setup(run: engine.Run) -> dict:
+    """SDFT's demonstrations (OPSD's pool) and its EMA teacher, which starts at θ̄ (SDPO's)."""
+    return {**opsd_setup(run), **sdpo_setup(run)}
+
+
+def sdft_train_step(run: engine.Run, state: dict, student, opts, step: int):
+    m, _ = sdft_step(student, state["ema"], run.chat, run.tasks(step), pool=state["pool"], opt=opts[0],
+                     cfg=baseline_config(run.args, run.sample))
+    return m, run.args.rollouts_per_step
+
+
+def skillsd_setup(run: engine.Run) -> dict:
+    """Skill-SD's skill bank: a skill per task family from the base rollouts, written by `skill_writer` (this
+    rank's share of the families, gathered), logged to OUT/skill_bank.jsonl. --resume replays that file instead, at
+    the first step (the checkpoint's)."""
+    path = os.path.join(run.args.out, "skill_bank.jsonl")
+    if run.args.resume and os.path.isfile(path):
+        return {"skills": SkillBank(path), "replay": [json.loads(line) for line in open(path)]}
+    if runtime.rank() == 0:
+        open(path, "w").close()
+    bank, groups = SkillBank(path), runtime.shard(family_attempts(run.episodes, run.args.bank_threshold))
+    written = runtime.gather([{"family": f, **s} for (f, _), s in zip(groups, skill_writer(run)(groups))])
+    for skill in written:
+        bank.add({"step": -1, "event": "skill", "source": "base rollouts", **skill})
+    run.log("skill_bank", skills=len(written), families=len({s["family"] for s in written}), path=path)
+    return {"skills": bank}
+
+
+def skillsd_train_step(run: engine.Run, state: dict, student, opts, step: int):
+    """One Skill-SD step (`skillsd_step`), then the bank's pulls and new skills (`grow_skill_bank`)."""
+    if "replay" in state:                             # --resume: the logged events before this step
+        state["skills"] = SkillBank.replay(state["skills"].path, state.pop("replay"), before=step)
+    cfg, bank = baseline_config(run.args, run.sample), state["skills"]
+    tasks = run.tasks(step, cfg.group)
+    m, eps, chosen = skillsd_step(student, run.chat, tasks, bank, opt=opts[0], cfg=cfg)
+    m.update(grow_skill_bank(bank, skill_writer(run), tasks, eps, chosen, step=step, cfg=cfg))
+    return m, run.args.rollouts_per_step // cfg.group * cfg.group
+
+
 METHODS = {
     "rft": Method(rft_setup, rft_train_step, "RFT student", uses_bank=True),
     "grpo": Method(lambda run: {}, grpo_train_step, "GRPO student", per_task="group"),
     "opsd": Method(opsd_setup, opsd_train_step, "OPSD student", uses_bank=True),
     "sdpo": Method(sdpo_setup, sdpo_train_step, "SDPO student", per_task="group", keeps_ema=True),
+    "sdft": Method(sdft_setup, sdft_train_step, "SDFT student", uses_bank=True, keeps_ema=True),
+    "skillsd": Method(skillsd_setup, skillsd_train_step, "Skill-SD student", uses_bank=True, per_task="group"),
 }

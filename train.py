@@ -74,7 +74,7 @@ class Args:
     out: str = arg("runs/toy", "run folder: every stage's output, checkpoints, metrics.jsonl")
     quick: bool = arg(False, "a first look in about a minute: every stage on fewer tasks and steps (QUICK), not a result")
     seed: int = arg(0, "seeds random, numpy and torch (and the toy world's tasks)")
-    method: str = arg("lopd", "lopd (Algorithm 1) | rft (control: NLL on the bank's successes) | grpo | opsd | sdpo")
+    method: str = arg("lopd", "lopd (Algorithm 1) | rft (control, no rollouts) | grpo | opsd | sdpo | sdft | skillsd")
     conventions: int = arg(2, "hidden conventions per shop of the generated tool world, 1-4 (the dial; 2 elsewhere)")
     n_train: int = arg(1000, "generated training tasks (toy world)")
     n_test: int = arg(200, "generated held-out tasks (toy world; the paper's EnvScaler test split has 200)")
@@ -121,11 +121,12 @@ class Args:
                                       "off for the toy backbone")
     chat_template: str = arg("", "a Jinja chat-template file for a tokenizer that has none (a base checkpoint)")
     # -- baselines (baselines.py)
-    group: int = arg(baselines.BaselineConfig.group, "G, rollouts per task for grpo and sdpo (B.1: 4)")
+    group: int = arg(baselines.BaselineConfig.group, "G, rollouts per task for grpo, sdpo and skillsd (B.1: 4)")
     clip_eps: float = arg(baselines.BaselineConfig.clip_eps, "GRPO's PPO clip ε (B.1: 0.2)")
     ema_rate: float = arg(baselines.BaselineConfig.ema_rate, "SDPO's EMA teacher update rate (B.1: 0.05)")
-    text_context: str = arg(None, "where OPSD's and SDPO's teachers read their text: system | user | span (where "
-                                  "LOPD's latents go; the toy backbone reads a reference only there)")
+    sdft_ema_rate: float = arg(baselines.BaselineConfig.sdft_ema_rate, "SDFT's EMA teacher rate α_EMA (B.1: 0.01)")
+    sdl_weight: float = arg(baselines.BaselineConfig.sdl_weight, "λ_sdl, Skill-SD's reverse-KL weight (B.1: 0.001)")
+    text_context: str = arg(None, "where text teachers read: system | user | span (toy); SDFT, Skill-SD: user unless span")
     # -- settings that exist for one experiment each (experiments.py dial: privilege_against; experiments.py absorb,
     #    the official code's choices one at a time: the other four)
     privilege_against: str = arg(lopd.LOPDConfig.privilege_against, "what δ (eq. 11) measures the teacher against: student (the "
@@ -185,7 +186,7 @@ PAPER_DEFAULTS = {"latents": ComposerConfig.n_latents, "composer_input": "task+r
                   "cold_lr": 1e-5, "steps": 200, "lr": 1e-5, "composer_lr": 1e-5, "max_new_tokens": 10000,
                   "max_env_steps": 30, "max_len": 40960, "eval_every": 0, "text_context": "system",
                   "loss_chunk": 1024}   # the budgets: the memory plan (`fit_to_model`)
-METHODS = {"lopd": lopd.METHOD, **baselines.METHODS}     # what --method runs: lopd, rft, grpo, opsd, sdpo
+METHODS = {"lopd": lopd.METHOD, **baselines.METHODS}     # what --method runs: lopd, rft, grpo, opsd, sdpo, sdft, skillsd
 # --quick: the same pipeline, small (flags given beside it win); its own folder, so it never mixes with runs/toy
 QUICK = {"n_train": 200, "n_test": 50, "cold_steps": 100, "steps": 10, "rollouts_per_step": 16, "out": "runs/quick"}
 

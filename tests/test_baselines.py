@@ -1,12 +1,15 @@
-"""Tests for the baselines in the shared loop (train.py --method grpo|opsd|sdpo; paper B.1).
+"""Tests for the baselines in the shared loop (train.py --method grpo|opsd|sdpo|sdft|skillsd; paper B.1).
 
 Run: python -m pytest tests/test_baselines.py -q
 Each loss against a float64 brute force written out here (loops over rows and ids, no shared helper), and one
 test that every method goes through the same rollout and the same student scoring: the methods differ only in
 the teacher's context and the loss. The world fixture (tiny toy backbone, scripted bank) is test_lopd.py's.
 """
+import copy
+import json
 import math
 import os
+import random
 import sys
 
 import pytest
@@ -167,6 +170,279 @@ def test_opsd_pool_prefers_the_bank_then_the_oracle():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# SDFT: an EMA teacher at 0.01 reads the task's demonstration in the first user message
+# ------------------------------------------------------------------------------------------------------------
+def _turns(text):
+    """The rendered prompt's turns: {role: its content} (the chat template's <|im_start|>role ... <|im_end|>)."""
+    return {t.split("\n", 1)[0]: t.split("\n", 1)[1].split("<|im_end|>")[0]
+            for t in text.split("<|im_start|>")[1:] if "\n" in t}
+
+
+def _spy_scoring(monkeypatch):
+    """Record each (model, prefix ids) that `engine.continuation_logits` scores."""
+    calls, real = [], engine.continuation_logits
+    monkeypatch.setattr(engine, "continuation_logits", lambda model, tok, prefixes, eps, device: calls.append(
+        (model, [list(p) for p in prefixes])) or real(model, tok, prefixes, eps, device))
+    return calls
+
+
+def test_sdft_teacher_is_an_ema_moved_by_0_01_towards_the_student_after_every_step(world):
+    """θ̄_ema ← 0.99·θ̄_ema + 0.01·θ after each step, θ the student after that step's update (by hand, per
+    parameter); SDPO's 0.05 would not match, nor would a step that forgot the update."""
+    assert baselines.BaselineConfig().sdft_ema_rate == 0.01
+    student, _ = make_models(world)
+    ema = copy.deepcopy(student).requires_grad_(False)
+    tasks = world["train"][8:12]
+    pool, _ = baselines.opsd_pool([], tasks, tool_world.ToolWorld)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    cfg = baselines.BaselineConfig(context="span", micro_batch=8, sample=SAMPLE)
+    torch.manual_seed(0)
+    for _ in range(2):
+        before = {n: p.detach().clone() for n, p in ema.named_parameters()}
+        m, _ = baselines.sdft_step(student, ema, world["chat"], tasks, pool=pool, opt=opt, cfg=cfg)
+        assert m["skipped"] == 0 and m["context/rows"] == 4 and m["loss/distill"] > 0
+        moved = False
+        for (n, t), s in zip(ema.named_parameters(), student.parameters()):
+            want = 0.99 * before[n].double() + 0.01 * s.detach().double()                   # by hand, in float64
+            torch.testing.assert_close(t.double(), want, rtol=1e-6, atol=1e-8, msg=n)         # fp32 rounding only
+            sdpo = 0.95 * before[n].double() + 0.05 * s.detach().double()
+            moved |= bool((want - sdpo).abs().max() > 1e-5)
+        assert moved                                                       # the student moved: the rate matters
+
+
+def test_sdft_teacher_reads_the_demonstration_appended_to_the_first_user_message(world, monkeypatch):
+    """A real model's placement (--text-context system, its default, or user): B.1's SDFT wording with the task's
+    demonstration, at the end of the first user message, behind the task; the EMA teacher scores it, the student's
+    prompt has none. On the toy (span) the demonstration fills the latents' span."""
+    student, _ = make_models(world)
+    ema = copy.deepcopy(student).requires_grad_(False)
+    tasks, tok = world["train"][8:10], world["tok"]
+    pool, _ = baselines.opsd_pool([], tasks, tool_world.ToolWorld)
+    calls = _spy_scoring(monkeypatch)
+    for where in ("system", "user"):
+        calls.clear()
+        cfg = baselines.BaselineConfig(context=where, micro_batch=8, sample=SAMPLE)
+        baselines.sdft_step(student, ema, world["chat"], tasks, pool=pool, opt=torch.optim.SGD(student.parameters(),
+                                                                                                lr=0.0), cfg=cfg)
+        [(_, teacher)] = [c for c in calls if c[0] is ema]
+        [(_, own)] = [c for c in calls if c[0] is student]
+        for task, ids, sid in zip(tasks, teacher, own):
+            turns = _turns(tok.decode(ids))
+            demo = baselines.SDFT_CONTEXT.format(text=pool[task.task_id])
+            assert turns["user"] == task.text + demo, turns["user"]           # appended to the task, nothing else
+            assert "This is an example" not in turns["system"] and "This is an example" not in tok.decode(sid)
+    calls.clear()
+    span = baselines.BaselineConfig(context="span", micro_batch=8, sample=SAMPLE)
+    baselines.sdft_step(student, ema, world["chat"], tasks, pool=pool, opt=torch.optim.SGD(student.parameters(), lr=0),
+                        cfg=span)
+    [(_, teacher)] = [c for c in calls if c[0] is ema]
+    ref = tok(pool[tasks[0].task_id], add_special_tokens=False)["input_ids"]
+    assert any(teacher[0][i:i + len(ref)] == ref for i in range(len(teacher[0])))   # the toy: the trace in the span
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Skill-SD: UCB1 over the family's skills, the skill in the teacher's first user message, PPO-clip + IW reverse KL
+# ------------------------------------------------------------------------------------------------------------
+def _brute_ucb1(pulls, sums, c):
+    """UCB1 written out: the first arm never pulled, else the first arm of highest mean + c·sqrt(ln N / n)."""
+    for i, n in enumerate(pulls):
+        if n == 0:
+            return i, None
+    N = sum(pulls)
+    scores = [sums[i] / pulls[i] + c * math.sqrt(math.log(N) / pulls[i]) for i in range(len(pulls))]
+    best = 0
+    for i in range(len(scores)):
+        if scores[i] > scores[best]:
+            best = i
+    return best, scores
+
+
+def test_ucb1_takes_a_never_pulled_arm_first_then_the_mean_plus_a_bonus_shrinking_as_sqrt_log_n_over_n():
+    c = math.sqrt(2)
+    assert baselines.BaselineConfig().ucb_c == c
+    assert baselines.ucb1_choice([3, 0, 2, 0], [3.0, 0.0, 0.0, 0.0], c) == 1       # never pulled first, the lowest
+    assert baselines.ucb1_choice([1, 1], [1.0, 0.0], c) == 0
+    # the bonus c·sqrt(ln N / n): four times the pulls, half the bonus; it lets a worse arm pulled once win, then
+    # no longer once it is pulled as often
+    scores = baselines.ucb1_scores([4, 16], [2.0, 8.0], c)
+    bonus = [s - m for s, m in zip(scores, [0.5, 0.5])]
+    assert bonus[0] == pytest.approx(c * math.sqrt(math.log(20) / 4)) and bonus[1] == pytest.approx(bonus[0] / 2)
+    assert baselines.ucb1_choice([10, 1], [6.0, 0.5], c) == 1 and baselines.ucb1_choice([10, 100], [6.0, 50.0], c) == 0
+    # a bandit run: every choice is the brute force's, on the same history
+    rng = random.Random(0)
+    means, pulls, sums = [0.2, 0.5, 0.8, 0.4], [0] * 4, [0.0] * 4
+    for _ in range(60):
+        k = baselines.ucb1_choice(pulls, sums, c)
+        want, brute = _brute_ucb1(pulls, sums, c)
+        assert k == want
+        if brute is not None:
+            assert baselines.ucb1_scores(pulls, sums, c) == pytest.approx(brute, rel=1e-12)
+        pulls[k] += 1
+        sums[k] += float(rng.random() < means[k])
+    assert pulls.index(max(pulls)) == 2 and min(pulls) >= 2                     # it finds the best, explores all
+
+
+def _skill(family, tag):
+    return {"family": family, "success_analysis": f"works-{tag}", "mistake_analysis": f"avoid-{tag}",
+            "golden_workflow": f"1. find_customer(account=\"{tag}\") -> c1"}
+
+
+def test_skill_bank_chooses_within_the_family_logs_every_event_and_replays_them(tmp_path):
+    class T:
+        variant, schema = "s1", "cancel"
+    path = str(tmp_path / "skill_bank.jsonl")
+    bank = baselines.SkillBank(path)
+    for fam, tag in (("s1/cancel", "a"), ("s2/update", "b"), ("s1/cancel", "c")):
+        bank.add({"step": -1, "event": "skill", "source": "base rollouts", **_skill(fam, tag)})
+    assert baselines.task_family(T()) == "s1/cancel" and baselines.task_family(object()) == "/"
+    assert bank.select(T(), math.sqrt(2)) == 0                                 # its family's first, never pulled
+    bank.add({"step": 0, "event": "pulls", "pulls": [[0, 1.0], [2, 0.0]]})
+    assert (bank.pulls, bank.reward) == ([1, 0, 1], [1.0, 0.0, 0.0]) and bank.select(T(), math.sqrt(2)) == 0
+    bank.add({"step": 1, "event": "pulls", "pulls": [[0, 0.0], [0, 0.0]]})
+    assert bank.select(T(), math.sqrt(2)) == 2                                 # the bonus: 1 pull against 3
+    assert bank.select(type("U", (), {"variant": "s9", "schema": ""})(), math.sqrt(2)) == 1   # no family: every skill
+    events = [json.loads(line) for line in open(path)]
+    assert [e["event"] for e in events] == ["skill"] * 3 + ["pulls"] * 2 and events[1]["id"] == 1
+    assert all(events[i][k] == v for i, (f, t) in enumerate((("s1/cancel", "a"), ("s2/update", "b")))
+               for k, v in _skill(f, t).items())                               # a reader sees each skill whole
+    again = baselines.SkillBank.replay(path, events, before=1)                  # --resume at step 1
+    assert (again.pulls, again.next_step, len(open(path).readlines())) == ([1, 0, 1], 1, 4)
+    with pytest.raises(ValueError):
+        baselines.SkillBank().select(T(), 1.0)
+
+
+def test_toy_skill_reads_the_traces_and_the_writers_reply_parses_into_the_three_fields():
+    ok1 = ("t1", "1. find_customer(account=\"A1\") -> c1\n2. cancel_order(order=\"O1\") -> ok", 1.0, True)
+    ok2 = ("t2", "1. find_customer(account=\"A2\") -> c2\n2. get_order(order=\"O2\") -> o\n"
+                 "3. cancel_order(order=\"O2\") -> ok", 1.0, True)
+    bad = ("t3", "1. delete_customer(account=\"A3\") -> error", 0.0, False)
+    skill = baselines.toy_skill([bad, ok2, ok1])
+    assert skill["golden_workflow"] == ok1[1]                                   # the shortest of the best successes
+    assert "2 of 3" in skill["success_analysis"] and "find_customer, cancel_order" in skill["success_analysis"]
+    assert "delete_customer" in skill["mistake_analysis"]
+    prompt = baselines.skill_prompt([bad, ok2, ok1])
+    assert prompt.index("success (reward 1.00)\nTask: t1") < prompt.index("failure (reward 0.00)\nTask: t3")
+    reply = ("<think>hm</think>**What works:** look it up first\n**What to avoid:** deleting\n"
+             "Suggested workflow: 1. a\n2. b")
+    assert baselines.parse_skill(reply) == {"success_analysis": "look it up first", "mistake_analysis": "deleting",
+                                            "golden_workflow": "1. a\n2. b"}
+    assert baselines.parse_skill("What works: x")["golden_workflow"] == "(none)"
+
+
+def test_a_real_models_skills_are_written_by_its_frozen_base_through_the_engine(smollm2, monkeypatch, world):
+    """On a real model (SmolLM2-135M here) the frozen base answers SKILL_WRITER_PROMPT, generated by
+    engine.generate_replies, with the composer's LoRA off, and its reply becomes the three fields; the toy backbone's
+    run takes `toy_skill` instead."""
+    import contextlib
+    import types
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model, tok = AutoModelForCausalLM.from_pretrained(smollm2).eval(), AutoTokenizer.from_pretrained(smollm2)
+    off = []
+    base = types.SimpleNamespace(peft=model, adapter_disabled=lambda: off.append(1) or contextlib.nullcontext())
+    seen, real = [], engine.generate_replies
+    monkeypatch.setattr(engine, "generate_replies", lambda m, t, contexts, cfg, **k: seen.append(
+        (m, [t.decode(c) for c in contexts], cfg)) or real(m, t, contexts, cfg, **k))
+    monkeypatch.setattr(baselines, "SKILL_WRITER_TOKENS", 24)
+    attempts = [("Cancel order O1.", "1. cancel_order(order=\"O1\") -> ok", 1.0, True),
+                ("Cancel order O2.", "1. delete_order(order=\"O2\") -> error", 0.0, False)]
+    run = types.SimpleNamespace(args=types.SimpleNamespace(model=smollm2), composer=base, tok=tok)
+    [skill] = baselines.skill_writer(run)([("s1/cancel", attempts)])
+    [(m, [prompt], cfg)] = seen
+    assert m is model and off == [1] and cfg.temperature == 0 and cfg.max_new_tokens == 24
+    assert baselines.skill_prompt(attempts) in prompt and "What to avoid:" in prompt
+    assert set(skill) == set(baselines.SKILL_FIELDS) and all(isinstance(v, str) and v for v in skill.values())
+    toy_run = types.SimpleNamespace(args=types.SimpleNamespace(model=world["path"]))       # a toy backbone folder
+    assert baselines.skill_writer(toy_run)([("s1/cancel", attempts)]) == [baselines.toy_skill(attempts)]
+
+
+def test_skillsd_loss_is_ppo_clip_0_2_0_28_plus_lambda_sdl_times_the_importance_weighted_reverse_kl():
+    """Against a loop over tokens: −Σ ω·min(ρÂ, clip(ρ, 0.8, 1.28)Â)/N + 0.001·Σ ω·ρ·(log πθ − log πT)/N, and its
+    gradient: the PPO part where unclipped, plus 0.001·ρ·(log πθ − log πT)/N at every ω token (through ρ)."""
+    assert baselines.BaselineConfig().skill_clip == (0.2, 0.28) and baselines.BaselineConfig().sdl_weight == 0.001
+    logp_old = torch.log(torch.tensor([[0.5, 0.4, 0.3, 0.2], [0.6, 0.5, 0.4, 0.3]], dtype=torch.float64))
+    rho = torch.tensor([[1.25, 1.3, 0.75, 1.0], [0.85, 1.1, 1.27, 0.7]], dtype=torch.float64)
+    logp = (logp_old + rho.log()).requires_grad_(True)                         # ρ = πθ / π_old, as set
+    logp_t = logp_old.detach() - 0.3 * torch.arange(8, dtype=torch.float64).reshape(2, 4)
+    adv, mask = torch.tensor([1.5, -0.5], dtype=torch.float64), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0.]])
+    lam, N = 0.001, 7.0
+    loss, terms, frac = baselines.skillsd_loss(logp, logp_old, logp_t, adv, mask.double(), clip=(0.2, 0.28),
+                                               sdl_weight=lam, n_tokens=N)
+    ppo, sdl, grad, clipped = 0.0, 0.0, torch.zeros(2, 4, dtype=torch.float64), 0
+    for b in range(2):
+        for t in range(4):
+            if not mask[b, t]:
+                continue
+            r, a, gap = float(rho[b, t]), float(adv[b]), float(logp[b, t].detach() - logp_t[b, t])
+            cut = min(max(r, 0.8), 1.28)
+            ppo -= min(r * a, cut * a) / N
+            sdl += r * gap / N
+            clipped += not (0.8 <= r <= 1.28)
+            live = r * a <= cut * a                                            # the unclipped branch is the min
+            grad[b, t] = (-a * r / N if live else 0.0) + lam * r * gap / N
+    assert terms["loss/ppo"] == pytest.approx(ppo, abs=1e-12) and terms["loss/sdl"] == pytest.approx(sdl, abs=1e-12)
+    assert loss.item() == pytest.approx(ppo + lam * sdl, abs=1e-12) and frac == pytest.approx(clipped / 7)
+    assert clipped == 2           # 1.3 > 1.28 and 0.75 < 0.8; 1.25 and 1.27 are inside (ε_hi = 0.2 would clip them)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, grad, rtol=1e-10, atol=1e-12)
+
+
+def _skill_bank(world):
+    """A skill bank from scripted (oracle) episodes of the first eight training tasks, written by the toy's writer."""
+    eps = [engine.scripted_episode(world["chat"], t, tool_world.oracle_replies(t)) for t in world["train"][:8]]
+    bank = baselines.SkillBank()
+    for fam, attempts in baselines.family_attempts(eps):
+        bank.add({"step": -1, "event": "skill", "source": "test", "family": fam, **baselines.toy_skill(attempts)})
+    return bank
+
+
+def test_skillsd_step_teacher_reads_its_ucb1_skill_its_three_fields_and_its_sdl_term_is_live(world, monkeypatch):
+    """One step, a real model's placement: each task's teacher (the student itself, detached) reads B.1's wording
+    with the three fields of the skill UCB1 chose, appended to its first user message; PPO-clip gets (0.2, 0.28);
+    the reverse-KL term changes the gradient in proportion to λ_sdl (so a step without it, or without the skill in
+    the teacher's prompt, where πT = πθ, would not); then the bank counts the pulls and writes the groups' skills."""
+    tasks, tok = world["train"][8:10], world["tok"]
+    clips, grads = [], []
+    real_ppo = baselines.ppo_clip_loss
+    monkeypatch.setattr(baselines, "ppo_clip_loss", lambda *a, **k: clips.append((k["eps_lo"], k["eps_hi"])) or
+                        real_ppo(*a, **k))
+    calls = _spy_scoring(monkeypatch)
+    for lam in (0.0, 1.0, 2.0):
+        student, _ = make_models(world)
+        bank, store = _skill_bank(world), {}
+        opt = torch.optim.SGD(student.parameters(), lr=0.0)
+        step = opt.step
+        opt.step = lambda: (store.update({n: p.grad.clone() for n, p in student.named_parameters()}), step())
+        cfg = baselines.BaselineConfig(group=2, context="system", micro_batch=8, success=0.0, sdl_weight=lam,
+                                       clip=1e9, sample=SAMPLE)
+        calls.clear()
+        torch.manual_seed(0)
+        m, eps, chosen = baselines.skillsd_step(student, world["chat"], tasks, bank, opt=opt, cfg=cfg)
+        grads.append(store)
+        own, teacher = [c for c in calls if c[0] is student]                  # the student, then its own teacher
+        for i, (ids, sid) in enumerate(zip(teacher[1], own[1])):
+            skill, turns = bank.skills[chosen[i // 2]], _turns(tok.decode(ids))
+            assert turns["user"] == tasks[i // 2].text + baselines.SKILLSD_CONTEXT.format(**skill)
+            assert all(f"**{label}:** {skill[k]}" in turns["user"] for label, k in zip(
+                baselines.SKILL_LABELS, baselines.SKILL_FIELDS)) and "skill summary" not in tok.decode(sid)
+    assert set(clips) == {(0.2, 0.28)} and m["loss/sdl"] != 0 and m["skipped"] == 0
+    g0, g1, g2 = grads
+    assert any(not torch.allclose(g1[k], g0[k]) for k in g0)                   # the term is live
+    for k in g0:
+        torch.testing.assert_close(g2[k] - g0[k], 2 * (g1[k] - g0[k]), rtol=1e-3, atol=1e-7, msg=k)
+    n = len(bank.skills)
+
+    def toy_writer(groups):
+        return [baselines.toy_skill(a) for _, a in groups]
+    grown = baselines.grow_skill_bank(bank, toy_writer, tasks, eps, chosen, step=0, cfg=cfg)
+    assert grown == {"skillsd/new_skills": 2, "skillsd/skills": n + 2}       # success = 0: each group writes one
+    for k in set(chosen):
+        rows = [j for j, c in enumerate(chosen) if c == k]
+        assert bank.pulls[k] == len(rows)
+        assert bank.reward[k] == pytest.approx(sum(eps[2 * j].reward + eps[2 * j + 1].reward for j in rows) / 2)
+    assert [s["family"] for s in bank.skills[n:]] == [baselines.task_family(t) for t in tasks]
+
+
+# ------------------------------------------------------------------------------------------------------------
 # The shared loop: the only differences are the teacher's context and the loss
 # ------------------------------------------------------------------------------------------------------------
 def _run_method(world, method, monkeypatch):
@@ -187,7 +463,7 @@ def _run_method(world, method, monkeypatch):
     monkeypatch.setattr(engine, "rollout", rollout)
     monkeypatch.setattr(engine, "continuation_logits", scoring)
     for module, name in ((losses, "lopd_objective"), (baselines, "ppo_clip_loss"), (baselines, "forward_kl_full"),
-                         (baselines, "reverse_kl_student_topk")):
+                         (baselines, "reverse_kl_student_topk"), (baselines, "skillsd_loss")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **kw: calls["loss"].append(_n) or _r(*a, **kw))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
@@ -201,18 +477,24 @@ def _run_method(world, method, monkeypatch):
                        cfg=lopd.LOPDConfig(n_ret=2, freeze_composer=True, sample=SAMPLE))
     elif method == "grpo":
         baselines.grpo_step(student, chat, tasks, opt, bcfg)
-    elif method == "opsd":
+    elif method in ("opsd", "sdft"):
         pool, _ = baselines.opsd_pool([], tasks * 2, tool_world.ToolWorld)
-        baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool=pool, opt=opt, cfg=bcfg)
+        if method == "opsd":
+            baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool=pool, opt=opt, cfg=bcfg)
+        else:
+            baselines.sdft_step(student, copy.deepcopy(student).requires_grad_(False), chat, tasks * 2, pool=pool,
+                                opt=opt, cfg=bcfg)
+    elif method == "skillsd":
+        baselines.skillsd_step(student, chat, tasks, _skill_bank(world), opt=opt, cfg=bcfg)
     else:
-        import copy
         ema = copy.deepcopy(student).requires_grad_(False)
         baselines.sdpo_step(student, ema, chat, tasks, opt, bcfg)
     return student, calls
 
 
 @pytest.mark.parametrize("method, loss", [("lopd", "lopd_objective"), ("grpo", "ppo_clip_loss"),
-                                          ("opsd", "forward_kl_full"), ("sdpo", "reverse_kl_student_topk")])
+                                          ("opsd", "forward_kl_full"), ("sdpo", "reverse_kl_student_topk"),
+                                          ("sdft", "forward_kl_full"), ("skillsd", "skillsd_loss")])
 def test_every_method_shares_rollout_and_student_scoring(world, monkeypatch, method, loss):
     student, calls = _run_method(world, method, monkeypatch)
     # one on-policy rollout of the student, 4 episodes, the same sampling config
@@ -220,11 +502,13 @@ def test_every_method_shares_rollout_and_student_scoring(world, monkeypatch, met
     assert model is student and len(ids) == 4 and cfg is SAMPLE
     # the student is scored behind its own prompt on its own sampled ids
     student_calls = [c for c in calls["scored"] if c[0] is student]
+    teacher_calls = [c for c in calls["scored"] if c[0] is not student]
+    if method == "skillsd":                         # its teacher is the student itself, scored after it
+        student_calls, teacher_calls = student_calls[:1], student_calls[1:]
     assert len(student_calls) == 1
     _, prefixes, conts = student_calls[0]
     assert all(p[-3:] == prefixes[0][-3:] for p in prefixes)              # the prompt ends with the assistant header
     # the teacher: its context is what differs
-    teacher_calls = [c for c in calls["scored"] if c[0] is not student]
     if method == "grpo":
         assert teacher_calls == []                                          # no teacher
     elif method == "lopd":
@@ -233,7 +517,7 @@ def test_every_method_shares_rollout_and_student_scoring(world, monkeypatch, met
         [(_, t_prefixes, t_conts)] = teacher_calls
         assert t_conts == conts                                             # the SAME sampled ids, never re-tokenized
         assert all(len(tp) > len(sp) for tp, sp in zip(t_prefixes, prefixes))   # plus a trajectory as text
-    assert calls["loss"] and set(calls["loss"]) == {loss}
+    assert calls["loss"] and set(calls["loss"]) == {loss} | ({"ppo_clip_loss"} if method == "skillsd" else set())
 
 
 def test_text_context_span_puts_the_text_where_the_latents_go(world):
@@ -250,12 +534,11 @@ def test_text_context_span_puts_the_text_where_the_latents_go(world):
     assert rendered.index(text) < rendered.index(task.text)                 # in the system turn, before the task
 
 
-@pytest.mark.parametrize("method", ["rft", "grpo", "opsd", "sdpo"])
+@pytest.mark.parametrize("method", ["rft", "grpo", "opsd", "sdpo", "sdft", "skillsd"])
 @pytest.mark.equality
 def test_every_baseline_gives_the_same_step_with_the_chunked_loss(world, method):
     """--loss-chunk on the baselines: hidden states out, the heads applied 3 rows at a time by the loss. From the
     same seed, the same metrics and the same student gradients as from full logits."""
-    import copy
     tasks = world["train"][8:10]
     results = []
     for chunk in (0, 3):
@@ -274,15 +557,21 @@ def test_every_baseline_gives_the_same_step_with_the_chunked_loss(world, method)
             m = baselines.rft_step(student, world["tok"], eps, opt, bcfg)
         elif method == "grpo":
             m, _ = baselines.grpo_step(student, chat, tasks, opt, bcfg)
-        elif method == "opsd":
+        elif method in ("opsd", "sdft"):
             pool, _ = baselines.opsd_pool([], tasks * 2, tool_world.ToolWorld)
-            m, _ = baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool=pool, opt=opt, cfg=bcfg)
+            if method == "opsd":
+                m, _ = baselines.opsd_step(student, comp.base_forward, chat, tasks * 2, pool=pool, opt=opt, cfg=bcfg)
+            else:
+                m, _ = baselines.sdft_step(student, copy.deepcopy(student).requires_grad_(False), chat, tasks * 2,
+                                           pool=pool, opt=opt, cfg=bcfg)
+        elif method == "skillsd":
+            m, _, _ = baselines.skillsd_step(student, chat, tasks, _skill_bank(world), opt=opt, cfg=bcfg)
         else:
             ema = copy.deepcopy(student).requires_grad_(False)
             m, _ = baselines.sdpo_step(student, ema, chat, tasks, opt, bcfg)
         results.append((m, grads))
     (m0, g0), (m3, g3) = results
-    loss_key = {"rft": "loss/rft", "grpo": "loss/grpo"}.get(method, "loss/distill")
+    loss_key = {"rft": "loss/rft", "grpo": "loss/grpo", "skillsd": "loss/sdl"}.get(method, "loss/distill")
     assert m3[loss_key] == pytest.approx(m0[loss_key], rel=1e-5, abs=1e-7) and m3["tokens"] == m0["tokens"]
     assert g0 and g0.keys() == g3.keys()
     assert method == "grpo" or any(g.abs().max() > 0 for g in g0.values())   # GRPO's groups may all tie

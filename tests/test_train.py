@@ -260,11 +260,13 @@ def test_rft_control_run(runs, backbone, tmp_path):
 
 
 def test_each_baseline_runs_in_a_subprocess(runs, backbone, tmp_path):
-    """--method grpo|opsd|sdpo at tiny size, the three started together; each logs its own stage, spends 4
-    generations a step (GRPO and SDPO: one task x G = 4), counts the bank only where it uses it, and changes θ."""
+    """--method grpo|opsd|sdpo|sdft|skillsd at tiny size, started together; each logs its own stage, spends 4
+    generations a step (GRPO, SDPO, Skill-SD: one task x G = 4), counts the bank only where it uses it (OPSD's and
+    SDFT's pool, Skill-SD's first skills) and changes θ; SDFT and SDPO checkpoint their EMA teacher, Skill-SD its
+    skill bank in OUT/skill_bank.jsonl."""
     from safetensors.torch import load_file
     procs = {}
-    for method in ("grpo", "opsd", "sdpo"):
+    for method in ("grpo", "opsd", "sdpo", "sdft", "skillsd"):
         out = tmp_path / method
         out.mkdir()
         for name in ("tasks", "base_rollouts.jsonl", "bank", "composer0"):
@@ -274,13 +276,18 @@ def test_each_baseline_runs_in_a_subprocess(runs, backbone, tmp_path):
     for method, (out, proc) in procs.items():
         _, stdout, _ = finish(proc)
         recs = records(str(out), method)
-        bank = 60 if method == "opsd" else 0
+        bank = 60 if train.METHODS[method].uses_bank else 0
         assert [r["generations"] for r in recs] == [bank + 4, bank + 8], method
         assert all(r["skipped"] == 0 and "reward/student" in r for r in recs), recs
-        assert f"| {method.upper()} student |" in stdout
+        assert f"| {train.METHODS[method].label} |" in stdout
         trained = load_file(os.path.join(runtime.latest_checkpoint(str(out)), "student", "model.safetensors"))
         assert any(not torch.equal(base[k], trained[k]) for k in base), method
-    assert os.path.isdir(os.path.join(runtime.latest_checkpoint(str(procs["sdpo"][0])), "ema_teacher"))
+    for method in ("sdpo", "sdft"):
+        assert os.path.isdir(os.path.join(runtime.latest_checkpoint(str(procs[method][0])), "ema_teacher"))
+    skills = [json.loads(line) for line in open(procs["skillsd"][0] / "skill_bank.jsonl")]
+    assert skills[0]["event"] == "skill" and skills[0]["source"] == "base rollouts"
+    assert [e["step"] for e in skills if e["event"] == "pulls"] == [0, 1]
+    assert all("loss/sdl" in r and r["skillsd/skills"] >= 1 for r in records(str(procs["skillsd"][0]), "skillsd"))
 
 
 @pytest.mark.parametrize("flag, value, named", [("--model", "/nonexistent/folder", "/nonexistent/folder"),
