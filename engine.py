@@ -185,7 +185,7 @@ class Chat:
         return latent_prompt_ids(self.tokenizer, messages, n, self.framing, tools, self.thinking)
 
     def context_prompt(self, messages, tools, text: str, template: str, where: str) -> list[int]:
-        """The prompt with a trajectory as TEXT, where LOPD's teacher has latents (OPSD, SDPO).
+        """The prompt with TEXT (a trajectory, or Skill-SD's skill) where LOPD's teacher has latents (text teachers).
 
         where="system": template.format(text=text) is appended to the system message; "user": to the first user
         message; "span": the text's own ids fill the framed placeholder span of A.5, exactly where LOPD's latents

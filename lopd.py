@@ -12,9 +12,9 @@
     lopd_setup, METHOD         LOPD as train.py runs it (--method lopd): the c_φ0 cache, then lopd_step each step
 
 The machinery every method shares (the run's `engine.Chat`, which renders every prompt; episodes, generation and
-rollouts, scoring, the micro-batch loop, the optimizer step) is engine.py; the baselines (RFT, GRPO, OPSD, SDPO)
-are baselines.py. The calls `runtime.all_sum`, `runtime.gathered` and their kind are data parallel under torchrun
-and the identity in one process: a first read can skip them (runtime.py).
+rollouts, scoring, the micro-batch loop, the optimizer step) is engine.py; the baselines (RFT, GRPO, OPSD, SDPO,
+SDFT, Skill-SD) are baselines.py. The calls `runtime.all_sum`, `runtime.gathered` and their kind are data parallel
+under torchrun and the identity in one process: a first read can skip them (runtime.py).
 
     python train.py --steps 5                   # runs lopd_step in the full pipeline
     python -m pytest tests/test_lopd.py -q

@@ -7,7 +7,7 @@ Implements §3.3 of "Latent On-Policy Self-Distillation" (arXiv 2608.13040), eqs
   (12) Δ = E_τ[ Σ ω·A(τ)·δ / Σ ω ],  A(τ) = 2r(τ) − 1                      outcome-weighted privilege
   (13) L = L_distill + β(m − Δ) + λ‖c_φ − sg[c_φ0]‖²,   β ← max(0, β + η_β(m − Δ))
 and the masked NLL that the cold start (eq. 14), the toy's SFT and the RFT control share (`masked_nll`).
-The baselines' losses (GRPO, OPSD, SDPO; B.1) sit beside their steps in baselines.py.
+The baselines' losses (GRPO, OPSD, SDPO, SDFT, Skill-SD; B.1) sit beside their steps in baselines.py.
 Every loss is a pure function of tensors (no model inside). Math runs in fp32, or float64 when given float64
 (so that torch.autograd.gradcheck can run on these functions).
 

@@ -1,7 +1,7 @@
 """The paper's experiments at toy scale, on top of train.py's pipeline (paper §4.2-4.3, Table 3, Figures 3-4).
 
     python -m scripts.experiments ablations                   # the ablation table: LOPD variants and controls, 3 seeds
-    python -m scripts.experiments figure4                     # reward against generations: LOPD, GRPO, OPSD, SDPO
+    python -m scripts.experiments figure4                     # reward against generations: LOPD, GRPO, Skill-SD (+3)
     python -m scripts.experiments figure4 --env code --seeds 1 --seed 2 # any train.py flag after the experiment's name
     python -m scripts.experiments dial                        # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
     python -m scripts.experiments absorb                      # the official code's settings one at a time, 3 seeds
@@ -14,8 +14,9 @@ table (and figure) into --out:
   ablations   OUT/ablations.md, ablations.json, ablations.png: vanilla, the world check (base + composer with
               same-shop, other-shop and no references), LOPD at m = 0.05 and m = 0, the frozen composer (Figure 3),
               the retrieval controls and RFT; the student alone and the teacher at the end, mean ± std over seeds.
-  figure4     OUT/figure4.csv, figure4.md, figure4.png: the student's held-out reward every 10 steps for LOPD,
-              GRPO, OPSD and SDPO on one rollout budget, and where LOPD reaches GRPO's final reward (Figure 4).
+  figure4     OUT/figure4.csv, figure4.md, figure4.png: the student's held-out reward every 10 steps on one rollout
+              budget for the curves Figure 4 draws (LOPD, GRPO, Skill-SD), then OPSD, SDPO and SDFT as further
+              rows, and where LOPD reaches GRPO's and Skill-SD's final rewards (the abstract's efficiency claim).
   dial        OUT/dial.csv, dial.md, dial.png: the difficulty dial. For K = 1..4 hidden conventions per shop
               (train.py --conventions, each K with its own shipped backbone): LOPD, GRPO and RFT from one base,
               bank and φ0 per seed, the gaps LOPD − GRPO and LOPD − RFT at the end, how often GRPO's groups held
@@ -205,7 +206,11 @@ def _pyplot():
 # ----------------------------------------------------------------------------------------------------------------
 # Figure 4 at toy scale: reward against generations, every method on the same loop and budget
 # ----------------------------------------------------------------------------------------------------------------
-FIGURE4_METHODS = ("lopd", "grpo", "opsd", "sdpo")
+# Figure 4 draws LOPD and "the strongest baselines", GRPO and Skill-SD (§4.3: 0.637 by generation 576; they finish at
+# 0.611 and 0.588 over 1,600); the other B.1 methods follow as further rows (dashed in the plot).
+FIGURE4_METHODS = ("lopd", "grpo", "skillsd", "opsd", "sdpo", "sdft")
+FIGURE4_DRAWN = FIGURE4_METHODS[:3]
+PAPER_FIGURE4 = {"lopd": 0.637, "grpo": 0.611, "skillsd": 0.588}    # the final reward, Qwen3-4B on EnvScaler (§4.3)
 
 
 def method_dir(seed_out: str, method: str) -> str:
@@ -268,45 +273,62 @@ def _curves(rows) -> dict:
     return out
 
 
+def method_name(method: str) -> str:
+    """A --method's name as the tables print it: its student row without " student" (Skill-SD, LOPD, ...)."""
+    return train.METHODS[method].label.removesuffix(" student")
+
+
 def figure4_table(rows) -> str:
-    """Reward (mean ± std over seeds) at each evaluated generation count, and the paper's efficiency question:
-    how many generations LOPD needs to reach GRPO's final reward, as a share of GRPO's."""
+    """Reward (mean ± std over seeds) at each evaluated generation count, Figure 4's curves first, and the paper's
+    efficiency question: how many generations LOPD needs to reach GRPO's and Skill-SD's final rewards, as a share
+    of theirs (the abstract: "surpassing GRPO and Skill-SD with less than 30% of their rollout budget")."""
     curves = _curves(rows)
     gens = [g for g, _, _ in curves[next(iter(curves))]]
-    lines = ["| training generations | " + " | ".join(m.upper() for m in curves) + " |",
+    lines = ["| training generations | " + " | ".join(method_name(m) for m in curves) + " |",
              "|---|" + "---|" * len(curves)]
     for i, g in enumerate(gens):
         lines.append(f"| {g} | " + " | ".join(f"{c[i][1]:.3f} ± {c[i][2]:.3f}" if i < len(c) else ""
                                                 for c in curves.values()) + " |")
+    paper = [f"{method_name(m)} {v}" for m, v in PAPER_FIGURE4.items() if m in curves]
+    lines += ["", "Paper (Qwen3-4B, EnvScaler, 1,600 generations): " + ", ".join(paper) + "."] if paper else []
     bank = next((r["generations"] for r in rows if r["method"] == "lopd" and r["step"] == 0), 0)
-    if "lopd" in curves and "grpo" in curves:
-        target, total = curves["grpo"][-1][1], curves["grpo"][-1][0]
-        hit = next((g for g, mean, _ in curves["lopd"] if mean >= target), None)
-        lines.append("")
-        if target <= curves["grpo"][0][1]:     # then "LOPD reaches it" holds at 0 generations and says nothing
-            lines.append(f"GRPO did not improve on the base ({curves['grpo'][0][1]:.3f} -> {target:.3f}).")
-        lines.append(f"GRPO's final reward {target:.3f} after {total} generations. " + (
-            f"LOPD first reaches it after {hit} training generations ({hit / total:.0%} of GRPO's; "
-            f"{(hit + bank) / total:.0%} counting the {bank} rollouts that built its bank)." if hit is not None
-            else "LOPD does not reach it within the budget."))
+    for other in ("grpo", "skillsd"):
+        if "lopd" in curves and other in curves:
+            lines += ["", reach_line(curves, other, bank)]
     seeds = len({r["seed"] for r in rows})
     return "\n".join(lines) + f"\n\n{seeds} seeds; mean ± std over seeds; the student alone on held-out tasks.\n"
 
 
+def reach_line(curves: dict, other: str, bank: int) -> str:
+    """Where LOPD's mean curve first reaches `other`'s final mean reward, as a share of `other`'s generations."""
+    name, (total, target, _) = method_name(other), curves[other][-1]
+    hit = next((g for g, mean, _ in curves["lopd"] if mean >= target), None)
+    flat = (f"{name} did not improve on the base ({curves[other][0][1]:.3f} -> {target:.3f}). "
+            if target <= curves[other][0][1] else "")  # then "LOPD reaches it" holds at 0 generations, saying nothing
+    return flat + f"{name}'s final reward {target:.3f} after {total} generations. " + (
+        f"LOPD first reaches it after {hit} training generations ({hit / total:.0%} of {name}'s; "
+        f"{(hit + bank) / total:.0%} counting the {bank} rollouts that built its bank)." if hit is not None
+        else "LOPD does not reach it within the budget.")
+
+
 def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
-    """Reward against training generations, one line per method (skipped with a message without matplotlib)."""
+    """Reward against training generations, one line per method: Figure 4's three solid, the further rows dashed
+    (skipped with a message without matplotlib)."""
     plt = _pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, pts in _curves(rows).items():
         g, mean, std = (np.array(x) for x in zip(*pts))
-        ax.plot(g, mean, marker="o", label=m.upper())
-        ax.fill_between(g, mean - std, mean + std, alpha=0.15)
+        drawn = m in FIGURE4_DRAWN
+        ax.plot(g, mean, marker="o" if drawn else ".", linestyle="-" if drawn else "--", label=method_name(m),
+                alpha=1.0 if drawn else 0.6)
+        if drawn:
+            ax.fill_between(g, mean - std, mean + std, alpha=0.15)
     ax.set_xlabel("training generations (rollouts)")
     ax.set_ylabel("held-out reward, student alone")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")

@@ -347,10 +347,12 @@ def test_figure4_command_writes_the_curves(runs, backbone, tmp_path):
     assert [(r["method"], r["step"]) for r in rows] == [(m, s) for m in experiments.FIGURE4_METHODS
                                                         for s in ("0", "10")]
     for r in rows:
-        bank = 60 if r["method"] in ("lopd", "opsd") else 0
+        bank = 60 if train.METHODS[r["method"]].uses_bank else 0
         assert int(r["generations"]) == bank + int(r["training_generations"]) == bank + 4 * int(r["step"])
     assert len({r["reward"] for r in rows if r["step"] == "0"}) == 1     # every curve starts at the same vanilla
-    assert "| training generations | LOPD | GRPO | OPSD | SDPO |" in read(os.path.join(out, "figure4.md"))
+    table = read(os.path.join(out, "figure4.md"))
+    assert "| training generations | LOPD | GRPO | Skill-SD | OPSD | SDPO | SDFT |" in table
+    assert "Paper (Qwen3-4B, EnvScaler, 1,600 generations): LOPD 0.637, GRPO 0.611, Skill-SD 0.588." in table
 
 
 def test_dial_command_at_tiny_size(runs, backbone, tmp_path):
@@ -387,12 +389,14 @@ def test_dial_command_at_tiny_size(runs, backbone, tmp_path):
     assert r.returncode == 2 and "built for the tool world with 2 conventions" in r.stderr
 
 
-def test_figure4_table_reports_where_lopd_reaches_grpos_final_reward():
+def test_figure4_table_reports_where_lopd_reaches_grpos_and_skillsds_final_rewards():
     def rows(method, rewards, bank=0):
         return [dict(method=method, seed=seed, step=10 * k, generations=bank + 320 * k, training_generations=320 * k,
                      reward=r + 0.02 * seed) for seed in (0, 1) for k, r in enumerate(rewards)]
     data = rows("lopd", [0.40, 0.55, 0.62, 0.64], bank=2000) + rows("grpo", [0.40, 0.45, 0.50, 0.60])
-    table = experiments.figure4_table(data)
+    table = experiments.figure4_table(data + rows("skillsd", [0.40, 0.50, 0.63, 0.64]))
+    # Skill-SD ends at LOPD's own final mean (0.65), above LOPD's earlier points: LOPD reaches it at its last point
+    assert "Skill-SD's final reward 0.650 after 960 generations. LOPD first reaches it after 960" in table
     # GRPO's final mean is 0.61 after 960 generations; LOPD's mean first reaches it at 640 (0.63 >= 0.61)
     assert "GRPO's final reward 0.610 after 960 generations" in table
     assert "after 640 training generations (67% of GRPO's; 275% counting the 2000 rollouts" in table
