@@ -279,6 +279,20 @@ def test_pantry_tools_turns_and_its_kitchens_rules(pantry):
     assert not env.step(check(north)).done and env.step(check(north)).done           # the step cap of the flag
 
 
+def test_the_docs_scripted_check_prints_what_the_doc_shows(tmp_path):
+    """check_pantry.py, as printed, run from a folder holding it, pantry.py and the assets: its output is the doc's."""
+    for name in ("pantry.py", "check_pantry.py"):
+        (tmp_path / name).write_text(example(name)[0] if name == "pantry.py" else next(
+            b for b in re.findall(r"^```python\n(.*?)^```", open(DOC, encoding="utf-8").read(), flags=re.S | re.M)
+            if b.startswith('"""check_pantry.py:')))
+    (tmp_path / "assets").symlink_to(os.path.join(ROOT, "assets"))
+    res = subprocess.run([sys.executable, "check_pantry.py"], cwd=tmp_path, capture_output=True, text=True,
+                         env={**ENV, "PYTHONPATH": ROOT}, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shown = open(DOC, encoding="utf-8").read().split("It prints")[1].split("```\n")[1]   # the block after it
+    assert res.stdout == shown
+
+
 def test_the_docs_smoke_command_runs_pantry_for_two_steps(pantry, tmp_path):
     """The doc's CPU smoke command, as printed, with the example's path and a fresh --out."""
     spec, _ = pantry
