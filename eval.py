@@ -5,9 +5,11 @@
     python eval.py --run runs/toy --inspect-latents  # what the composer carries (§4.4; `latent_similarity`)
     python eval.py --run runs/code --conventions     # toy code world: which judges' conventions each row writes
     python eval.py --run runs/toy --show 5           # OUT/show.html: 5 episodes token by token
+    python eval.py --run runs/code --show runs/code/lcb_v5_all.records.jsonl --index 3   # an evaluated task's
     python eval.py --run runs/code --tasks lcb_v5.jsonl HumanEvalPlus.jsonl   # the student on real benchmarks (B.3)
     python eval.py --model Qwen/Qwen3-4B --tasks bfcl-v3                      # a model as released: no run needed
     python eval.py --run DIR --tasks acebench=../ACEBench                      # ACEBench, from its clone
+    python eval.py --run DIR --tasks envscaler=DATA bfcl-v3 acebench=../ACEBench   # Table 1's columns, one table
 
 The rows themselves are train.py's stage 6 (`train.evaluate`: vanilla, base + composer, the LOPD student alone,
 each with Table 3's behaviour counts; a code run reports pass@1 and the reply length instead, beside paper Table
@@ -27,8 +29,14 @@ Code benchmarks (B.3). `--tasks FILE ...` scores the run's student on benchmark 
 (LiveCodeBench, HumanEval+, MBPP+, TACO; worlds/tool_world.py reads them with their harnesses' rules): pass@1 per
 benchmark, with EvalPlus's base and plus separately, beside the values the paper quotes for Qwen3-4B.
 
-Deviation: the paper evaluates on EnvScaler's 200 held-out tasks, BFCL-v3 and ACEBench; the toy world's held-out
-split stands in for the first.
+Tool-use benchmarks (§4.1, Table 1, B.3). `--tasks envscaler=DIR` (EnvScaler's release, or hf: its 200 held-out
+tasks, worlds/envscaler.py's split), `bfcl-v3[:CATS]` and `acebench=PATH[:REGIME]` each score the student alone and
+write their files; several at once are evaluated in turn, each writing exactly the files it writes alone, and
+then one row of Table 1's columns on its 0-100 scale (`eval_table1`). Each benchmark samples as B.3 says
+(`B3_BY_BENCHMARK`).
+
+Deviation: the paper evaluates on EnvScaler's 200 held-out tasks, BFCL-v3 and ACEBench; a run's own Table 3 rows
+(no --tasks) are on its world's held-out split, the toy world's standing in for EnvScaler's.
 """
 from __future__ import annotations
 
@@ -38,11 +46,13 @@ import html
 import json
 import os
 
+import preflight    # first: as the script being run, it checks the command line before torch loads
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import engine
+import inject
 import lopd
 import losses
 import runtime
@@ -54,10 +64,12 @@ def final_eval(args: train.Args, n_test: int = 0, temperature=None, controls: bo
                keep: dict | None = None):
     """Rebuild the run from OUT (`train.load_run`), evaluate its rows on the first n_test held-out tasks (0: all),
     with `controls` also the world check's rows; write them into files of their own (`eval_name`), never over the
-    training run's results.md. -> (rows, run, tasks)."""
+    training run's results.md. A row already finished on the same tasks, sampling and checkpoint (by the training
+    run, or by this command before a kill) is read back, not rolled out again (`train.evaluate`'s cache).
+    -> (rows, run, tasks)."""
     run = train.load_run(args)
     tasks = run.test[:n_test] if n_test else run.test
-    rows = train.evaluate(args, run, run.student, tasks, temperature, keep=keep)
+    rows = train.evaluate(args, run, run.student, tasks, temperature, keep=keep, cache=True)   # rows done: read back
     if controls:
         rows.update({k: v for k, v in world_check(args, run, tasks).items() if k not in rows})
     results.write_results(args.out, rows, table=train.environment(args).results,
@@ -103,12 +115,20 @@ def task_records(tok, benchmark: str, episodes, log: dict) -> list[dict]:
              "conversation": tok.decode(ep.ids[ep.prompt_len:])} for ep in episodes]
 
 
-def write_result(stem: str, result: dict, records: list[dict]) -> None:
+@dataclasses.dataclass
+class Scored:
+    """What a benchmark's evaluation wrote: STEM.json's path and its contents (the student's name, the rows)."""
+    path: str
+    result: dict
+
+
+def write_result(stem: str, result: dict, records: list[dict]) -> Scored:
     """STEM.json (the rows) and STEM.records.jsonl (a line per task), each written atomically."""
     runtime.write_json(stem + ".json", result)
     with runtime.atomic_open(stem + ".records.jsonl") as f:
         f.writelines(json.dumps(r, default=str) + "\n" for r in records)   # a verdict may hold non-JSON values
     print(f"written to {stem}.json and {stem}.records.jsonl")
+    return Scored(stem + ".json", result)
 
 
 def conventions_table(tok, episodes: dict) -> str:
@@ -196,15 +216,28 @@ def show_episodes(args: train.Args, n: int, path: str) -> str:
     """eval.py --show N: the run's student on its first N held-out tasks, each token coloured by its term of eq. (10)
     against the teacher behind same-shop references, then by how much those references move the teacher against
     other shops'. Writes a self-contained HTML page to `path`; -> path."""
+    run = trained_run(args)
+    chat = train.chat_of(args, run.tok)
+    runtime.seed_everything(args.seed + 1)                                  # the evaluation rows' sampling seed
+    with torch.no_grad(), runtime.precision(run.composer.peft), runtime.gathered(run.student):
+        eps = engine.rollout(run.student, chat, run.test[:n], train.sample_config(args))
+    return token_page(args, run, chat, eps, path)
+
+
+def trained_run(args: train.Args):
+    """The run rebuilt from OUT (`train.load_run`), a UserError where it has no student yet."""
     run = train.load_run(args)
     if run.student is None:
         raise runtime.UserError(f"--run {args.out!r} has no checkpoint yet: train it first (python train.py --out "
                                 f"{args.out})")
-    composer, tok, ret, student, tasks = run.composer, run.tok, run.retriever, run.student, run.test[:n]
-    chat = train.chat_of(args, tok)
-    runtime.seed_everything(args.seed + 1)                                  # the evaluation rows' sampling seed
+    return run
+
+
+def token_page(args: train.Args, run, chat, eps, path: str) -> str:
+    """The token view of episodes `eps` (the student's) written to `path`: each reply token's term of eq. (10)
+    against the teacher behind the retrieved references, then the world check token by token. -> path."""
+    composer, tok, ret, student, tasks = run.composer, run.tok, run.retriever, run.student, [e.task for e in eps]
     with torch.no_grad(), runtime.precision(composer.peft), runtime.gathered(student):
-        eps = engine.rollout(student, chat, tasks, train.sample_config(args))
         exps = {m: lopd.retrieve(ret, tasks, args.n_ret, m) for m in ("same", "other")}
         lat = {m: lopd.compose(composer, tasks, e) for m, e in exps.items()}         # (N, J·K, d) each
         terms = episode_terms(student, composer, chat, eps, lat["same"], args.top_m)
@@ -232,21 +265,129 @@ def show_episodes(args: train.Args, n: int, path: str) -> str:
     return path
 
 
+@dataclasses.dataclass
+class RecordTask:
+    """The task of a record read back (`show_record`): its id, the text of its first user message, its variant where
+    the run knows the task (else None: no other variant to compare), and the prompt as it was rendered."""
+    task_id: str
+    text: str
+    variant: str | None
+    prompt: str
+
+
+class RecordChat:
+    """The run's `engine.Chat` for episodes read back from text: `begin` gives a RecordTask's prompt as it was
+    rendered, and `latent_prompt` puts the framed latent block where `inject.latent_messages` puts it, at the head of
+    the first user message, so the teacher reads the prompt it reads in training (tests/test_show.py holds the two
+    equal on a rollout's prompt). The records keep no messages or tools to render it from anew."""
+
+    def __init__(self, chat: engine.Chat):
+        self.tokenizer, self.framing = chat.tokenizer, chat.framing
+        alone = engine.chat_text(self.tokenizer, [{"role": "user", "content": "\x00U"}], None, chat.thinking)
+        after = engine.chat_text(self.tokenizer, [{"role": "system", "content": "\x00S"},
+                                                  {"role": "user", "content": "\x00U"}], None, chat.thinking)
+        self.first = alone[:alone.index("\x00U")]                       # a prompt that opens with the user message
+        self.user = after[after.index("\x00S") + 2:after.index("\x00U")]   # what opens it after a system message
+
+    def begin(self, task: RecordTask):
+        return task.prompt, None
+
+    def user_start(self, prompt: str) -> int:
+        """Where the first user message's content begins in a rendered prompt."""
+        if prompt.startswith(self.first):
+            return len(self.first)
+        if self.user not in prompt:
+            raise runtime.UserError("the record's prompt has no user message this tokenizer's template would open")
+        return prompt.index(self.user) + len(self.user)
+
+    def task_text(self, prompt: str) -> str:
+        """The first user message's content (the task), up to its end of turn."""
+        at = self.user_start(prompt)
+        return prompt[at:prompt.find(self.tokenizer.eos_token, at)]
+
+    def latent_prompt(self, prompt: str, tools, n: int) -> tuple[list[int], int]:
+        at = self.user_start(prompt)
+        text = prompt[:at] + inject.latent_user_content("", self.framing) + prompt[at:]     # eq. (17)'s sentinel
+        return inject.latent_prompt_ids(self.tokenizer, text, n)
+
+
+def record_episode(tok, record: dict, task, ends: list[str]) -> engine.Episode:
+    """An episode rebuilt from a .records.jsonl line (`task_records`). The records keep text, not ids: the prompt,
+    each reply and each observation are tokenized again, a piece at a time as the rollout tokenized them. A reply is
+    the text up to its first end of turn (`ends`, its strings), ω = 1; an observation is what follows up to the next
+    assistant header (the prompt's text after its last end of turn), ω = 0. A reply whose sampled ids were not the
+    tokenizer's own split of its text is scored on that split: the same text, not always the same ids."""
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]       # noqa: E731
+    prompt = record["prompt"]
+    header = prompt[prompt.rindex(tok.eos_token) + len(tok.eos_token):]       # "\n<|im_start|>assistant\n", ...
+    ep = engine.Episode(task, reward=record["reward"])
+    ep.add(ids(prompt), sampled=False)
+    ep.prompt_len = len(ep.ids)
+    turns = record["conversation"].split(header)
+    for k, turn in enumerate(turns):
+        cut = min([turn.index(e) + len(e) for e in ends if e in turn], default=len(turn))
+        if turn[:cut]:
+            ep.add(ids(turn[:cut]), sampled=True)
+        rest = turn[cut:] + (header if k + 1 < len(turns) else "")
+        if rest:
+            ep.add(ids(rest), sampled=False)
+    return ep
+
+
+def show_record(args: train.Args, path: str, index: int) -> str:
+    """eval.py --show FILE.records.jsonl --index K: record K of an evaluation's records (`task_records`), its reply
+    tokens scored again by the run's student and its teacher on the token view (`token_page`), written beside FILE
+    as <stem>.show<K>.html. -> that page's path."""
+    if not os.path.isfile(path):
+        raise runtime.UserError(f"--show {path!r}: no such file (give N, or an evaluation's .records.jsonl)")
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not 0 <= index < len(records):
+        raise runtime.UserError(f"--index {index}: {path!r} holds records 0 to {len(records) - 1}")
+    run = trained_run(args)
+    chat, rec = RecordChat(train.chat_of(args, run.tok)), records[index]
+    known = {t.task_id: t for t in run.train + run.test}
+    task = RecordTask(str(rec["task_id"]), chat.task_text(rec["prompt"]),
+                      getattr(known.get(rec["task_id"]), "variant", None), rec["prompt"])
+    ends = [run.tok.decode([i]) for i in engine.eos_ids(run.student, run.tok)]
+    ep = record_episode(run.tok, rec, task, ends)
+    stem = path[:-len(".records.jsonl")] if path.endswith(".records.jsonl") else os.path.splitext(path)[0]
+    return token_page(args, run, chat, [ep], f"{stem}.show{index}.html")
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Real code benchmarks (B.3): eval.py --run DIR --tasks FILE [FILE ...]
+# Real benchmarks (B.3): eval.py --run DIR --tasks FILE [FILE ...] | envscaler=DIR | bfcl-v3 | acebench=PATH
 # ----------------------------------------------------------------------------------------------------------------
-# B.3 (Table 5): the code benchmarks' sampling, thinking on. Real models use it; the toy keeps its run's settings.
-B3_SAMPLING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_new_tokens": 16384}
+# B.3 (Table 5): every benchmark samples at temperature 0.7, top-p 0.95, top-k 20, thinking on. A real model uses
+# these in place of its run's wherever the command sets none (eval.py --temperature; with --model, train.py's
+# --top-p, --top-k, --max-new-tokens after it); the toy keeps its run's settings (budgets sized for short replies).
+# The code benchmarks' budget is 16,384 new tokens a reply. The tool-use ones' budget (40,960 tokens a conversation)
+# and max steps (30; ACEBench 20 replies) are a real run's own already (train.PAPER_DEFAULTS' max_len, fitted to the
+# model's context, and max_env_steps; acebench.MAX_MESSAGES); B.3 gives them no reply budget, so a reply keeps the
+# run's --max-new-tokens (PAPER_DEFAULTS: 10,000).
+B3_DECODING = {"temperature": 0.7, "top_p": 0.95, "top_k": 20}
+B3_SAMPLING = {**B3_DECODING, "max_new_tokens": 16384}        # the code benchmarks'
+B3_BY_BENCHMARK = {"code": B3_SAMPLING, "envscaler": B3_DECODING, "bfcl-v3": B3_DECODING, "acebench": B3_DECODING}
 B3_THINKING = True
 
 
-def benchmark_sample_config(args, temperature=None):
-    """B.3's settings for a real model (a --temperature given to eval.py still wins), the run's for the toy."""
-    cfg = train.sample_config(args, temperature)
+def b3_args(args, kind: str, given=()) -> train.Args:
+    """The run's settings with B.3's sampling for benchmark `kind` (B3_BY_BENCHMARK) in place of its own, except
+    what `given` (the names of train.py's flags on the command line) sets; the toy's run keeps its own."""
     if train.is_toy(args):
-        return cfg
-    b3 = {k: v for k, v in B3_SAMPLING.items() if k != "temperature" or temperature is None}
-    return dataclasses.replace(cfg, **b3)
+        return args
+    return dataclasses.replace(args, **{k: v for k, v in B3_BY_BENCHMARK[kind].items() if k not in given})
+
+
+def benchmark_sample_config(args, temperature=None):
+    """The code benchmarks' sampling: B.3's for a real model (`b3_args`; a --temperature given to eval.py still
+    wins), the run's for the toy."""
+    return train.sample_config(b3_args(args, "code"), temperature)
+
+
+def given_flags(flags) -> set:
+    """train.py's flags after --model (["--top-p", "0.9", "--max-new-tokens=512"]) -> their Args fields."""
+    return {f[2:].split("=")[0].replace("-", "_") for f in flags if f.startswith("--")}
 
 
 def load_eval_student(args):
@@ -264,12 +405,12 @@ def load_eval_student(args):
     return saved.to(device).eval(), tok, f"{train.student_row(args)} ({os.path.basename(ckpt)})"
 
 
-def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict]:
+def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> Scored:
     """The run's student on each benchmark file (TACO, LiveCodeBench, HumanEval+, MBPP+ or ours; worlds/tool_world.py): A.5's
-    coding system prompt for TACO / LiveCodeBench, none for EvalPlus (B.3; CodeWorld.reset), B.3's sampling
-    (`benchmark_sample_config`). Prints the table and writes its files (`result_stem`, `write_result`)."""
+    coding system prompt for TACO / LiveCodeBench, none for EvalPlus (B.3; CodeWorld.reset), the sampling of `args`
+    (B.3's, `b3_args`, as `main` gives them). Prints the table and writes its files (`result_stem`, `write_result`)."""
     model, tok, name = load_eval_student(args)
-    cfg, rows, records = benchmark_sample_config(args, temperature), [], []
+    cfg, rows, records = train.sample_config(args, temperature), [], []
     thinking = bool(args.thinking) if train.is_toy(args) else B3_THINKING
     for path in files:
         problems = code_benchmarks.load_problems(path)
@@ -283,15 +424,42 @@ def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> list[dict
         rows += results.benchmark_rows(problems, log, os.path.basename(path))
         records += task_records(tok, os.path.basename(path), eps, log)
     print(results.benchmark_table(rows, name))
-    what = "-".join(os.path.splitext(os.path.basename(f))[0] for f in files)
-    write_result(result_stem(args.out, what, n_test, temperature), {"student": name, "rows": rows}, records)
-    return rows
+    return write_result(result_stem(args.out, code_what(files), n_test, temperature), {"student": name, "rows": rows},
+                        records)
 
 
-def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]:
+def code_what(files) -> str:
+    """What the code benchmarks' files are named by: their files' names, joined (lcb_v5-HumanEvalPlus)."""
+    return "-".join(os.path.splitext(os.path.basename(f))[0] for f in files)
+
+
+def eval_envscaler(args, where: str, n_test: int = 0, temperature=None) -> Scored:
+    """The run's student on EnvScaler's held-out tasks (worlds/envscaler.py: the release at `where`, a folder or hf,
+    split by its rule into B.3's 200), by the official episode rules: the mean reward (Table 1's column), with
+    Table 3's behaviour counts beside it. The sampling and budgets of `args` (B.3's, `b3_args`; 30 steps). Prints
+    the table and writes its files (`write_result`)."""
+    from worlds import envscaler
+    _, test, split = envscaler.load_release(where)                   # a bad folder: one line, before the model
+    tasks = test[:n_test] if n_test else test
+    model, tok, name = load_eval_student(args)
+    world = functools.partial(envscaler.EnvScalerWorld, max_steps=args.max_env_steps)
+    runtime.seed_everything(args.seed + 1)
+    with runtime.precision(model), tqdm(total=len(tasks), desc="eval envscaler", leave=False) as bar:
+        eps = engine.rollout(model, engine.Chat(tok, world, bool(args.thinking)), tasks,
+                             train.sample_config(args, temperature), progress=bar)
+    rows = [{"split": "test", "tasks": len(tasks), **engine.summarize(eps)}]
+    print(f"EnvScaler, {len(tasks)} held-out tasks ({split['rule']})\n")
+    print(results.markdown_table({name: rows[0]}, table="behaviour"))
+    result = {"student": name, "release": split["env_metadata"], "split": split["rule"], "rows": rows}
+    return write_result(result_stem(args.out, "envscaler", n_test, temperature), result,
+                        task_records(tok, "envscaler", eps, {}))
+
+
+def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> Scored:
     """The run's student on BFCL-v3 multi-turn (bfcl.py): per category BFCL's accuracy (every turn passes its
     checker) and the mean fraction of turns passed (the training reward), then their mean over the categories as
-    BFCL averages them. The run's own sampling and budgets. Prints the table and writes its files (`write_result`)."""
+    BFCL averages them. The sampling and budgets of `args` (B.3's, `b3_args`). Prints the table and writes its files
+    (`write_result`)."""
     from worlds import bfcl
     model, tok, name = load_eval_student(args)
     cfg, rows, records = train.sample_config(args, temperature), [], []
@@ -312,17 +480,14 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> list[dict]
                      "turns": turns / len(tasks)})
     print(results.bfcl_table(rows, name, single=bfcl.SINGLE_TURN))
     result = {"student": name, "release": bfcl.RELEASE, "rows": rows}
-    what = "bfcl-v3" + ("" if categories == list(bfcl.CATEGORIES) else
-                        "_single" if categories == list(bfcl.SINGLE_TURN) else "_" + "-".join(categories))
-    write_result(result_stem(args.out, what, n_test, temperature), result, records)
-    return rows
+    return write_result(result_stem(args.out, bfcl_what(categories), n_test, temperature), result, records)
 
 
-def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, user_model: str = "") -> list[dict]:
+def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, user_model: str = "") -> Scored:
     """The run's student on ACEBench's English agent tasks (worlds/acebench.py), from the clone at `path`: per
     regime ACEBench's end-to-end and process accuracy (its own checker), then both over all the tasks (Figure 5's
-    overall). The multi-turn user simulator is `user_model` (--user-model; "" = the run's backbone). The run's own
-    sampling and budgets. Prints the table and writes its files (`write_result`)."""
+    overall). The multi-turn user simulator is `user_model` (--user-model; "" = the run's backbone). The sampling
+    and budgets of `args` (B.3's, `b3_args`). Prints the table and writes its files (`write_result`)."""
     from worlds import acebench
     tasks = {r: acebench.load_tasks(path, [r])[:n_test or None] for r in regimes}   # a bad clone: one line, now
     model, tok, name = load_eval_student(args)
@@ -344,9 +509,7 @@ def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, use
     print(results.acebench_table(rows, name))
     result = {"student": name, "clone": os.path.abspath(path), "user_model": user_model or "the backbone",
               "rows": rows}
-    what = "acebench" + ("" if list(regimes) == list(acebench.REGIMES) else "_" + "-".join(regimes))
-    write_result(result_stem(args.out, what, n_test, temperature), result, records)
-    return rows
+    return write_result(result_stem(args.out, acebench_what(regimes), n_test, temperature), result, records)
 
 
 def acebench_user(args, student, tok, spec: str):
@@ -367,7 +530,114 @@ def acebench_user(args, student, tok, spec: str):
     return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval(), user_tok
 
 
-BENCHMARK_NAMES = ("bfcl-v3", "bfcl-v3:single")     # --tasks values that name a benchmark rather than a file
+# ----------------------------------------------------------------------------------------------------------------
+# --tasks: the benchmarks it names, read before any model loads; several: Table 1's columns (§4.1)
+# ----------------------------------------------------------------------------------------------------------------
+BENCHMARK_NAMES = ("bfcl-v3", "bfcl-v3:single", "envscaler=DIR", "acebench=PATH")   # --tasks values, not files
+TOOL_USE = ("bfcl-v3", "envscaler=", "acebench=")                                  # what they start with
+
+
+@dataclasses.dataclass
+class Benchmark:
+    """One benchmark of --tasks (`parse_tasks`)."""
+    kind: str          # code | envscaler | bfcl-v3 | acebench (B3_BY_BENCHMARK's keys)
+    what: str          # what its files are named by (`result_stem`): lcb_v5-HumanEvalPlus, envscaler, bfcl-v3_base
+    value: object      # code: the files; envscaler: DIR or hf; bfcl-v3: the categories; acebench: (PATH, regimes)
+
+
+def parse_tasks(specs) -> list[Benchmark]:
+    """--tasks's values -> the benchmarks they name, each read far enough to fail in one line before any model
+    loads. Code files together are one benchmark (one evaluation, Table 2's); bfcl-v3, envscaler= and acebench= are
+    one each (Table 1's), each named at most once; the two kinds go in separate commands."""
+    files = [s for s in specs if not s.startswith(TOOL_USE)]
+    benches = [Benchmark("code", code_what(files), files)] if files else []
+    benches += [tool_use_benchmark(s) for s in specs if s.startswith(TOOL_USE)]
+    kinds = [b.kind for b in benches]
+    twice = next((k for k in kinds if kinds.count(k) > 1), None)
+    if twice:
+        raise runtime.UserError(f"--tasks names {twice} twice: give each benchmark once")
+    if files and len(benches) > 1:
+        raise runtime.UserError("--tasks: code benchmark files (Table 2) and bfcl-v3, envscaler=, acebench= (Table 1) "
+                                "go in separate commands")
+    return benches
+
+
+def tool_use_benchmark(spec: str) -> Benchmark:
+    """One of bfcl-v3[:CATS], envscaler=DIR (or hf) and acebench=PATH[:REGIME] -> its Benchmark, checked: the
+    categories or regimes exist, BFCL is installed, the folder holds EnvScaler's release, the clone is ACEBench's."""
+    if spec.startswith("envscaler="):
+        from worlds import envscaler
+        where = spec.removeprefix("envscaler=")
+        if where != "hf":                                  # the Hub's files are fetched when they are read
+            envscaler.find_release(where)
+        return Benchmark("envscaler", "envscaler", where)
+    if spec.startswith("acebench="):
+        from worlds import acebench
+        path, regimes = acebench.parse_spec(spec)
+        acebench.load_tasks(path, regimes)
+        return Benchmark("acebench", acebench_what(regimes), (path, regimes))
+    from worlds import bfcl
+    categories = bfcl_categories(spec)
+    if categories is None:
+        raise runtime.UserError(f"--tasks {spec!r}: no such benchmark; expected {', '.join(BENCHMARK_NAMES)}, or "
+                                "bfcl-v3:CATEGORY")
+    bfcl.package_dir()                                     # installed, or one line naming the install
+    return Benchmark("bfcl-v3", bfcl_what(categories), categories)
+
+
+def evaluate_benchmark(args, bench: Benchmark, a) -> Scored:
+    """One benchmark of --tasks with eval.py's options `a` (--n-test, --temperature, --user-model)."""
+    if bench.kind == "code":
+        return eval_benchmarks(args, bench.value, a.n_test, a.temperature)
+    if bench.kind == "envscaler":
+        return eval_envscaler(args, bench.value, a.n_test, a.temperature)
+    if bench.kind == "bfcl-v3":
+        return eval_bfcl(args, bench.value, a.n_test, a.temperature)
+    path, regimes = bench.value
+    return eval_acebench(args, path, regimes, a.n_test, a.temperature, user_model=a.user_model)
+
+
+# §4.1, Table 1: the student's row of EnvScaler, BFCL-v3 and ACEBench, each benchmark sampled as B.3 says
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "max_len", "thinking")   # the table records them
+
+
+def eval_table1(args, benches, a, given=()) -> dict:
+    """Several tool-use --tasks: each benchmark in turn with its own B.3 sampling (`b3_args`; `given`: train.py's
+    flags on the command line), each writing the files it writes alone, then one row of Table 1's columns on the
+    paper's 0-100 scale from what they wrote, into OUT/table1_<benchmarks>_<split>[_T<t>].md and .json
+    (`result_stem`: never over another's). -> the table's JSON."""
+    scored, sampling = {}, {}
+    for bench in benches:
+        bargs = b3_args(args, bench.kind, given)
+        scored[bench.kind] = evaluate_benchmark(bargs, bench, a)
+        sampling[bench.kind] = {k: getattr(bargs, k) for k in SAMPLING_FIELDS}
+        sampling[bench.kind]["temperature"] = bargs.temperature if a.temperature is None else a.temperature
+    order = [k for k in results.TABLE1 if k in scored]                     # Table 1's, whatever the command's
+    student = scored[order[0]].result["student"]
+    cells = results.table1_cells({k: scored[k].result for k in order})
+    table = {"student": student, "scale": "0-100", "columns": cells, "sampling": {k: sampling[k] for k in order},
+             "files": {k: os.path.basename(scored[k].path) for k in order}}
+    stem = result_stem(args.out, "table1_" + "-".join(b.what for k in order for b in benches if b.kind == k),
+                       a.n_test, a.temperature)
+    runtime.write_json(stem + ".json", table)
+    with runtime.atomic_open(stem + ".md") as f:
+        f.write(results.table1_markdown(student, cells) + "\n")
+    print("\n" + results.table1_markdown(student, cells))
+    print(f"written to {stem}.md and {stem}.json")
+    return table
+
+
+def bfcl_what(categories) -> str:
+    """What BFCL-v3's files are named by: bfcl-v3 (the paper's four), bfcl-v3_single, bfcl-v3_base-miss_func."""
+    from worlds import bfcl
+    return "bfcl-v3" + ("" if list(categories) == list(bfcl.CATEGORIES) else
+                        "_single" if list(categories) == list(bfcl.SINGLE_TURN) else "_" + "-".join(categories))
+
+
+def acebench_what(regimes) -> str:
+    """What ACEBench's files are named by: acebench (both regimes), acebench_multi_turn."""
+    from worlds import acebench
+    return "acebench" + ("" if list(regimes) == list(acebench.REGIMES) else "_" + "-".join(regimes))
 
 
 def bfcl_categories(spec: str) -> list[str] | None:
@@ -402,6 +672,9 @@ def bfcl_categories(spec: str) -> list[str] | None:
 # resource, and escapes every token and observation (a token may be `<script>`).
 # Long observations (a tool's answer, a program's output) are cut in the middle so a page of a 4,000-token episode
 # stays readable: the first and last characters of a longer grey run are kept.
+# A benchmark's records (OUT/<name>.records.jsonl, a task a line with its conversation as text) open in the same view
+# (--show FILE --index K, `show_record`): the text is tokenized again (`record_episode`) and the teacher's latent
+# prompt made from the prompt's text (`RecordChat`), since a record keeps neither the sampled ids nor the messages.
 OBSERVATION_CHARS = 400
 
 
@@ -541,15 +814,17 @@ def plain_model_args(a, flags) -> train.Args:
 
 
 def main(argv=None):
-    p = runtime.OneLineParser(description="Evaluate a run on held-out tasks.")
+    p = preflight.OneLineParser(description="Evaluate a run on held-out tasks.")
     p.add_argument("--run", default="", help="run folder written by train.py (holds args.json)")
     p.add_argument("--model", default="", metavar="ID_OR_FOLDER",
                    help="instead of --run: this model itself (an HF id or folder, train.py --model) on --tasks; "
                         "train.py's flags after it set its settings (--max-new-tokens 512)")
     p.add_argument("--out", default="", help="with --model: where its files go (default runs/eval/<model's name>)")
     p.add_argument("--n-test", type=int, default=0, help="evaluate only the first N held-out tasks (0 = all); with --tasks, the first N "
-                        "problems of each benchmark file, or of each BFCL-v3 category")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's)")
+                        "problems of each benchmark file, of each BFCL-v3 category or ACEBench regime, or of "
+                        "EnvScaler's held-out tasks")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the run's; with --tasks and a real model, B.3's 0.7)")
     p.add_argument("--inspect-latents", action="store_true",
                    help="what the composer carries: how latents differ between tasks of the same and of other "
                         "shops and families, and the teacher's tokens that move most between same- and "
@@ -566,13 +841,23 @@ def main(argv=None):
                         "(BFCL-v3 multi-turn: base, miss_func, miss_param, long_context; bfcl-v3:base for one; "
                         "bfcl-v3:single for the single-turn AST categories; needs pip install --no-deps "
                         "bfcl-eval==2025.7.17), or on acebench=PATH (ACEBench's English agent tasks from a clone "
-                        "at PATH: M-Step, M-Turn, overall; acebench=PATH:multi_turn for one regime)")
+                        "at PATH: M-Step, M-Turn, overall; acebench=PATH:multi_turn for one regime), or on "
+                        "envscaler=DIR (EnvScaler's release in DIR, or hf: its 200 held-out tasks, mean reward). "
+                        "Several of bfcl-v3, envscaler=, acebench=: each evaluated as alone, then one row of Table "
+                        "1's columns (0-100) in OUT/table1_*.md and .json. A real model samples as B.3 says: "
+                        "temperature 0.7, top-p 0.95, top-k 20, and 16,384 new tokens a reply on code files (the "
+                        "tool-use benchmarks keep the run's reply budget, 40,960-token conversations and 30 steps, "
+                        "ACEBench 20 replies); "
+                        "--temperature, and train.py's flags after --model, win; the toy keeps its run's")
     p.add_argument("--user-model", default="", metavar="ID_OR_FOLDER",
                    help="with --tasks acebench=PATH: the model that plays ACEBench's user in its multi-turn tasks "
                         "(default: the run's backbone; the paper used deepseek-v4-flash through an API)")
-    p.add_argument("--show", type=int, nargs="?", const=5, default=0, metavar="N",
+    p.add_argument("--show", nargs="?", const="5", default="", metavar="N_OR_FILE",
                    help="write OUT/show.html: N held-out episodes of the student (default 5), each token coloured by "
-                        "what the teacher knows")
+                        "what the teacher knows; or an evaluation's FILE.records.jsonl: its record --index K, scored "
+                        "again by the run's student and teacher, into FILE.show<K>.html")
+    p.add_argument("--index", type=int, default=0, metavar="K",
+                   help="with --show FILE.records.jsonl: which record, counted from 0 (default 0)")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                    help="what generates the rollouts (train.py --engine): hf, or vllm (runtime.py)")
     p.add_argument("--unsafe-no-sandbox", action="store_true",
@@ -580,18 +865,9 @@ def main(argv=None):
                         "confine it (train.py --unsafe-no-sandbox); asked again here, whatever the run was "
                         "trained with")
     a, rest = p.parse_known_args(argv)         # with --model, train.py's flags set the model's settings
-    if rest and not a.model:
-        a = p.parse_args(argv)                  # one line naming the closest flag (runtime.OneLineParser)
-    if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
-        p.error(f"--n-test and --temperature must be at least 0, not {a.n_test} and {a.temperature}")
-    missing = [f for f in a.tasks or () if not f.startswith(("bfcl-v3", "acebench=")) and not os.path.isfile(f)]
-    if missing:                                                           # before the run is read: one line at once
-        hint = runtime.did_you_mean(missing[0], BENCHMARK_NAMES)          # bfcl-v4 -> bfcl-v3
-        p.error(f"--tasks: no such file {missing[0]!r}{hint}; give JSONL benchmark files or bfcl-v3")
-    if bool(a.run) == bool(a.model) or (a.model and not a.tasks):
-        p.error("give --run DIR (a run of train.py), or --model ID_OR_FOLDER with --tasks (the model as released)")
-    if a.run and not os.path.isfile(os.path.join(a.run, "args.json")):
-        p.error(f"--run {a.run!r}: no args.json there; is it a folder written by train.py?")
+    preflight.check_eval(p, a, rest, BENCHMARK_NAMES, TOOL_USE)     # before the run is read: one line at once
+    with runtime.one_line_errors():                 # a category, regime, clone or release that is not there
+        benches = parse_tasks(a.tasks) if a.tasks else []
     args = plain_model_args(a, rest) if a.model else train.load_args(a.run)
     # the folder given, wherever it was trained; the engine this command asks for, whichever trained it
     args = dataclasses.replace(args, out=a.run or args.out, engine=a.engine,
@@ -601,21 +877,17 @@ def main(argv=None):
         sandbox.require_for(train.environment(args), args.unsafe_no_sandbox, f"--env {args.env}")
         if a.tasks:
             sandbox.check_confinement(f"--tasks {' '.join(a.tasks)}")
-    if a.tasks and a.tasks[0].startswith("bfcl-v3"):
+    if benches:                                      # B.3's sampling per benchmark, where the command set none
         with runtime.one_line_errors():
-            return eval_bfcl(args, bfcl_categories(a.tasks[0]), a.n_test, a.temperature)
-    if a.tasks and a.tasks[0].startswith("acebench="):
-        from worlds import acebench
-        with runtime.one_line_errors():
-            path, regimes = acebench.parse_spec(a.tasks[0])
-            return eval_acebench(args, path, regimes, a.n_test, a.temperature, user_model=a.user_model)
-    if a.tasks:
-        return eval_benchmarks(args, a.tasks, a.n_test, a.temperature)
+            if len(benches) > 1:
+                return eval_table1(args, benches, a, given_flags(rest))
+            return evaluate_benchmark(b3_args(args, benches[0].kind, given_flags(rest)), benches[0], a).result["rows"]
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     if a.show:
         with runtime.one_line_errors():
-            path = show_episodes(args, a.show, os.path.join(a.run, "show.html"))
+            path = (show_episodes(args, int(a.show), os.path.join(a.run, "show.html")) if a.show.isdigit() else
+                    show_record(args, a.show, a.index))
         print(f"wrote {path}")
         return
     keep = {} if a.conventions else None

@@ -5,7 +5,8 @@ configuration), eqs. (15)-(16). Everything the composer encodes starts here:
 
     bank      successful training-split rollouts (A.3), each a dict
               {task_id, task, trace, reward, meta?} whose `trace` is the observation-lite action-result string
-              "1. find_customer(name=\"Ana\") -> C417\n2. ..."; `build_bank`, `save_bank`, `load_bank` (JSONL).
+              "1. find_customer(name=\"Ana\") -> C417\n2. ..."; `build_bank`, `save_bank`, `load_bank` (JSONL);
+              `check_bank`: enough entries of other tasks for each task to retrieve J.
     Embedder  f_ret: any Hugging Face encoder (or causal LM: its base model's final hidden states), "mean" or
               "last" pooling, L2-normalised (eq. 15). Asymmetric: a document is task + "\n" + trace, a query is the
               task alone behind an instruction prompt (Qwen3-Embedding style).
@@ -37,6 +38,7 @@ Deviations from the paper and from the official code:
      different task text. Task ids are assumed to name one task text.
 """
 
+import collections
 import inspect
 import json
 import os
@@ -114,6 +116,21 @@ def build_bank(candidates: Sequence[dict], threshold: float) -> list:
         if entry["reward"] >= threshold:
             bank.append(dict(entry))
     return bank
+
+
+def check_bank(bank, episodes, n_ret: int, threshold: float):
+    """A runtime.UserError unless every training task can retrieve n_ret entries of OTHER tasks (its own are
+    excluded): the bank train.py built from the base model's `episodes` with reward >= threshold. Its message names
+    train.py's flags that would fill it."""
+    per_task = collections.Counter(e["task_id"] for e in bank)
+    if len(bank) - max(per_task.values(), default=0) >= n_ret:
+        return
+    mean = sum(e.reward for e in episodes) / max(1, len(episodes))
+    head = f"{len(bank)} of {len(episodes)} base rollouts reached reward ≥ {threshold} (mean reward {mean:.2f})"
+    why = ("so the experience bank is empty" if not bank else
+           f"too few for --n-ret {n_ret} entries of other tasks per training task")
+    raise runtime.UserError(f"{head}, {why}. Raise --bank-rollouts, lower --bank-threshold" +
+                            (", lower --n-ret" if bank else "") + ", use a stronger --model, or give easier --tasks")
 
 
 def save_bank(path: str, bank: Sequence[dict]) -> None:

@@ -11,19 +11,19 @@ data-parallel helper is the identity, so the single-process path is exactly the 
     python -m pytest tests/test_distributed.py tests/test_real_path.py -q
 
 Sections, in order: user errors; device, seed, precision, log; data parallel; the student (full, LoRA,
-checkpointed); FSDP2 and full state dicts; checkpoints and resume.
+checkpointed); FSDP2 and full state dicts; checkpoints and resume (the joint stage's, the cold start's) and the
+evaluation's rows read back after a kill.
 
 No deviation from the paper lives here: the official code's engineering (SGLang rollouts, Ray workers, DeepSpeed)
 is replaced, not followed, and the mathematics these helpers serve is the same on any number of processes.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import datetime
-import difflib
 import functools
+import hashlib
 import json
 import os
 import random
@@ -59,69 +59,9 @@ def one_line_errors():
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
-# ----------------------------------------------------------------------------------------------------------------
-# Settings: a dataclass of fields made flags (train.Args), their values checked
-# ----------------------------------------------------------------------------------------------------------------
-def arg(default, help: str):
-    """A settings field: its default, and its --help text (`parser_of` reads it from the field's metadata)."""
-    return dataclasses.field(default=default, metadata={"help": help})
 
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag or value is answered in one line (what was wrong, and where the flags are listed),
-    not after the whole usage: train.py has some seventy flags, and the line that matters came last."""
-
-    def error(self, message):
-        if message.startswith("unrecognized arguments: "):         # a misspelt flag: name the closest
-            flags = [f for f in message.split(": ", 1)[1].split() if f.startswith("--")]
-            message += "".join(did_you_mean(f.split("=")[0], self._option_string_actions) for f in flags[:1])
-        self.exit(2, f"{self.prog}: error: {message} (--help lists every flag)\n")
-
-
-def did_you_mean(value, allowed) -> str:
-    """' (did you mean 'grpo'?)' for a close misspelling of one of `allowed`, else ''."""
-    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def parser_of(cls, description: str, notes: dict | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with a flag per field of the dataclass `cls` (--field-name, its metadata's help, `notes`
-    appended by name): bool fields are switches, `bool | None` ones --x / --no-x (None: decided later)."""
-    p = OneLineParser(description=description)
-    for f in dataclasses.fields(cls):
-        flag, doc = "--" + f.name.replace("_", "-"), f.metadata["help"]
-        doc += f" ({notes[f.name]})" if notes and f.name in notes else ""
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", help=doc)
-        elif f.type == "bool | None":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
-        else:
-            typ = {"int": int, "float": float, "str": str}[str(f.type)]
-            p.add_argument(flag, type=typ, default=f.default, help=doc + f" (default: {f.default})")
-    return p
-
-
-def parse_with_preset(p, argv, preset: dict, switch: str) -> dict:
-    """p's values by field; where the switch (--quick) is on, `preset` fills each of its fields that the command
-    line did not give (a flag given beside it wins, even at its default value)."""
-    defaults = {k: p.get_default(k) for k in preset}
-    p.set_defaults(**dict.fromkeys(preset))                  # None: the command line did not give it
-    given = vars(p.parse_args(argv))
-    given.update({k: preset[k] if given[switch] else defaults[k] for k in preset if given[k] is None})
-    return given
-
-
-def check_values(p, args, choices: dict, positive=(), non_negative=()):
-    """A one-line error (exit 2) for a field outside its `choices` (with a close match, if any), or not positive /
-    below 0."""
-    for name, allowed in choices.items():
-        if getattr(args, name) not in allowed:
-            p.error(f"--{name.replace('_', '-')} must be one of {', '.join(map(str, allowed))}, not "
-                    f"{getattr(args, name)!r}{did_you_mean(getattr(args, name), allowed)}")
-    for name in tuple(positive) + tuple(non_negative):
-        if getattr(args, name) is not None and getattr(args, name) < (name in positive):
-            p.error(f"--{name.replace('_', '-')} must be {'positive' if name in positive else 'at least 0'}, "
-                    f"got {getattr(args, name)}")
+# The settings made flags (`arg`, `parser_of`, `check_values`, ...) are in preflight.py, which imports no torch: a
+# command line of train.py or eval.py is checked there before torch loads.
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -662,6 +602,7 @@ def lm_head(model_or_head) -> tuple:
 HEADROOM = 0.85     # the share of the measured free memory a plan fills; the rest is for what it does not count
 CPU_TOKENS = 2048   # a CPU's forward/backward is no faster a token past this many (docs/real-models.md): the cap there
 EXPERIENCE_TOKENS = 512   # tokens of one retrieved experience in the composer's encoder (an observation-lite trace)
+VLLM_MAX_SEQS = 256       # --engine vllm: the engine's max_num_seqs (vLLM's CPU default), given so the plan knows it
 GB = 1e9
 
 
@@ -719,6 +660,20 @@ def kv_budget_batch(config, budget_gb: float, max_len: int, elem: int = 2) -> in
     return max(1, int(budget_gb * GB // (kv_bytes_per_token(config, elem) * max_len)))
 
 
+def vllm_batch(kv_tokens: int, in_flight: int) -> tuple[int, str]:
+    """--engine vllm: how many conversations generate together, and the bound that chose it (the plan's line).
+    vLLM pages its KV cache: a conversation holds blocks for the tokens it has, not a whole --max-len; a prompt
+    prefix the batch shares is cached once; the scheduler admits a request when its blocks fit and preempts (then
+    recomputes) one when they run out. So the batch is as many conversations as `kv_tokens` hold at `in_flight`
+    tokens each (what their replies may add: --max-env-steps × --max-new-tokens, at most --max-len), and at most
+    VLLM_MAX_SEQS, the engine's max_num_seqs: its scheduler runs no more at once."""
+    fit = kv_tokens // max(1, in_flight)
+    cache = f"{kv_tokens} tokens, {in_flight} a conversation's replies"
+    if fit >= VLLM_MAX_SEQS:
+        return VLLM_MAX_SEQS, f"vLLM's max_num_seqs; its paged cache: {cache}"
+    return max(1, fit), f"vLLM's paged cache: {cache}"
+
+
 @dataclass
 class Costs:
     """What one run costs in memory beyond the loaded backbone, in bytes (`step_costs`)."""
@@ -727,6 +682,7 @@ class Costs:
     per_row: dict        # {checkpointing: bytes} of one rollout of a micro-batch (its J experiences in the encoder)
     fixed: int           # of any training step: the loss's chunk of rows
     per_conversation: int   # of one conversation of --max-len tokens generating: its KV cache
+    engine_batch: tuple | None = None   # --engine vllm: (conversations, bound) of `vllm_batch`; its cache is resident
 
 
 def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max_len: int) -> Costs:
@@ -752,14 +708,16 @@ class MemoryPlan:
     gen_batch: int         # conversations that generate together
     longest: int           # bytes a training step of one --max-len conversation needs, at the plan's checkpointing
     chosen: tuple          # which of grad_ckpt, token_budget, gen_batch the plan chose (the others were given)
+    gen_bound: str = ""    # what bounded a chosen gen_batch where it is not --max-len KV caches (--engine vllm)
 
     def line(self, max_len: int) -> str:
         made = lambda k: "" if k in self.chosen else " (given)"                        # noqa: E731
+        bound = f" ({self.gen_bound}; --gen-batch to set)" if self.gen_bound and "gen_batch" in self.chosen else ""
         budget = f"{self.token_budget} tokens" if self.token_budget else "--micro-batch rollouts"
         return (f"memory plan: {_size(HEADROOM * self.free)} of {_size(self.free)} free; gradient "
                 f"checkpointing {'on' if self.grad_ckpt else 'off'}{made('grad_ckpt')}; {budget} a forward/backward"
                 f"{made('token_budget')} (one {max_len}-token conversation trains in {_size(self.longest)}); "
-                f"{self.gen_batch} conversations generate together{made('gen_batch')}")
+                f"{self.gen_batch} conversations generate together{made('gen_batch')}{bound}")
 
 
 def _size(b: float) -> str:
@@ -771,7 +729,8 @@ def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | N
     """The budgets that fit `free` bytes (HEADROOM of them): checkpointing only if one conversation of max_len
     tokens does not train without it; the token budget that fills what is left beside the resident weights, at
     most `cap` (on a CPU a longer forward is no faster a token: train.py caps it there at CPU_TOKENS, and a
-    micro-batch still holds at least one episode); as many generating conversations as their KV caches fit.
+    micro-batch still holds at least one episode); as many generating conversations as their KV caches fit (under
+    --engine vllm, `costs.engine_batch`: the engine's cache is resident, and pages).
     `given` holds grad_ckpt, token_budget and gen_batch, each kept unless None. A UserError, before any work, when
     one --max-len conversation cannot train even alone; a line when a given budget will not fit."""
     grad_ckpt, token_budget, gen_batch = given["grad_ckpt"], given["token_budget"], given["gen_batch"]
@@ -787,13 +746,13 @@ def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | N
     budget = token_budget if token_budget is not None else int(min(tokens[ckpt], cap or tokens[ckpt]))
     if token_budget and token_budget > tokens[ckpt]:
         say(f"memory plan: --token-budget {token_budget} will not fit ({where}: {int(tokens[ckpt])} tokens do)")
-    fit = int((room + costs.fixed) // max(1, costs.per_conversation))     # KV caches: the loss's chunk is freed
-    batch = gen_batch if gen_batch is not None else max(1, fit)
-    if gen_batch and gen_batch > fit:
+    fit, bound = costs.engine_batch or (int((room + costs.fixed) // max(1, costs.per_conversation)), "")
+    batch = gen_batch if gen_batch is not None else max(1, fit)     # KV caches: the loss's chunk is freed by then
+    if gen_batch and gen_batch > fit and not bound:                 # vLLM queues or preempts what does not fit
         say(f"memory plan: --gen-batch {gen_batch} will not fit ({where}: {max(0, fit)} conversations do)")
     chosen = tuple(k for k, v in (("grad_ckpt", grad_ckpt), ("token_budget", token_budget),
                                   ("gen_batch", gen_batch)) if v is None)
-    return MemoryPlan(free, ckpt, budget, batch, longest, chosen)
+    return MemoryPlan(free, ckpt, budget, batch, longest, chosen, bound)
 
 
 def fit_memory(args, model, device, trained: int) -> MemoryPlan:
@@ -802,7 +761,7 @@ def fit_memory(args, model, device, trained: int) -> MemoryPlan:
     and gradient checkpointing, where the command line gave none (written into `args`; one line says what it chose).
     A UserError before any work when one --max-len conversation cannot train."""
     elem = next(model.parameters()).element_size()          # the precision forwards run in: bf16 2, fp32 4
-    if args.kv_budget and args.gen_batch is None:
+    if args.kv_budget and args.gen_batch is None and args.engine == "hf":   # vLLM's cache pages: `memory_plan`
         args.gen_batch = kv_budget_batch(model.config, args.kv_budget, args.max_len, elem)
     free = int(args.memory * GB) if args.memory else free_memory(device)
     plan = memory_plan(args, model, free, device.type, trained)
@@ -820,8 +779,10 @@ def memory_plan(args, model, free: int, device_type: str, trained: int) -> Memor
     costs = step_costs(model.config, next(model.parameters()).element_size(), trained,
                                args.n_ret, args.loss_chunk, args.max_len)
     if args.engine == "vllm":           # the engine's own fp32 copy of the weights and its KV cache, for the whole run
-        engine_bytes = 4 * sum(p.numel() for p in model.parameters()) + engine_kv_bytes(args, free)
-        costs = dataclasses.replace(costs, resident=costs.resident + engine_bytes)
+        kv, weights = engine_kv_bytes(args, free), 4 * sum(p.numel() for p in model.parameters())
+        in_flight = min(args.max_len, args.max_env_steps * args.max_new_tokens)     # what a conversation's replies add
+        batch = vllm_batch(kv // kv_bytes_per_token(model.config, 4), in_flight)     # the engine's cache is fp32
+        costs = dataclasses.replace(costs, resident=costs.resident + weights + kv, engine_batch=batch)
     given = {k: getattr(args, k) for k in ("grad_ckpt", "token_budget", "gen_batch")}
     cap = CPU_TOKENS if device_type == "cpu" else None    # a longer forward is no faster there
     return plan_memory(costs, free, args.max_len, given, cap=cap)
@@ -837,7 +798,7 @@ def absolute_paths(args):
     if args.model and os.path.isdir(args.model):
         args.model = os.path.abspath(args.model)
     for name in ("tasks", "chat_template", "tensorboard"):
-        if getattr(args, name):
+        if getattr(args, name) and (name, getattr(args, name)) != ("tasks", "hf"):   # hf: the Hub, not a folder
             setattr(args, name, os.path.abspath(getattr(args, name)))
     return args
 
@@ -1012,6 +973,12 @@ def save_checkpoint(out: str, student, composer, opts, state: dict, *, step: int
     torch.save({"opt_s": opt_s, "opt_c": opts[1].state_dict() if opts[1] else None, "state": numbers,
                 "step": step, "generations": generations, "rng": rngs[0], "rng_ranks": rngs},
                os.path.join(tmp, "state.pt"))
+    publish(root, tmp, name)
+
+
+def publish(root: str, tmp: str, name: str):
+    """The complete folder `tmp` renamed to root/name, then root/LATEST (a one-line file, replaced atomically)
+    pointed at it, older steps deleted last: a kill at any moment leaves LATEST naming a complete checkpoint."""
     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     os.replace(tmp, os.path.join(root, name))
     with open(os.path.join(root, "LATEST.tmp"), "w") as f:
@@ -1022,17 +989,17 @@ def save_checkpoint(out: str, student, composer, opts, state: dict, *, step: int
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
-def latest_checkpoint(out: str):
-    """The folder OUT/ckpt/LATEST names, or None."""
-    pointer = os.path.join(out, "ckpt", "LATEST")
+def latest_checkpoint(out: str, folder: str = "ckpt"):
+    """The folder OUT/<folder>/LATEST names (the joint stage's OUT/ckpt, the cold start's OUT/cold_ckpt), or None."""
+    pointer = os.path.join(out, folder, "LATEST")
     if not os.path.isfile(pointer):
         return None
-    return os.path.join(out, "ckpt", open(pointer).read().strip())
+    return os.path.join(out, folder, open(pointer).read().strip())
 
 
 def load_checkpoint(path, student, composer, opts, state: dict, task_rng):
     """Restore what save_checkpoint wrote into the live objects, the method's `state` included (its numbers, its
-    EMA teacher); returns (step, generations)."""
+    EMA teacher), said in one line; returns (step, generations)."""
     load_student_weights(student, os.path.join(path, "student"))
     if state.get("ema") is not None:
         load_student_weights(state["ema"], os.path.join(path, "ema_teacher"))
@@ -1045,7 +1012,112 @@ def load_checkpoint(path, student, composer, opts, state: dict, task_rng):
     state.update(saved["state"])
     rngs = saved.get("rng_ranks") or []       # the same number of ranks resumes each rank's own streams
     set_rng_state(rngs[rank()] if len(rngs) == world() else saved["rng"], task_rng)
+    say(f"resumed from {path} at step {saved['step']}")
     return saved["step"], saved["generations"]
+
+
+# The cold start (train.py stage 4) checkpoints into a folder of its own, published the same way; φ0 itself is the
+# stage's cached output (OUT/composer0), so its checkpoints are deleted once φ0 is written.
+COLD_CKPT = "cold_ckpt"
+
+
+def cold_checkpoint(args, composer, opts, step: int, task_rng):
+    """After `step` cold-start steps, every --cold-save-every of them but the last (φ0 is written then):
+    OUT/cold_ckpt/step-NNNNNN with the composer, the cold start's optimizer state(s), the step and every rank's RNG
+    states (`task_rng`: the batch sampler's stream), published as `save_checkpoint` publishes its own. The composer
+    is replicated over ranks: rank 0 writes it alone."""
+    if step % args.cold_save_every or step >= args.cold_steps:
+        return
+    rngs = gather([rng_state(task_rng)])
+    if rank() != 0:
+        return
+    root = os.path.join(args.out, COLD_CKPT)
+    name, tmp = f"step-{step:06d}", os.path.join(root, f".tmp-{step:06d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    composer.save(os.path.join(tmp, "composer"))
+    torch.save({"opts": [opt.state_dict() for opt in opts], "step": step, "rng": rngs[0], "rng_ranks": rngs},
+               os.path.join(tmp, "state.pt"))
+    publish(root, tmp, name)
+
+
+def resume_cold_start(path, composer, opts, task_rng) -> int:
+    """Restore what `cold_checkpoint` wrote in `path` into the live composer, optimizers and RNG streams; -> its
+    step, where the cold start goes on."""
+    reset_composer(composer, os.path.join(path, "composer"))
+    saved = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+    for opt, state in zip(opts, saved["opts"], strict=True):
+        opt.load_state_dict(state)
+    rngs = saved["rng_ranks"]                 # the same number of ranks resumes each rank's own streams
+    set_rng_state(rngs[rank()] if len(rngs) == world() else saved["rng"], task_rng)
+    say(f"resumed the cold start from {path} at step {saved['step']}")
+    return saved["step"]
+
+
+def drop_cold_checkpoints(out: str):
+    """OUT/cold_ckpt removed (φ0 is written: nothing resumes from them)."""
+    shutil.rmtree(os.path.join(out, COLD_CKPT), ignore_errors=True)
+
+
+# Stage 6's rows (train.evaluate with cache): each row's summary goes to OUT/eval_rows/ once the row is finished, under
+# a key of what it depends on, so that a run killed during its evaluation reads back the rows it had finished (eval.py
+# too, on a finished run). The key: the settings (all but where the run writes, checkpoints and logs), the sampling,
+# the tasks' ids, the number of ranks, the device and dtype, and the files of the weights the row rolls out (their
+# names, sizes and modification times): the latest checkpoint for the student and for base + composer (in a run
+# without a student, φ0 in OUT/composer0), with the bank for the latter. Anything else changed gives a new key, and
+# the row is rolled out again. Code is not in it: as for every cached stage, a changed world or method needs a new
+# --out.
+ROWS_DIR = "eval_rows"
+UNKEYED = ("out", "resume", "save_every", "cold_save_every", "eval_every", "eval_tasks", "tensorboard", "dist_timeout")
+
+
+def row_keys(args, run, cfg, tasks, student) -> dict:
+    """{row: its key} for `train.evaluate`'s rows (vanilla, base + composer, student) of `tasks` sampled by `cfg`;
+    `student` None: the composer evaluated is φ0, else the latest checkpoint's (the student's own). No keys, so
+    nothing read back, for a student that no checkpoint holds."""
+    ckpt = latest_checkpoint(args.out) if student is not None else None
+    if student is not None and ckpt is None:
+        return {}
+    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in UNKEYED}
+    sampling = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "generator"}
+    p = next(run.composer.peft.parameters())
+    ids = "\n".join(t.task_id for t in tasks)
+    common = {"settings": settings, "sampling": sampling, "world": world(), "device": f"{p.device.type} {p.dtype}",
+              "tasks": [len(tasks), _sha1(ids)]}
+    composer = [stamp(ckpt or os.path.join(args.out, "composer0")), stamp(os.path.join(args.out, "bank"))]
+    weights = {"vanilla": [args.model], "base + composer": composer, "student": [stamp(ckpt) if ckpt else None]}
+    return {name: json.loads(json.dumps({"row": name, **common, "weights": w})) for name, w in weights.items()}
+
+
+def stamp(path: str) -> list:
+    """What identifies the files under `path` cheaply: each one's relative name, size and modification time."""
+    files = [os.path.join(d, f) for d, _, names in os.walk(path) for f in names] if os.path.isdir(path) else [path]
+    return [[os.path.relpath(f, path), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in sorted(files)
+            if os.path.isfile(f)]
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _row_path(out: str, key: dict) -> str:
+    """OUT/eval_rows/<row>-<the key's hash>.json"""
+    name = "".join(c if c.isalnum() else "-" for c in key["row"])
+    return os.path.join(out, ROWS_DIR, f"{name}-{_sha1(json.dumps(key, sort_keys=True))[:12]}.json")
+
+
+def read_row(out: str, key: dict | None) -> dict | None:
+    """The row written under `key` (on every rank), or None: no key, or not finished yet."""
+    if key is None or not cached(_row_path(out, key)):
+        return None
+    saved = json.load(open(_row_path(out, key)))
+    return saved["row"] if saved["key"] == key else None
+
+
+def write_row(out: str, key: dict | None, row: dict):
+    """A finished row under `key` (rank 0, atomically); no key: nothing."""
+    if key is not None and rank() == 0:
+        os.makedirs(os.path.join(out, ROWS_DIR), exist_ok=True)
+        write_json(_row_path(out, key), {"key": key, "row": row})
 
 
 def reset_composer(composer, path: str):
@@ -1091,8 +1163,8 @@ def reset_composer(composer, path: str):
 #
 # Precision and memory. The engine computes in fp32, the student's precision: the check then holds to 1e-4 against
 # the fp32 student. θ̄ in bf16 (CUDA) is compared within `LOW_PRECISION_TOLERANCE`. Its KV cache is allocated once
-# (train.py `engine_kv_bytes`: --kv-budget GB, else a quarter of the free memory); the memory plan counts it and the
-# engine's weights beside the trained ones.
+# (`engine_kv_bytes`: --kv-budget GB, else a quarter of the free memory); the memory plan counts it and the
+# engine's weights beside the trained ones, and sizes the generation batch by its pages, not --max-len (`vllm_batch`).
 #
 # torchrun. One engine per rank, on the rank's device, inside torchrun's process group (vLLM's "external_launcher",
 # one rank per engine); each rank generates its own slice of the batch. The FSDP2-sharded student reaches the
@@ -1125,6 +1197,7 @@ class VLLMGenerator:
         overrides = {"architectures": [register_biased_qwen3()]} if biased else None
         self.llm = LLM(model=path, dtype="float32", enable_prefix_caching=True, max_model_len=max_len,
                        enforce_eager=True, seed=seed, kv_cache_memory_bytes=int(kv_bytes), enable_prompt_embeds=True,
+                       max_num_seqs=VLLM_MAX_SEQS,
                        hf_overrides=overrides, distributed_executor_backend="external_launcher" if torchrun else None)
         self.vocab = config.vocab_size
         self.serving = None             # which model's weights the engine holds (`_key`); None: the folder's

@@ -7,7 +7,7 @@
     torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-8B   # data parallel on 8 GPUs, one node
 
 The file reads in the order a run does: `Args` (every setting, grouped), `main`, then the stages, each cached in
---out so that a rerun skips what is finished:
+--out so that a rerun skips what is finished (--resume: a cold start or joint stage goes on; finished rows read back):
   1. backbone      the toy backbone (worlds/toy_backbone.py) or --model; what depends on it (`fit_to_model`)
   2. base rollouts the base model on the world's training tasks (worlds/)
   3. bank          successful rollouts -> experience bank + FAISS index + cached query embeddings (retrieval.py)
@@ -33,7 +33,6 @@ summed over ranks, the full student is sharded with FSDP2, rank 0 alone logs and
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
@@ -42,6 +41,7 @@ import random
 import time
 from dataclasses import dataclass
 
+import preflight    # first: as the script being run, it checks the command line before torch loads
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -53,13 +53,12 @@ import retrieval
 import runtime
 from worlds import common, results, sandbox, tool_world
 from worlds import toy_backbone as toy
-from composer import (Composer, ComposerConfig, QFormer, cold_start_batch, cold_start_loss,
-                      schema_balanced_sampler)
+from composer import Composer, ComposerConfig, QFormer, cold_start_batch, cold_start_loss, schema_balanced_sampler
 from runtime import UserError, say
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
-arg = runtime.arg         # an `Args` field: its default and its --help text (runtime.parser_of makes the flags)
+arg = preflight.arg       # an `Args` field: its default and its --help text (preflight.parser_of makes the flags)
 
 
 @dataclass
@@ -156,7 +155,8 @@ class Args:
     student_lora_r: int = arg(64, "rank of the LoRA student (--student-lora)")
     dist_timeout: float = arg(360, "minutes a collective waits for the slowest rank under torchrun")
     save_every: int = arg(10, "write a checkpoint every N iterations")
-    resume: bool = arg(False, "continue from OUT/ckpt if present")
+    cold_save_every: int = arg(50, "write a cold-start checkpoint every N steps (OUT/cold_ckpt, until φ0 is written)")
+    resume: bool = arg(False, "continue the cold start and the joint stage from their checkpoints, if present")
     unsafe_no_sandbox: bool = arg(False, "run the world's untrusted code (programs, environments, BFCL's calls) "
                                          "WITHOUT the kernel's confinement, process limits only (worlds/sandbox.py): "
                                          "for a machine without Landlock or seccomp that the code may wreck")
@@ -205,11 +205,12 @@ def _main(argv=None):
     runtime.check_world(args, world, rollouts_per_task(args))
     run = prepare(args)
     student = joint_training(run) if args.steps > 0 else None
-    rows = evaluate(args, run, student, run.test)
+    rows = evaluate(args, run, student, run.test, cache=True)    # rows a killed evaluation finished: read back
     if runtime.rank() == 0:
         table = environment(args).results
         results.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, table=table)
         print("\n" + results.markdown_table(rows, table=table))
+        results.plot_curves(args.out)              # OUT/curves.png, from OUT/metrics.jsonl
         print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
     runtime.close_engine()                  # --engine vllm: ends the process group too (torchrun's, under torchrun)
     if backend != "none" and dist.is_initialized():
@@ -377,20 +378,6 @@ def base_rollouts(args, model, tok, train, log):
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 3: the experience bank and the retriever (A.3, eqs. 15-16)
 # ----------------------------------------------------------------------------------------------------------------
-def check_bank(args, bank, episodes):
-    """A UserError unless every training task can retrieve --n-ret entries of OTHER tasks (its own are excluded)."""
-    per_task = collections.Counter(e["task_id"] for e in bank)
-    if len(bank) - max(per_task.values(), default=0) >= args.n_ret:
-        return
-    mean = sum(e.reward for e in episodes) / max(1, len(episodes))
-    head = (f"{len(bank)} of {len(episodes)} base rollouts reached reward ≥ {args.bank_threshold} "
-            f"(mean reward {mean:.2f})")
-    why = ("so the experience bank is empty" if not bank else
-           f"too few for --n-ret {args.n_ret} entries of other tasks per training task")
-    raise UserError(f"{head}, {why}. Raise --bank-rollouts, lower --bank-threshold" +
-                    (", lower --n-ret" if bank else "") + ", use a stronger --model, or give easier --tasks")
-
-
 def build_retriever(args, model, tok, episodes, train, test, log):
     """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
     path = os.path.join(args.out, "bank")
@@ -400,7 +387,7 @@ def build_retriever(args, model, tok, episodes, train, test, log):
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
              for i, e in enumerate(episodes)]
     bank = retrieval.build_bank(cands, args.bank_threshold)
-    check_bank(args, bank, episodes)
+    retrieval.check_bank(bank, episodes, args.n_ret, args.bank_threshold)   # a UserError: too few to retrieve
     embedder = retrieval.make_embedder(args.embedder, model, tok, env_factory(args)().retrieval_instruction)
     if runtime.world() == 1:
         ret = retrieval.Retriever(bank, embedder)
@@ -438,27 +425,29 @@ def cold_start_step(args, composer, chat, retriever, episodes, tasks_by_id, entr
 
 
 def cold_start(args, model, tok, retriever, episodes, train, log, composer=None) -> Composer:
-    """Stage 4: φ0. The backbone stays frozen; only the LoRA ψ and the QFormer χ learn (cached in OUT/composer0).
-    A given `composer` (an ablation variant with its own --retrieval; the caller resets it to composer_init first)
-    is trained in place, or set to the cached φ0."""
+    """Stage 4: φ0. The backbone stays frozen; only the LoRA ψ and the QFormer χ learn (cached in OUT/composer0; a
+    checkpoint every --cold-save-every steps, which --resume goes on from). A given `composer` (an ablation variant
+    with its own --retrieval; the caller resets it to composer_init first) is trained in place, or set to φ0."""
     path = os.path.join(args.out, "composer0")
     if runtime.cached(os.path.join(path, "composer.json")):
         if composer is None:
             return Composer.load(path, model, tok)
         runtime.reset_composer(composer, path)
         return composer
+    resumed = runtime.latest_checkpoint(args.out, runtime.COLD_CKPT) if args.resume else None   # a killed run's
     if composer is None:
         composer = Composer(model, tok, ComposerConfig(n_latents=args.latents,
                                                        task_conditional=args.composer_input == "task+reference"))
         runtime.broadcast_params(composer.trainable_parameters())  # torchrun: every rank starts from rank 0's φ
-        if runtime.rank() == 0:
-            composer.save(os.path.join(args.out, "composer_init"))   # φ before training, for the ablations' variants
+        if runtime.rank() == 0 and resumed is None:       # φ before training, for the ablations' variants
+            composer.save(os.path.join(args.out, "composer_init"))
     groups = cold_start_groups(args, composer)              # [(parameters, clip)]: one group, or ψ and χ
     opts = [torch.optim.AdamW(params, lr=args.cold_lr) for params, _ in groups]
-    draw = schema_balanced_sampler(retriever.bank, random.Random(args.seed))
-    tasks_by_id, chat = {t.task_id: t for t in train}, chat_of(args, tok)
-    t0 = time.time()
-    for step in tqdm(range(args.cold_steps), desc="cold start", leave=False, disable=runtime.rank() != 0):
+    tasks_by_id, chat, task_rng = {t.task_id: t for t in train}, chat_of(args, tok), random.Random(args.seed)
+    draw = schema_balanced_sampler(retriever.bank, task_rng)
+    t0, start = time.time(), runtime.resume_cold_start(resumed, composer, opts, task_rng) if resumed else 0
+    for step in tqdm(range(start, args.cold_steps), desc="cold start", initial=start, total=args.cold_steps,
+                     leave=False, disable=runtime.rank() != 0):
         # every rank draws the same batch (the sampler is seeded alike) and computes its slice's share of the loss
         for opt in opts:
             opt.zero_grad(set_to_none=True)
@@ -470,10 +459,12 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
             opt.step()
         if step % 50 == 0 or step == args.cold_steps - 1:
             log("cold_start", step=step, **{"loss/init": loss})
+        runtime.cold_checkpoint(args, composer, opts, step + 1, task_rng)     # every --cold-save-every steps
     for opt in opts:
         opt.zero_grad(set_to_none=True)   # the last step's gradients must not leak into the joint stage's first one
     if runtime.rank() == 0:
         composer.save(path)
+        runtime.drop_cold_checkpoints(args.out)
     log("cold_start_done", seconds=round(time.time() - t0, 1))
     return composer
 
@@ -517,8 +508,7 @@ def joint_training(run: engine.Run):
     runtime.seed_everything(args.seed + 3)   # the joint stage's randomness does not depend on which stages were cached
     ckpt = runtime.latest_checkpoint(args.out) if args.resume else None
     if ckpt:
-        start, gens = runtime.load_checkpoint(ckpt, student, composer, opts, state, run.task_rng)
-        say(f"resumed from {ckpt} at step {start}")
+        start, gens = runtime.load_checkpoint(ckpt, student, composer, opts, state, run.task_rng)   # says so
     runtime.serve(student)                   # --engine vllm: the student's weights, on every rank at once
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
                      leave=False, disable=runtime.rank() != 0):
@@ -584,10 +574,12 @@ def student_row(args) -> str:
     return METHODS[args.method].label           # the trained student's row: "LOPD student", "GRPO student", ...
 
 
-def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict | None = None) -> dict:
+def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict | None = None, cache=False) -> dict:
     """The rows of Table 3 (`which`: some of ROWS) on held-out tasks, each from the same seed; the training RNG
-    streams are restored. `keep`, if given, receives each row's episodes (this rank's under torchrun)."""
+    streams are restored. `keep`, if given, receives each row's episodes (this rank's under torchrun). `cache`: the
+    student is OUT's latest checkpoint; each row is written once finished, and read back by a rerun after a kill."""
     composer, cfg, chat, rows = run.composer, sample_config(args, temperature), chat_of(args, run.tok), {}
+    keys = runtime.row_keys(args, run, cfg, tasks, student) if cache and keep is None else {}   # what rows depend on
     tasks = runtime.shard(tasks)
     saved = runtime.rng_state(random.Random())
     for name, go in (("vanilla", lambda: eval_vanilla(composer, chat, tasks, cfg)),
@@ -596,14 +588,18 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
                      ("student", lambda: eval_student(student, chat, tasks, cfg))):
         if name not in which or (name == "student" and student is None):
             continue
+        label = student_row(args) if name == "student" else name
+        if (row := runtime.read_row(args.out, keys.get(name))) is not None:    # finished before a kill
+            rows[label] = row
+            continue
         runtime.seed_everything(args.seed + 1)
         if name == "student":
             runtime.serve(student)                   # --engine vllm: every rank, even one with no task here
         whole = runtime.gathered(student) if name == "student" else contextlib.nullcontext()   # FSDP2: weights
         with runtime.precision(composer.peft), whole:
             eps = go() if tasks else []       # torchrun: a rank may get no held-out task
-        label = student_row(args) if name == "student" else name
         rows[label] = engine.summarize_all(eps)
+        runtime.write_row(args.out, keys.get(name), rows[label])
         if keep is not None:
             keep[label] = eps
     runtime.set_rng_state(saved, random.Random())
@@ -617,8 +613,8 @@ def parse_args(argv=None) -> Args:
     """The command line as `Args`: a flag per field (its metadata's help), every default resolved (TOY_DEFAULTS or
     PAPER_DEFAULTS, and the world's own) before anything reads them."""
     registered = {"method": f"registered: {', '.join(METHODS)}", "env": f"registered: {', '.join(common.ENVS)}"}
-    p = runtime.parser_of(Args, __doc__.split("\n")[0], registered)
-    args = resolve_defaults(Args(**runtime.parse_with_preset(p, argv, QUICK, "quick")))
+    p = preflight.parser_of(Args, __doc__.split("\n")[0], registered)
+    args = resolve_defaults(Args(**preflight.parse_with_preset(p, argv, QUICK, "quick")))
     _check(p, args)
     return runtime.absolute_paths(args)
 
@@ -647,23 +643,18 @@ CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": ("auto", "float32"
            "delta_per": ("trajectory", "token"), "kl_per": ("token", "trajectory"), "task_order": ("fresh", "epoch"),
            "cold_optim": ("joint", "split"), "qformer_dtype": ("float32", "bfloat16"),
            "privilege_against": ("student", "phi0"), "conventions": tuple(tool_world.WORLD_CONVENTIONS)}
-POSITIVE, NON_NEGATIVE = ("n_ret", "latents", "rollouts_per_step", "micro_batch", "gen_batch", "top_m"), (
-    "steps", "loss_chunk", "token_budget", "memory")
+POSITIVE, NON_NEGATIVE = ("n_ret", "latents", "rollouts_per_step", "micro_batch", "gen_batch", "top_m",
+                          "cold_save_every"), ("steps", "loss_chunk", "token_budget", "memory")
 
 
 def _check(p, a: Args):
     """Settings that cannot run together or at all: argparse's one-line error (exit 2), or a world's UserError."""
-    runtime.check_values(p, a, CHOICES, POSITIVE, NON_NEGATIVE)
+    preflight.check_values(p, a, CHOICES, POSITIVE, NON_NEGATIVE)
+    preflight.check_paths(p, a, environment(a).task_files)    # --model, --chat-template, --tasks: there
     if rollouts_per_task(a) > 1 and a.rollouts_per_step % a.group:
         p.error(f"--rollouts-per-step {a.rollouts_per_step} must be a multiple of --group {a.group}")
     if METHODS[a.method].keeps_ema and a.student_lora:
         p.error(f"--method {a.method} keeps an EMA copy of a full student; it does not support --student-lora")
-    if a.model and not os.path.isdir(a.model) and (a.model.startswith((".", "/")) or a.model.count("/") != 1):
-        p.error(f"--model {a.model!r}: no such folder, and not a hub id of the form org/name")
-    if a.chat_template and not os.path.isfile(a.chat_template):
-        p.error(f"--chat-template {a.chat_template!r}: no such file (give a Jinja chat-template file)")
-    if a.tasks and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in environment(a).task_files):
-        p.error(f"--tasks {a.tasks!r}: expected a folder holding {' and '.join(environment(a).task_files)}")
     if a.conventions != 2 and not issubclass(environment(a), tool_world.ToolWorld):
         raise UserError("--conventions sets the generated tool world's difficulty; it takes --env tools and no --tasks")
     if environment(a).check_args(a):

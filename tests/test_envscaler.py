@@ -340,7 +340,10 @@ def test_tasks_hf_fetches_the_two_datasets(tmp_path, monkeypatch):
         calls.append((repo_id, repo_type))
         return folders[repo_id]
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    train, test = read("hf", tmp_path / "run")
+    import train as train_py
+    args = train_py.parse_args(["--env", "envscaler", "--tasks", "hf", "--out", str(tmp_path / "run")])
+    assert args.tasks == "hf"                        # the Hub: not made a folder's absolute path like a DIR
+    train, test = read(args.tasks, args.out)
     assert calls == [(r, "dataset") for r in es.HF_DATASETS]
     assert set(ids(test)) == split_by_hand(ids(train + test)) and len(train) == N_RELEASE - 200
 

@@ -1,8 +1,16 @@
-"""scripts/bench.py and eval.py name a bad flag instead of crashing on it (scripts/bench.py prints figures and asserts none)."""
+"""scripts/bench.py and eval.py name a bad flag instead of crashing on it (scripts/bench.py prints figures and asserts none);
+train.py's and eval.py's mistakes are one line before torch loads (preflight.py), and a valid command goes on."""
+import ast
+import dataclasses
 import importlib
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
+import preflight
 from scripts import bench
 
 
@@ -43,3 +51,164 @@ def test_bench_dist_step_times_every_phase_of_a_toy_iteration(capsys):
     assert "one toy LOPD iteration, 4 rollouts over 1 process(es)" in out
     for phase in ("rollout", "compose", "forward", "optimizer", "loss", "backward"):
         assert f"  {phase}" in out, out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# preflight.py: a mistake on train.py's or eval.py's command line is one line at once, before torch loads
+# ----------------------------------------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runs a script as `python SCRIPT ARGS` does, but where importing torch or transformers fails: a check that ran only
+# after the script's imports never prints its line (the process dies of this ImportError instead).
+REFUSING_TORCH = f"""
+import runpy, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "transformers"):
+            raise ImportError(name + " imported before the command line was checked")
+sys.meta_path.insert(0, Refuse())
+sys.path.insert(0, {ROOT!r})
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_without_torch(script, argv, cwd):
+    """(exit status, stderr lines, wall seconds from the process's start) of SCRIPT ARGS with torch refused."""
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", REFUSING_TORCH, os.path.join(ROOT, script), *argv], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, done.stderr.strip().splitlines(), time.monotonic() - t0
+
+
+MISTAKES = [   # (script, argv, what the line says): issue 50's cases and their kin
+    ("train.py", ["--model", "/missing/folder"], "--model '/missing/folder': no such folder, and not a hub id"),
+    ("train.py", ["--model", "./runs/tyo"], "no such folder, and not a hub id of the form org/name (did you mean "
+                                            "'./runs/toy'?)"),
+    ("train.py", ["--stepz", "3"], "unrecognized arguments: --stepz 3 (did you mean '--steps'?)"),
+    ("train.py", ["--method", "lopdd"], "--method must be one of lopd, rft, grpo, opsd, sdpo, sdft, skillsd, not "
+                                        "'lopdd' (did you mean 'lopd'?)"),
+    ("train.py", ["--env", "tool"], "--env 'tool': did you mean 'tools'? expected tools or code or bfcl or envscaler"),
+    ("train.py", ["--env", "my_wrld.py:Mine"], "--env 'my_wrld.py:Mine': no such file 'my_wrld.py' (did you mean "
+                                               "'my_world.py'?)"),
+    ("train.py", ["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
+    ("train.py", ["--margin", "big"], "argument --margin: invalid float value: 'big'"),
+    ("train.py", ["--steps", "-1"], "--steps must be at least 0, got -1"),
+    ("train.py", ["--conventions", "7"], "--conventions must be one of 1, 2, 3, 4, not 7"),
+    ("train.py", ["--tasks", "data/envscalr"], "--tasks 'data/envscalr': expected a folder holding train.jsonl and "
+                                               "test.jsonl (did you mean 'data/envscaler'?)"),
+    ("train.py", ["--chat-template", "chat.jinja"], "--chat-template 'chat.jinja': no such file"),
+    ("eval.py", ["--run", "/missing"], "--run '/missing': no args.json there; is it a folder written by train.py?"),
+    ("eval.py", ["--run", "runs/tyo"], "no args.json there; is it a folder written by train.py? (did you mean "
+                                       "'runs/toy'?)"),
+    ("eval.py", ["--run", "runs/toy", "--tasks", "bfcl-v4"], "--tasks: no such file 'bfcl-v4' (did you mean "
+                                                             "'bfcl-v3'?)"),
+    ("eval.py", ["--run", "runs/toy", "--n-test", "-1"], "--n-test and --temperature must be at least 0"),
+    ("eval.py", ["--run", "runs/toy", "--world-chek"], "unrecognized arguments: --world-chek (did you mean "
+                                                       "'--world-check'?)"),
+    ("eval.py", ["--model", "org/name", "--tasks", "bfcl-v3", "--metod", "grpo"],
+     "unrecognized arguments: --metod grpo (did you mean '--method'?)"),         # train.py's flags, after --model
+]
+
+
+def a_working_folder(tmp_path):
+    """What the mistakes above are close to: a run folder, a task folder, a world's file."""
+    (tmp_path / "runs" / "toy").mkdir(parents=True)
+    (tmp_path / "data" / "envscaler").mkdir(parents=True)
+    (tmp_path / "my_world.py").write_text("")
+    return tmp_path
+
+
+@pytest.mark.parametrize("script, argv, says", MISTAKES)
+def test_a_mistake_is_one_line_and_status_2_before_torch_loads(script, argv, says, tmp_path, monkeypatch, capsys):
+    """Each mistake: exit status 2, exactly one line on stderr naming the input and what to change (no usage), from
+    a process in which importing torch fails, well inside a second's budget; and the same line as the script's
+    own check gives after its imports (train.main / eval.main called in-process)."""
+    status, lines, seconds = run_without_torch(script, argv, a_working_folder(tmp_path))
+    assert status == 2 and len(lines) == 1 and says in lines[0], lines
+    assert "usage:" not in lines[0] and "Traceback" not in lines[0]
+    assert seconds < 3, seconds                # about 0.1 s alone; importing torch takes longer than this bound
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(script[:-3]).main
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    late = capsys.readouterr().err.strip().splitlines()
+    assert err.value.code == 2 and len(late) == 1
+    assert late[0].split("error: ", 1)[1] == lines[0].split("error: ", 1)[1]     # the prog name aside
+
+
+VALID = [   # commands the early check must let through, as argparse reads them (abbreviations, --x=value, --no-x)
+    ("train.py", []), ("train.py", ["--quick", "--no-thinking", "--ste", "3", "--method=grpo", "--env", "code"]),
+    ("train.py", ["--model", "Qwen/Qwen3-4B", "--thinking"]), ("train.py", ["--env", "envscaler", "--tasks", "hf"]),
+    ("train.py", ["--env", "my_world.py:Mine", "--model", "runs/toy"]), ("train.py", ["--help"]),
+    ("eval.py", ["--run", "runs/toy", "--show"]), ("eval.py", ["--model", "org/name", "--tasks", "bfcl-v3",
+                                                               "--max-new-tokens", "512"]), ("eval.py", ["-h"]),
+]
+
+
+@pytest.mark.parametrize("script, argv", VALID)
+def test_a_valid_command_goes_on_to_the_scripts_imports(script, argv, tmp_path):
+    """The other half, and the proof that the refusal works: a valid command passes the early check, and the script
+    then imports torch, which this process refuses (a check placed after the imports would fail the test above)."""
+    (a_working_folder(tmp_path) / "runs" / "toy" / "args.json").write_text("{}")
+    status, lines, _ = run_without_torch(script, argv, tmp_path)
+    assert status == 1 and "imported before the command line was checked" in lines[-1], lines
+
+
+def test_the_script_itself_answers_in_well_under_a_second():
+    """`python train.py --method lopdd` and `python eval.py --run /missing` as a user types them (sys.argv)."""
+    for argv, says in ((["train.py", "--method", "lopdd"], "(did you mean 'lopd'?)"),
+                       (["eval.py", "--run", "/missing"], "no args.json there")):
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        seconds = time.monotonic() - t0
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and says in done.stderr
+        assert seconds < 3, seconds
+
+
+def test_the_early_check_reads_the_flags_as_python_does():
+    """One list of flags: train.Args, CHOICES, POSITIVE, NON_NEGATIVE, the registered worlds and their task files,
+    and eval.py's parser, as read from the source, equal what importing the modules gives."""
+    import eval as evaluate
+    import train
+    from worlds import common
+
+    def described(cls):
+        return [(f.name, f.type, f.default, f.metadata["help"]) for f in dataclasses.fields(cls)]
+    assert described(preflight.train_args()) == described(train.Args)
+    for name in ("CHOICES", "POSITIVE", "NON_NEGATIVE"):
+        assert preflight.value_of(ast.Name(name), "train") == getattr(train, name), name
+    assert preflight.registered_worlds() == common.ENVS
+    assert {w: preflight.task_files(w) for w in common.ENVS} == {w: common.environment_class(w).task_files
+                                                                 for w in common.ENVS}
+
+    def options(p):
+        return {s: (a.dest, a.type, a.nargs, a.default, a.const, a.choices) for s, a in p._option_string_actions.items()
+                if s not in ("-h", "--help")}
+    seen = {}
+
+    def keep(p, *rest):
+        seen["p"] = p
+        raise SystemExit(0)
+    saved, preflight.check_eval = preflight.check_eval, keep      # eval.main's own parser, once it is built
+    try:
+        with pytest.raises(SystemExit):
+            evaluate.main(["--run", "x"])
+    finally:
+        preflight.check_eval = saved
+    assert options(preflight.eval_parser()) == options(seen["p"]) and "--run" in options(seen["p"])
+    # the reading can fail, and says so: a value the source does not give (lopd.METHOD is a call's result)
+    with pytest.raises(preflight.Unknown):
+        preflight.value_of(ast.parse("lopd.METHOD", mode="eval").body, "train")
+
+
+def test_env_help_lists_every_registered_world(capsys, monkeypatch):
+    """--env's help names each world of worlds/common.ENVS, read from the registry (a world added there is named)."""
+    import train
+    from worlds import common
+    monkeypatch.setitem(common.ENVS, "pantry", "pantry.py:Pantry")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.rindex("--env ENV")                          # its entry, after the usage line
+    entry = text[start:text.index("--tasks TASKS", start)]
+    assert f"registered: {', '.join(common.ENVS)}" in entry and "pantry" in entry, entry

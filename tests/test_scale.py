@@ -157,6 +157,36 @@ def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
     assert seen[0] == sorted(by_length[:2]) and by_length != list(range(6))
 
 
+def test_under_vllm_the_generation_batch_follows_the_paged_cache_not_max_len(capsys):
+    """SmolLM2-135M's shape (fp32, on the meta device) at --kv-budget 1 --max-len 8192, 3 replies of 128 tokens:
+    --engine hf keeps a KV cache of --max-len tokens a conversation (2 fit); vLLM pages its cache, so the plan fits
+    the cache's tokens over what a conversation's replies add, at most the engine's max_num_seqs; the line names
+    the bound. The figures are worked by hand from the shape, not from runtime's helpers; vLLM is not imported."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    kv_token = 2 * 30 * 3 * (576 // 9) * 4                     # keys and values, 30 layers, 3 heads of 64, fp32
+    flags = ["--model", "org/smollm2", "--max-len", "8192", "--max-new-tokens", "128", "--max-env-steps", "3",
+             "--memory", "48"]
+
+    def plan(*more):
+        args = train.parse_args(flags + list(more))
+        return runtime.fit_memory(args, model, torch.device("cpu"), train.trained_parameters(args, model))
+    hf, vllm = plan("--kv-budget", "1"), plan("--kv-budget", "1", "--engine", "vllm")
+    assert hf.gen_batch == 10**9 // (kv_token * 8192) == 2                  # whole --max-len caches, as before
+    assert vllm.gen_batch == 10**9 // kv_token // (3 * 128) == 56           # 21,701 tokens, 384 a conversation
+    assert "56 conversations generate together (vLLM's paged cache: 21701 tokens, 384 a conversation's replies; " \
+           "--gen-batch to set)" in capsys.readouterr().out
+    roomy = plan("--kv-budget", "20", "--engine", "vllm")                   # 434,027 tokens: 1,130 would fit
+    assert roomy.gen_batch == runtime.VLLM_MAX_SEQS == 256 and "(vLLM's max_num_seqs; " in roomy.line(8192)
+    given = plan("--kv-budget", "1", "--engine", "vllm", "--gen-batch", "8")
+    assert given.gen_batch == 8 and given.line(8192).endswith("8 conversations generate together (given)")
+    hf_planned = plan()                  # no --kv-budget: --engine hf fills what training leaves, as it did
+    assert hf_planned.gen_bound == "" and hf_planned.line(8192).endswith("conversations generate together")
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_full_student_is_built_when_needed_and_equals_a_float_copy_of_the_backbone(tied):
     """runtime.full_student builds θ on the meta device and fills it from θ̄ (under torchrun, shard by shard:

@@ -99,3 +99,49 @@ def test_tensorboard_scalars_hold_the_values_of_metrics_jsonl(tmp_path):
             n += 1
     assert n == 2 + 3 * 4
     assert train.parse_args(["--tensorboard", str(tmp_path / "tb")]).tensorboard == str(tmp_path / "tb")
+
+
+def records_read_back(tok, chat, eps):
+    """Each episode written as an evaluation's record (eval.task_records) and read back (eval.record_episode), with
+    the RecordChat and the RecordTask the token view reads it through. -> [(chat, task, episode)]."""
+    rchat = ev.RecordChat(chat)
+    out = []
+    for ep, rec in zip(eps, ev.task_records(tok, "toy", eps, {})):
+        task = ev.RecordTask(rec["task_id"], rchat.task_text(rec["prompt"]), ep.task.variant, rec["prompt"])
+        out.append((rchat, task, ev.record_episode(tok, rec, task, [tok.eos_token])))
+    return out
+
+
+def test_a_record_read_back_is_its_episode_and_the_teacher_reads_the_same_prompt(world):
+    """A record keeps text, not ids: read back, the prompt and every observation are the ids the rollout made, the
+    replies decode to the same text (the toy samples its tokenizer's own split, so their ids come back too), ω is
+    the same, and the teacher's latent prompt made from the prompt's text is the one training makes from the task."""
+    student, comp = make_models(world, seed=1)
+    tasks = world["train"][6:10]
+    torch.manual_seed(3)
+    eps = engine.rollout(student, world["chat"], tasks, SAMPLE)
+    chat = world["chat"]
+    for ep, (rchat, task, back) in zip(eps, records_read_back(world["tok"], chat, eps)):
+        assert task.text == ep.task.text and back.reward == ep.reward and back.prompt_len == ep.prompt_len
+        assert back.ids == ep.ids and back.mask == ep.mask and sum(back.mask) > 0
+        assert rchat.latent_prompt(*rchat.begin(task), 4) == chat.latent_prompt(*chat.begin(ep.task), 4)
+    with torch.no_grad():                             # the token view's numbers, through the record's chat
+        rebuilt = [back for _, _, back in records_read_back(world["tok"], world["chat"], eps)]
+        latents = lopd.compose(comp, tasks, lopd.retrieve(world["retriever"], tasks, J))            # (B, J·K, d)
+        want = ev.episode_terms(student, comp, world["chat"], eps, latents, top_m=5)
+        got = ev.episode_terms(student, comp, ev.RecordChat(world["chat"]), rebuilt, latents, top_m=5)
+    assert got == want
+
+
+def test_records_read_back_on_a_real_template(smollm2):
+    """The same on SmolLM2's template, which writes a default system prompt and takes the tools into the system
+    message (engine.chat_text): scripted multi-turn episodes of the tool world, prompts as a real model gets them."""
+    import train
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    chat = train.chat_of(train.parse_args(["--model", smollm2]), tok)
+    tasks = tool_world.make_splits(seed=0, n_train=4, n_test=1)[0]
+    eps = [engine.scripted_episode(chat, t, tool_world.oracle_replies(t)) for t in tasks]
+    for ep, (rchat, task, back) in zip(eps, records_read_back(tok, chat, eps)):
+        assert task.text == ep.task.text and back.ids == ep.ids and back.mask == ep.mask
+        assert rchat.latent_prompt(*rchat.begin(task), 4) == chat.latent_prompt(*chat.begin(ep.task), 4)

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,9 +71,10 @@ def untimed(rec):
     return {k: v for k, v in rec.items() if k != "seconds"}
 
 
-def kill_after_first_checkpoint(proc, out, timeout=180):
-    """SIGKILL `proc` as soon as OUT/ckpt/LATEST exists (replaced atomically). -> checkpoint step."""
-    latest = os.path.join(out, "ckpt", "LATEST")
+def kill_after_first_checkpoint(proc, out, timeout=180, folder="ckpt"):
+    """SIGKILL `proc` as soon as OUT/<folder>/LATEST exists (replaced atomically): the joint stage's OUT/ckpt, or
+    the cold start's OUT/cold_ckpt. -> checkpoint step."""
+    latest = os.path.join(out, folder, "LATEST")
     t0 = time.time()
     while not os.path.exists(latest):
         assert proc.poll() is None, f"run ended before its first checkpoint:\n{read(proc.logs + '.err')[-3000:]}"
@@ -81,7 +83,7 @@ def kill_after_first_checkpoint(proc, out, timeout=180):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    return torch.load(os.path.join(runtime.latest_checkpoint(out), "state.pt"), weights_only=False)["step"]
+    return torch.load(os.path.join(runtime.latest_checkpoint(out, folder), "state.pt"), weights_only=False)["step"]
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +138,10 @@ def test_eval_script_on_a_finished_run(runs, tmp_path):
     for row in ("vanilla", "base + composer", "LOPD student"):
         assert f"| {row} |" in out
     after = folder_bytes(runs["a"])
-    assert {k: v for k, v in after.items() if not k.startswith("eval_4tasks.")} == before
-    assert sorted(k for k in after if k not in before) == ["eval_4tasks.json", "eval_4tasks.md"]
+    assert {k: v for k, v in after.items() if k in before} == before
+    new = sorted(k for k in after if k not in before)                    # its rows, then each row's read-back file
+    assert new[:2] == ["eval_4tasks.json", "eval_4tasks.md"] and len(new) == 5
+    assert all(k.startswith(runtime.ROWS_DIR + os.sep) for k in new[2:])
     assert list(json.loads(after["eval_4tasks.json"])["rows"]) == ["vanilla", "base + composer", "LOPD student"]
     # --inspect-latents: the similarity table (by shop and by task family, for both retrievals), then the teacher's
     # eight most moved tokens
@@ -194,6 +198,125 @@ def test_sigkill_then_resume_ends_with_the_same_weights_optimizers_and_beta(runs
         assert a.keys() == c.keys() and a
         assert all(torch.equal(a[i][k], c[i][k]) for i in a for k in a[i]), opt
     assert torch.equal(sa["rng"]["torch"], sc["rng"]["torch"]) and sa["rng"]["tasks"] == sc["rng"]["tasks"]
+
+
+COLD_STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def cold_runs(backbone, tmp_path_factory):
+    """d: a run of COLD_STEPS cold-start steps, a checkpoint every 2, then no joint stage (--steps 0); e: the same
+    run SIGKILLed in its cold start after its first checkpoint, then resumed with --resume."""
+    root = tmp_path_factory.mktemp("cold")
+    d, e = str(root / "d"), str(root / "e")
+    flags = ("--cold-steps", str(COLD_STEPS), "--cold-save-every", "2", "--steps", "0", "--n-test", "2")
+    procs = [start(train_cmd(backbone, out, *flags), out + "-log") for out in (d, e)]
+    killed_at = kill_after_first_checkpoint(procs[1], e, folder=runtime.COLD_CKPT)
+    killed_in_cold_start = not os.path.exists(os.path.join(e, "composer0"))
+    finish(procs[0])
+    _, resumed_log, _ = finish(start(train_cmd(backbone, e, *flags, "--resume"), e + "-resume-log"))
+    return dict(d=d, e=e, killed_at=killed_at, killed_in_cold_start=killed_in_cold_start, resumed_log=resumed_log)
+
+
+def test_a_cold_start_killed_and_resumed_matches_the_uninterrupted_one(cold_runs):
+    """The cold start SIGKILLed after a checkpoint goes on from it with --resume (composer, AdamW state, the batch
+    sampler's and the global RNG streams, the step) and ends with the uninterrupted run's records and φ0, bit for
+    bit; its checkpoints are gone once φ0 is written, and φ before training (composer_init) is the killed run's."""
+    from safetensors.torch import load_file
+    d, e = cold_runs["d"], cold_runs["e"]
+    assert cold_runs["killed_in_cold_start"] and 2 <= cold_runs["killed_at"] < COLD_STEPS
+    assert f"resumed the cold start from {os.path.join(e, runtime.COLD_CKPT)}" in cold_runs["resumed_log"]
+    assert f"at step {cold_runs['killed_at']}" in cold_runs["resumed_log"]
+    last = {(r["stage"], r.get("step")): untimed(r) for r in records(e)}      # a step logged twice: the resumed one
+    assert last == {(r["stage"], r.get("step")): untimed(r) for r in records(d)}
+    assert [r["step"] for r in records(e, "cold_start")][-1] == COLD_STEPS - 1
+    stages = [r["stage"] for r in records(e)]
+    assert stages.count("base_rollouts") == stages.count("bank") == stages.count("cold_start_done") == 1
+    for folder in ("composer0", "composer_init"):
+        want, got = folder_bytes(os.path.join(d, folder)), folder_bytes(os.path.join(e, folder))
+        assert want.keys() == got.keys() and any(k.endswith(".safetensors") for k in want)
+        for k in want:
+            if k.endswith(".safetensors"):
+                a, b = load_file(os.path.join(d, folder, k)), load_file(os.path.join(e, folder, k))
+                assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), (folder, k)
+    assert not any(os.path.exists(os.path.join(run, runtime.COLD_CKPT)) for run in (d, e))
+
+
+def test_evaluation_rows_already_written_are_read_back(runs, tmp_path, monkeypatch):
+    """Stage 6 writes each row once finished (OUT/eval_rows) and reads it back instead of rolling it out again when
+    the key is the same: the training run's own rows for an evaluation of the same tasks, sampling and checkpoint,
+    a row left by a kill; a changed key (other tasks, another temperature) rolls the rows out again."""
+    out = str(tmp_path / "run")
+    shutil.copytree(runs["a"], out)                       # copy2: the checkpoint's files keep their times
+    args = dataclasses.replace(train.load_args(out), out=out)
+    run = train.load_run(args)
+    calls = []
+    for name in ("eval_vanilla", "eval_teacher", "eval_student"):
+        fn = getattr(train, name)
+        monkeypatch.setattr(train, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
+    final = json.loads(read(os.path.join(out, "results.json")))["rows"]
+    assert train.evaluate(args, run, run.student, run.test, cache=True) == final and calls == []
+    assert train.evaluate(args, run, run.student, run.test) == final and len(calls) == 3       # no cache: computed
+    calls.clear()
+    rows_dir = os.path.join(out, runtime.ROWS_DIR)
+    before = set(os.listdir(rows_dir))                    # run a's own rows (and those of eval.py's tests on it)
+    three = train.evaluate(args, run, run.student, run.test[:3], cache=True)
+    assert calls == ["eval_vanilla", "eval_teacher", "eval_student"]
+    new = sorted(set(os.listdir(rows_dir)) - before)
+    assert [f.split("-")[0] for f in new] == ["base", "student", "vanilla"]         # a file a row
+    os.remove(os.path.join(rows_dir, new[1]))
+    calls.clear()
+    assert train.evaluate(args, run, run.student, run.test[:3], cache=True) == three
+    assert calls == ["eval_student"]                      # the row the "kill" left unwritten, alone
+    calls.clear()
+    train.evaluate(args, run, run.student, run.test[:3], temperature=0.0, cache=True)
+    assert len(calls) == 3
+
+
+def test_a_run_draws_its_curves(runs, cold_runs):
+    """OUT/curves.png (worlds/results.py) holds a panel for each kind of number the run logged: the student's reward,
+    the losses, Δ and β, the cold start's loss and the evaluation rows; a run without a joint stage has the last
+    two. Without matplotlib the run says so in one line and writes no figure."""
+    from worlds import results
+    a = runs["a"]
+    lopd = records(a, "lopd")
+    panels = results.curve_panels(results.logged(a), json.loads(read(os.path.join(a, "results.json")))["rows"], 0.05)
+    assert list(panels) == ["student reward", "losses", "Δ, the teacher's privilege (eq. 12)",
+                            "β, the dual variable (eq. 13)", "cold start", "evaluation"]
+    assert [c[0] for c in panels["losses"]] == [k for k in lopd[0] if k.startswith("loss/")]
+    assert panels["student reward"][0][1:3] == (list(range(STEPS)), [r["reward/student"] for r in lopd])
+    assert [c[0] for c in panels["evaluation"]] == ["vanilla, final", "base + composer, final", "LOPD student, final"]
+    cold_only = results.curve_panels(results.logged(cold_runs["d"]), {}, 0.05)
+    assert list(cold_only) == ["cold start"] and cold_only["cold start"][0][1] == [0, COLD_STEPS - 1]
+    if importlib.util.find_spec("matplotlib"):
+        assert os.path.getsize(os.path.join(a, "curves.png")) > 0 and results.plot_curves(a) == list(panels)
+    else:
+        assert not os.path.exists(os.path.join(a, "curves.png"))
+        assert "matplotlib is not installed: OUT/curves.png is skipped" in read(a + "-log.out")
+
+
+def test_show_opens_an_evaluations_records(runs, backbone, tmp_path, capsys):
+    """eval.py --show FILE.records.jsonl --index K: the K-th record (as eval.py's evaluations write them) on the
+    token view, its reply tokens scored by the run's student and teacher, into FILE.show<K>.html; an index past the
+    file's end is one line and exit status 2."""
+    import types
+
+    import engine
+    import eval as ev
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(backbone)
+    rollouts = [json.loads(line) for line in read(os.path.join(runs["a"], "base_rollouts.jsonl")).splitlines()[:3]]
+    eps = [engine.Episode.from_record(r, types.SimpleNamespace(task_id=r["task_id"])) for r in rollouts]
+    path = tmp_path / "toy_all.records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ev.task_records(tok, "toy", eps, {})))
+    ev.main(["--run", runs["a"], "--show", str(path), "--index", "1"])
+    page = (tmp_path / "toy_all.show1.html").read_text()
+    assert f"wrote {tmp_path / 'toy_all.show1.html'}" in capsys.readouterr().out
+    assert rollouts[1]["task_id"] in page and page.count("<section") == 2     # the episode, then its world check
+    assert page.count('class="tok"') == 2 * sum(rollouts[1]["mask"])        # every reply token, in each section
+    with pytest.raises(SystemExit) as stop:
+        ev.main(["--run", runs["a"], "--show", str(path), "--index", "3"])
+    assert stop.value.code == 2 and "--index 3" in capsys.readouterr().err
 
 
 def test_checkpoint_is_whole_and_loadable(runs, backbone):

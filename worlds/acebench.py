@@ -95,14 +95,13 @@ from __future__ import annotations
 
 import ast
 import functools
-import json
 import os
 from dataclasses import dataclass, field
 
 from runtime import UserError
 from worlds import sandbox
 from worlds.bfcl import literal_problem
-from worlds.common import Environment, StepResult, parse_call_list
+from worlds.common import Environment, StepResult, parse_call_list, read_jsonl
 
 REGIMES = ("multi_step", "multi_turn")
 FINISH = "finish conversation"            # ACEBench's stop phrase, from the agent or the user
@@ -250,20 +249,20 @@ class AceTask:
 
 
 def _jsonl(root: str, rel: str, fields: tuple) -> list[dict]:
-    rows = []
-    for n, line in enumerate(_read(root, rel).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{os.path.join(root, rel)}:{n}: not JSON ({err.msg}); {WANT}") from None
+    """The records of the clone's JSON Lines file `rel` (common.read_jsonl), each holding `fields`; a file that
+    cannot be read, a line that is not JSON or lacks a field is one line naming the file and what to change."""
+    def parse(row, where):
         missing = [f for f in fields if not isinstance(row, dict) or f not in row]
         if missing:
-            raise UserError(f"{os.path.join(root, rel)}:{n}: lacks {', '.join(missing)}; ACEBench's records carry "
-                            f"{', '.join(fields)}")
-        rows.append(row)
-    return rows
+            raise ValueError(f"{where}: lacks {', '.join(missing)}; ACEBench's records carry {', '.join(fields)}")
+        return row
+    try:
+        return read_jsonl(os.path.join(root, rel), parse)
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"ACEBench clone {root!r}: cannot read {rel} ({getattr(err, 'strerror', None) or err}); "
+                        f"{WANT}") from None
+    except ValueError as err:                      # read_jsonl's and parse's, each naming path:line
+        raise UserError(f"{err}; {WANT}") from None
 
 
 def load_tasks(root: str, regimes=REGIMES) -> list[AceTask]:

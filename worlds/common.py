@@ -16,7 +16,6 @@ call that cannot be read is an error observation, never an exception and never c
 from __future__ import annotations
 
 import ast
-import difflib
 import functools
 import hashlib
 import importlib
@@ -27,6 +26,7 @@ import sys
 from dataclasses import dataclass
 
 import inject
+import preflight
 import retrieval
 
 DONE_TEXT = "Task Completed"       # A.5: the reply that ends an episode (a reply without a call ends it too)
@@ -36,7 +36,7 @@ def read_jsonl(path: str, parse) -> list:
     """parse(row, "path:line") for each non-blank line of a JSONL file; a line that is not JSON raises ValueError
     naming `path:line`, and parse raises its own, naming the same place."""
     out = []
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:          # JSON is UTF-8 (RFC 8259), whatever the locale
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -323,15 +323,12 @@ ENVS = {"tools": "worlds.tool_world:ToolWorld", "code": "worlds.code_world:CodeW
 def environment_class(spec: str) -> type:
     """--env's value -> its class: a name in ENVS, or FILE.py:CLASS / module:CLASS. A ValueError of one line
     naming what was expected otherwise."""
-    want = f"expected {' or '.join(ENVS)}, or FILE.py:CLASS naming a subclass of worlds.common.Environment"
+    want = preflight.expected_worlds(ENVS)
+    if problem := preflight.env_error(spec, ENVS):       # no such name (the closest named), or no such FILE.py
+        raise ValueError(problem)
     where, _, name = ENVS.get(spec, spec).rpartition(":")
-    if not where or not name:
-        close = difflib.get_close_matches(spec, list(ENVS), n=1, cutoff=0.6)
-        raise ValueError(f"--env {spec!r}: " + (f"did you mean {close[0]!r}? " if close else "") + want)
     try:
         if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise ValueError(f"--env {spec!r}: no such file {where!r}; {want}")
             folder = os.path.dirname(os.path.abspath(where))
             if folder not in sys.path:                    # the file may import its neighbours
                 sys.path.append(folder)

@@ -1,7 +1,9 @@
 """How each world's results read: the tables a run and an evaluation write, with the paper's values beside them
-(paper Table 3 for the tool worlds, Table 2 for code, BFCL-v3's categories).
+(paper Table 3 for the tool worlds, Table 2 for code, BFCL-v3's categories, ACEBench's regimes), and Table 1's row
+across EnvScaler, BFCL-v3 and ACEBench (`table1_cells`).
 
-    python train.py        # ends with Table 3's rows (`markdown_table`), written to OUT/results.md and .json
+    python train.py        # ends with Table 3's rows (`markdown_table`), written to OUT/results.md and .json,
+                           # and the run's curves beside them, OUT/curves.png (`plot_curves`; needs matplotlib)
 
 A world names its table (`Environment.results`): "table3" (Table 3's behaviour columns with the paper's EnvScaler
 values in brackets: the toy tool world, which stands in for EnvScaler), "behaviour" (the same columns alone: any other
@@ -9,6 +11,7 @@ multi-turn world), "pass@1" (one program a problem: pass@1 and the reply length,
 """
 from __future__ import annotations
 
+import json
 import os
 
 import runtime
@@ -89,6 +92,92 @@ def write_results(out: str, rows: dict, extra: dict | None = None, table: str = 
         f.write(markdown_table(rows, table=table))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# A run's curves: OUT/curves.png beside its results, drawn from OUT/metrics.jsonl (train.py calls `plot_curves`)
+# ----------------------------------------------------------------------------------------------------------------
+SMOOTH = 5        # iterations in the running mean drawn over the student's reward (one iteration is one batch)
+
+
+def logged(out: str) -> dict:
+    """OUT/metrics.jsonl by stage: {stage: [records in step order]}. A step logged twice (a resumed run logs the
+    steps after its checkpoint again) keeps its last record; records without a step keep their order."""
+    stages = {}
+    for line in open(os.path.join(out, "metrics.jsonl")):
+        rec = json.loads(line)
+        stages.setdefault(rec["stage"], {})[rec.get("step", len(stages.get(rec["stage"], {})))] = rec
+    return {stage: [by_step[s] for s in sorted(by_step)] for stage, by_step in stages.items()}
+
+
+def curve_panels(stages: dict, rows: dict, margin: float | None = None) -> dict:
+    """{panel: [(label, steps, values, style)]} from `logged` records and the final rows (results.json): the
+    student's reward per iteration (and its running mean), the joint stage's losses, Δ and β (LOPD: m dotted), the
+    cold start's loss (eq. 14), and the evaluations along the way with the final rows across the iterations. A
+    panel whose numbers the run did not log is left out."""
+    joint = next((r for recs in stages.values() for r in recs[:1] if "generations" in r), None)
+    recs = stages[joint["stage"]] if joint else []
+    steps = lambda key: [r["step"] for r in recs if key in r]                                   # noqa: E731
+    line = lambda key, label, **style: (label, steps(key), [r[key] for r in recs if key in r], style)   # noqa: E731
+    panels = {"student reward": [line("reward/student", "the student's rollouts", alpha=0.35)],
+              "losses": [line(k, k) for k in dict.fromkeys(k for r in recs for k in r if k.startswith("loss/"))],
+              "Δ, the teacher's privilege (eq. 12)": [line("privilege/delta", "Δ")],
+              "β, the dual variable (eq. 13)": [line("dual/beta", "β")],
+              "cold start": [("loss/init (eq. 14)", [r["step"] for r in stages.get("cold_start", [])],
+                              [r["loss/init"] for r in stages.get("cold_start", [])], {})],
+              "evaluation": [line("reward/eval", "the student on --eval-tasks", c="C0"),
+                             line("reward/teacher", "base + composer on --eval-tasks", c="C1")]}
+    reward = panels["student reward"][0]
+    if len(reward[1]) >= SMOOTH:
+        window = lambda i: reward[2][max(0, i - SMOOTH + 1):i + 1]                           # noqa: E731
+        mean = [sum(window(i)) / len(window(i)) for i in range(len(reward[2]))]
+        panels["student reward"].append((f"running mean of {SMOOTH}", reward[1], mean, {}))
+    delta = panels["Δ, the teacher's privilege (eq. 12)"]
+    if delta[0][1] and margin is not None:
+        delta.append((f"the margin m = {margin:g}", delta[0][1], [margin] * len(delta[0][1]),
+                      {"ls": ":", "c": "k", "marker": ""}))
+    span = [min(reward[1], default=0), max(reward[1], default=0)]       # the final rows, across the iterations
+    final = {name: row.get("reward", row.get("pass@1")) for name, row in rows.items()}   # a code run's: pass@1
+    colour = {"vanilla": "C7", "base + composer": "C1"}                          # the student's row: C0, as above
+    panels["evaluation"] += [(f"{name}, final", span, [v] * 2, {"ls": "--", "marker": "", "c": colour.get(name, "C0")})
+                             for name, v in final.items() if v is not None]
+    return {name: [c for c in curves if c[1]] for name, curves in panels.items() if any(c[1] for c in curves)}
+
+
+def plot_curves(out: str) -> list[str]:
+    """OUT/curves.png: `curve_panels` of OUT/metrics.jsonl and OUT/results.json, one panel each. -> the panels drawn
+    (none, with one line said, where matplotlib is not installed)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: OUT/curves.png is skipped (pip install matplotlib draws it)")
+        return []
+    done = os.path.join(out, "results.json")
+    settings = os.path.join(out, "args.json")
+    rows = json.load(open(done))["rows"] if os.path.isfile(done) else {}
+    margin = json.load(open(settings)).get("margin") if os.path.isfile(settings) else None
+    panels = curve_panels(logged(out), rows, margin)
+    if not panels:
+        return []
+    cols = min(3, len(panels))
+    lines = -(-len(panels) // cols)
+    fig, axes = plt.subplots(lines, cols, figsize=(5 * cols, 3.4 * lines), squeeze=False)
+    for ax, (name, curves) in zip(axes.flat, panels.items()):
+        for label, xs, ys, style in curves:
+            ax.plot(xs, ys, label=label, **{"marker": "." if len(xs) < 30 else None, **style})
+        ax.set_title(name)
+        ax.set_xlabel("cold-start step" if name == "cold start" else "iteration")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(os.path.basename(os.path.normpath(out)))
+    fig.tight_layout()
+    with runtime.atomic_open(os.path.join(out, "curves.png"), "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+    return list(panels)
+
+
 def paper_value(benchmark: str) -> str:
     """The Qwen3-4B values the paper's text quotes for a benchmark's aggregate (PAPER_TABLE2), e.g.
     "vanilla 45.61, LOPD 48.78 (LiveCodeBench aggregate)"; "" for TACO (the training set) and our own layout."""
@@ -164,3 +253,43 @@ def acebench_table(rows, name: str) -> str:
     lines += [f"| {ACEBENCH_LABELS[r['regime']]} | {r['tasks']} | {100 * r['end_to_end']:.1f} | "
               f"{100 * r['process']:.1f} | {ACEBENCH_PAPER[r['regime']]} |" for r in rows]
     return "\n".join(lines)
+
+
+# Table 1 (§4.1): the tool-use benchmarks side by side on the paper's 0-100 scale. EnvScaler: the mean reward on its
+# held-out tasks (Table 3's reward × 100); BFCL-v3: each category's accuracy and their mean (BFCL's overall);
+# ACEBench: the end-to-end accuracy per regime and over all its tasks (Figure 5's overall)
+BFCL_LABELS = {"base": "base", "miss_func": "missing-function", "miss_param": "missing-parameter",
+               "long_context": "long-context"}        # §4.1's names of BFCL-v3's multi-turn categories
+
+
+def _envscaler_cells(rows) -> dict:
+    return {"reward": rows[0]["reward"]}
+
+
+def _bfcl_cells(rows) -> dict:
+    overall = sum(r["accuracy"] for r in rows) / len(rows)
+    return {**{BFCL_LABELS.get(r["category"], r["category"]): r["accuracy"] for r in rows}, "overall": overall}
+
+
+def _acebench_cells(rows) -> dict:
+    return {ACEBENCH_LABELS[r["regime"]]: r["end_to_end"] for r in rows}
+
+
+TABLE1 = {"envscaler": ("EnvScaler", _envscaler_cells), "bfcl-v3": ("BFCL-v3", _bfcl_cells),
+          "acebench": ("ACEBench", _acebench_cells)}         # in Table 1's order
+
+
+def table1_cells(evaluated: dict) -> dict:
+    """The benchmarks' results (each one's STEM.json, by envscaler, bfcl-v3, acebench; any of them) -> Table 1's
+    cells, {"EnvScaler": {"reward": 61.5}, "BFCL-v3": {"base": ..., "overall": ...}, ...}, 0-100, Table 1's order."""
+    return {name: {col: 100 * v for col, v in cells(evaluated[kind]["rows"]).items()}
+            for kind, (name, cells) in TABLE1.items() if kind in evaluated}
+
+
+def table1_markdown(student: str, cells: dict) -> str:
+    """Markdown: one row of Table 1's columns (`table1_cells`), a column per benchmark and sub-column."""
+    cols = [(b, c) for b, sub in cells.items() for c in sub]
+    return "\n".join([
+        "Table 1's columns (§4.1), 0-100: EnvScaler mean reward, BFCL-v3 accuracy, ACEBench end-to-end accuracy", "",
+        "| row | " + " | ".join(f"{b} {c}" for b, c in cols) + " |", "|---|" + "---|" * len(cols),
+        f"| {student} | " + " | ".join(f"{cells[b][c]:.2f}" for b, c in cols) + " |"])
