@@ -193,3 +193,23 @@ def test_b3_sampling_per_benchmark_where_the_command_sets_none(tmp_path):
     kept = ev.b3_args(train.dataclasses.replace(real, max_new_tokens=512), "code", given)
     assert (kept.temperature, kept.top_p, kept.max_new_tokens) == (0.7, 0.5, 512)
     assert train.sample_config(ev.b3_args(real, "bfcl-v3"), 0.0).temperature == 0.0    # eval.py --temperature
+
+
+@pytest.mark.skipif(not (HAS_BFCL and ACE), reason="needs the BFCL tier and an ACEBench clone ($ACEBENCH)")
+def test_smollm2_as_released_through_the_combined_command(smollm2, tmp_path, capsys):
+    """The real-model tier: eval.py --model SMOLLM2 --tasks envscaler=DIR bfcl-v3:base acebench=PATH, one task of
+    each (the user simulator SmolLM2 itself), 8-token replies: every benchmark's files, then Table 1's row with
+    every column, equal to the per-benchmark files. Whether it solves anything is not tested."""
+    out, data = str(tmp_path / "plain"), write_release(tmp_path / "envscaler")
+    table = ev.main(["--model", smollm2, "--tasks", f"envscaler={data}", "bfcl-v3:base", f"acebench={ACE}",
+                     "--n-test", "1", "--out", out, "--max-new-tokens", "8", "--max-env-steps", "2", "--no-thinking",
+                     "--device", "cpu"])
+    for name in ("envscaler", "bfcl-v3_base", "acebench"):
+        assert os.path.isfile(os.path.join(out, f"{name}_first1.records.jsonl")), name
+    assert list(table["columns"]) == ["EnvScaler", "BFCL-v3", "ACEBench"]
+    assert list(table["columns"]["ACEBench"]) == ["M-Step", "M-Turn", "overall"]
+    bfcl = json.load(open(os.path.join(out, "bfcl-v3_base_first1.json")))["rows"]
+    assert table["columns"]["BFCL-v3"]["base"] == pytest.approx(100 * bfcl[0]["accuracy"])
+    env = json.load(open(os.path.join(out, "envscaler_first1.json")))["rows"]
+    assert table["columns"]["EnvScaler"]["reward"] == pytest.approx(100 * env[0]["reward"])
+    assert "(as released)" in capsys.readouterr().out
