@@ -1065,7 +1065,8 @@ def drop_cold_checkpoints(out: str):
 # names, sizes and modification times): the latest checkpoint for the student and for base + composer (in a run
 # without a student, φ0 in OUT/composer0), with the bank for the latter. Anything else changed gives a new key, and
 # the row is rolled out again. Code is not in it: as for every cached stage, a changed world or method needs a new
-# --out.
+# --out. One process only: under torchrun a rank reading the checkpoint's files while rank 0 writes or prunes them
+# hung the vLLM tier's two-rank test, so a torchrun evaluation rolls every row out.
 ROWS_DIR = "eval_rows"
 UNKEYED = ("out", "resume", "save_every", "cold_save_every", "eval_every", "eval_tasks", "tensorboard", "dist_timeout")
 

@@ -579,7 +579,7 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
     streams are restored. `keep`, if given, receives each row's episodes (this rank's under torchrun). `cache`: the
     student is OUT's latest checkpoint; each row is written once finished, and read back by a rerun after a kill."""
     composer, cfg, chat, rows = run.composer, sample_config(args, temperature), chat_of(args, run.tok), {}
-    keys = runtime.row_keys(args, run, cfg, tasks, student) if cache and keep is None else {}   # what rows depend on
+    keys = runtime.row_keys(args, run, cfg, tasks, student) if cache and keep is None and runtime.world() == 1 else {}
     tasks = runtime.shard(tasks)
     saved = runtime.rng_state(random.Random())
     for name, go in (("vanilla", lambda: eval_vanilla(composer, chat, tasks, cfg)),
