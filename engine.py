@@ -283,13 +283,27 @@ def _count_step(ep: Episode, env, result, n_before: int, n_new: int):
     ep.steps += 1
     ep.first_len = ep.first_len or n_new
     for name, args, _ in env.trace[n_before:]:
-        key = name + json.dumps(args, sort_keys=True)
-        ep.repeated_calls += key in ep.seen_calls
+        key = _call_key(name, args)
+        ep.repeated_calls += key is not None and key in ep.seen_calls
         ep.seen_calls.add(key)
     ep.tool_calls += result.n_calls
     ep.errors += result.errors
     ep.done = result.done
     return result
+
+
+def _call_key(name, args) -> str | None:
+    """What makes two calls the same call (Table 3's repeated calls): the name and the arguments, written
+    canonically. A world's trace is its own to fill, so arguments JSON cannot sort or write (keys of mixed types,
+    bytes) fall back on repr, and a call that not even repr can write (an int past the digit limit) is None: never a
+    repeat, never an exception."""
+    try:
+        return f"{name}{json.dumps(args, sort_keys=True, default=repr)}"
+    except (TypeError, ValueError, RecursionError):
+        try:
+            return f"{name}{args!r}"
+        except (ValueError, RecursionError):
+            return None
 
 
 def _finish(ep: Episode, env):

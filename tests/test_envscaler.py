@@ -183,8 +183,9 @@ def test_the_step_cap_ends_the_episode_unscored(tasks):
 def test_hostile_code_costs_its_episode_not_the_run(tasks):
     env = world()
     env.reset(tasks["peek"])
-    r = env.step(call("peek"))                                   # reading outside its directory is refused
-    assert r.done and "PermissionError" in r.observations[0] and "/etc/hostname" in r.observations[0]
+    r = env.step(call("peek"))               # reading outside: not there (the sandbox's mount namespace) or refused
+    assert r.done and "/etc/hostname" in r.observations[0]
+    assert "FileNotFoundError" in r.observations[0] or "PermissionError" in r.observations[0]
     assert env.reward() == 0.0
     env.reset(tasks["peek"])
     t0 = time.time()
@@ -436,6 +437,7 @@ def test_every_answer_a_worker_can_give_costs_the_episode_not_the_run(tasks):
     env.reset(tasks["lend-1"])
     env.step(call("find_book", title="Dune"))
     os.kill(env.worker.proc.pid, 9)                              # the worker dies between two requests
+    env.worker.proc.wait()
     r = env.step(call("borrow", book_id="b1", user="ana"))
     assert r.done and r.observations == [es.GONE] and env.reward() == 0.0
     env.reset(tasks["lend-1"])

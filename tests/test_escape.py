@@ -29,7 +29,8 @@ sys.path.insert(0, ROOT)
 from worlds import sandbox  # noqa: E402
 
 # {target}: a path outside the sandbox that must not appear; {canary}: a file outside that must stay as it is;
-# {port}: a listener of the trainer's; {readme}: this project's README.
+# {visible}: a file in the interpreter's own folder (which the child reads) that must stay as it is; {port}: a
+# listener of the trainer's; {readme}: this project's README.
 ATTEMPTS = {
     "open": "open({target!r}, 'w').write('x')",
     "io.FileIO": "import io\nio.FileIO({target!r}, 'w').write(b'x')",
@@ -60,6 +61,31 @@ ATTEMPTS = {
     "kill the parent": "import os\nos.kill(os.getppid(), 9)",
     "raise the limits": "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))",
     "ptrace the parent": "import ctypes, os\nassert ctypes.CDLL(None).ptrace(16, os.getppid(), 0, 0) == 0",
+    # metadata: a file the child can see (the interpreter's folder) and one it cannot; Landlock governs neither
+    "chmod 0 of the interpreter's file": "import os\nos.chmod({visible!r}, 0)",
+    "setuid bit": "import os\nos.chmod({visible!r}, 0o4755)",
+    "chmod outside": "import os\nos.chmod({canary!r}, 0o777)",
+    "chown": "import os\nos.chown({visible!r}, 65534, 65534)",
+    "utime": "import os\nos.utime({visible!r}, (0, 0))",
+    "stat the project": "import os\nassert os.stat({readme!r}).st_size > 0",
+    "access the project": "import os\nassert os.access({readme!r}, os.F_OK)",
+    "chdir to the project": "import os\nos.chdir(os.path.dirname({readme!r}))",
+    "inotify on the interpreter's folder": "import ctypes, os\nlibc = ctypes.CDLL(None)\nfd = libc.inotify_init1(0)\n"
+                                           "assert fd >= 0 and libc.inotify_add_watch(fd, os.path.dirname("
+                                           "{visible!r}).encode(), 0x100) >= 0",
+    # kernel memory an address-space limit does not count, and the machine's disk
+    "System V memory": "import ctypes\nassert ctypes.CDLL(None).shmget(0, 800 << 20, 0o1600) >= 0",
+    "socket buffers": "import socket\na, b = socket.socketpair()",
+    "a thousand open files": "import os\nfds = [os.open('/dev/null', os.O_RDONLY) for _ in range(1000)]",
+    "fill the disk": "import os\nn = 0\ntry:\n    while n < 300:\n        with open('f%d' % n, 'w') as f:\n"
+                     "            f.write('x' * (60 << 10))\n        n += 1\nexcept OSError:\n    pass\n"
+                     "assert n >= 300     # 18 MB written: more than the scratch tmpfs the suite allows",
+    "a chain of folders deeper than Python's recursion": "import os\nfor _ in range(1200):\n    os.mkdir('d')\n"
+                                                         "    os.chdir('d')\nassert False",
+    # signals by other routes than kill: a queued signal, a file's owner (signal 0 / no O_ASYNC: nothing delivered)
+    "rt_sigqueueinfo to the parent": "import ctypes, os, struct\ninfo = struct.pack('iii', 0, 0, -1) + bytes(116)\n"
+                                     "assert ctypes.CDLL(None).syscall(129, os.getppid(), 0, info) == 0",
+    "F_SETOWN to the parent": "import fcntl, os\nr, w = os.pipe()\nfcntl.fcntl(r, fcntl.F_SETOWN, os.getppid())",
 }
 ESCAPED = "print('ESCAPED')"
 
@@ -93,9 +119,23 @@ def left_behind():
         time.sleep(0.05)
     return sandbox_processes()
 
+def temp_folders():                                # the sandbox's own temporary folders in the trainer's TMPDIR
+    import tempfile
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("lopd-")}
+
+def ipc_objects():                                 # System V objects in the trainer's IPC namespace
+    n = 0
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open("/proc/sysvipc/" + kind) as f:
+                n += len(f.read().splitlines()) - 1
+        except OSError:
+            pass
+    return n
+
 if world == "code":
     from worlds import code_benchmarks, code_world
-    limits = sandbox.SandboxLimits(wall_s=2.0, cpu_s=1, memory_mb=256, output_kb=64)
+    limits = sandbox.SandboxLimits(wall_s=2.0, cpu_s=1, memory_mb=256, output_kb=64, disk_mb=8)
     hostile = code_benchmarks.CodeProblem("hostile", "escape", tests=[{"input": "", "output": "ESCAPED\n"}])
     normal = code_benchmarks.CodeProblem("sum", "add", tests=[{"input": "1 2\n", "output": "3\n"}])
     def attempt(code):
@@ -110,9 +150,11 @@ if world == "code":
         return env.reward()
 else:
     from worlds import common, envscaler as es
-    limits = sandbox.SandboxLimits(wall_s=2.0, cpu_s=5, memory_mb=256, output_kb=64)
+    limits = sandbox.SandboxLimits(wall_s=2.0, cpu_s=5, memory_mb=256, output_kb=64, disk_mb=8)
     def task(code, env_id="hostile"):
-        meta = {"env_id": env_id, "tools": [], "environment_introduction": "", "constraints_rules": [],
+        tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": {"type": "object",
+                  "properties": {}}}} for n in ("attack", "add")]          # the listed tools (deviation 3)
+        meta = {"env_id": env_id, "tools": tools, "environment_introduction": "", "constraints_rules": [],
                 "env_class_code": code}
         scenario = {"task_id": env_id, "env_id": env_id, "env_class_name": "Hostile", "task": "go",
                     "init_config": {}, "checklist_with_func": [{"check_item": "c", "check_func":
@@ -144,13 +186,15 @@ listener.listen(1)
 listener.settimeout(0.2)
 for name, code in attempts.items():
     code = code.replace("{port}", str(listener.getsockname()[1]))
+    folders, ipc = temp_folders(), ipc_objects()
     out = attempt(code)
     try:
         listener.accept()
         out["connected"] = True
     except OSError:
         out["connected"] = False
-    out.update(name=name, left=left_behind(), after=after())
+    out.update(name=name, left=left_behind(), after=after(), folders=sorted(temp_folders() - folders),
+               ipc=ipc_objects() - ipc)
     print(json.dumps(out), flush=True)
 '''
 AFTER = {"code": 1.0, "envscaler": 1.0}
@@ -162,23 +206,47 @@ def outcomes(request, tmp_path_factory):
     if sandbox.confinement_missing() and not sandbox.unconfined():
         pytest.skip(f"no confinement here: {sandbox.confinement_missing()}")
     world, folder = request.param, tmp_path_factory.mktemp("outside")
-    paths, programs = {}, {}
+    paths, programs, before = {}, {}, {}
     for i, (name, code) in enumerate(ATTEMPTS.items()):
         target, canary = str(folder / f"target-{i}"), str(folder / f"canary-{i}")
-        with open(canary, "w") as f:
-            f.write("precious")
-        paths[name] = (target, canary)
-        body = code.format(target=target, canary=canary, readme=os.path.join(ROOT, "README.md"), port="{port}")
+        visible = visible_canary(f"{world}-{i}")
+        request.addfinalizer(lambda v=visible: os.path.exists(v) and os.remove(v))
+        paths[name] = (target, canary, visible)
+        for path in (canary, visible):
+            with open(path, "w") as f:
+                f.write("precious")
+            os.chmod(path, 0o644)
+            before[path] = fingerprint(path)
+        body = code.format(target=target, canary=canary, visible=visible, readme=os.path.join(ROOT, "README.md"),
+                           port="{port}")
         programs[name] = body + "\n" + ESCAPED
+    tmp = tmp_path_factory.mktemp("tmp")                      # the trainer's own TMPDIR: nothing else writes there
     proc = subprocess.run([sys.executable, "-c", TRAINER, ROOT, world, json.dumps(paths)], input=json.dumps(programs),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "TMPDIR": str(tmp)})
     results = {}
     for line in proc.stdout.splitlines():
         out = json.loads(line)
-        target, canary = paths[out["name"]]
-        out["files"] = os.path.exists(target) or not os.path.exists(canary) or open(canary).read() != "precious"
+        target, canary, visible = paths[out["name"]]
+        out["files"] = os.path.exists(target) or any(fingerprint(p) != before[p] for p in (canary, visible))
         results[out["name"]] = out
     return world, results, proc
+
+
+def visible_canary(tag: str) -> str:
+    """A file in the interpreter's site-packages: a folder every sandboxed child can read (worlds/sandbox.py,
+    read_paths), so that metadata calls meet a file they can name."""
+    import sysconfig
+    return os.path.join(sysconfig.get_paths()["purelib"], f"lopd-escape-canary-{tag}-{os.getpid()}.txt")
+
+
+def fingerprint(path: str):
+    """What must not change: contents, mode, owner, group, modification time (None: the file is gone)."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            return f.read(), st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns
+    except OSError:
+        return None
 
 
 @pytest.mark.parametrize("name", list(ATTEMPTS))
@@ -190,7 +258,84 @@ def test_the_attempt_is_refused_nothing_lands_and_the_trainer_goes_on(outcomes, 
     assert not out["files"], f"{name}: something landed outside the sandbox"
     assert not out["connected"], f"{name}: a connection reached the trainer's listener"
     assert out["left"] == 0, f"{name}: {out['left']} process(es) of the sandbox left behind"
+    assert not out["folders"], f"{name}: temporary folders left behind: {out['folders']}"
+    assert out["ipc"] <= 0, f"{name}: {out['ipc']} System V object(s) left behind"
     assert out["after"] == AFTER[world], f"{name}: the next episode scored {out['after']}"
+
+
+# A dataset whose environment attacks as it is made (so the toy backbone's replies need not call a tool): metadata of
+# a file it can see, System V memory, socket pairs, a full disk, a folder chain past Python's recursion limit.
+HOSTILE_RELEASE_ENV = """
+class Hostile:
+    def __init__(self, config):
+        import ctypes, os, socket
+        self.n = 0
+        for attack in (lambda: os.chmod(config["visible"], 0o4777), lambda: os.utime(config["visible"], (0, 0)),
+                       lambda: ctypes.CDLL(None).shmget(0, 800 << 20, 0o1600), socket.socketpair):
+            try:
+                attack()
+            except Exception:
+                pass
+        try:
+            for i in range(2000):
+                with open("f%d" % i, "w") as f:
+                    f.write("x" * (60 << 10))
+        except OSError:
+            pass
+        for _ in range(1200):
+            os.mkdir("d")
+            os.chdir("d")
+
+    def add(self):
+        self.n += 1
+        return "ok"
+"""
+
+
+def write_hostile_release(folder, visible: str) -> str:
+    """EnvScaler's published layout (env_metadata.json, train.jsonl, test.jsonl) with one hostile environment."""
+    os.makedirs(folder)
+    tool = {"name": "add", "description": "add one", "parameters": {"type": "object", "properties": {}}}
+    meta = [{"env_id": "hostile", "env_class_code": HOSTILE_RELEASE_ENV, "environment_introduction": "A counter.",
+             "constraints_rules": [], "tools": [tool]}]
+    with open(os.path.join(folder, "env_metadata.json"), "w") as f:
+        json.dump(meta, f)
+    check = [{"check_item": "added", "check_func": "def check_func(s):\n    return s['n'] == 1\n"}]
+    for split, n in (("train", 6), ("test", 3)):
+        with open(os.path.join(folder, split + ".jsonl"), "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"task_id": f"{split}-{i}", "task": "Add one.", "env_id": "hostile",
+                                    "env_class_name": "Hostile", "init_config": {"visible": visible},
+                                    "checklist_with_func": check}) + "\n")
+    return str(folder)
+
+
+def test_train_py_on_a_hostile_release_finishes_and_leaves_nothing(tmp_path, toy_backbone_dir):
+    """The CLI as a user runs it (`train.py --env envscaler --tasks DIR`, at the smallest size) on a release whose
+    environment attacks in every episode: the run ends with exit 0, the file it named is as it was, and no
+    temporary folder, System V object or sandbox process is left."""
+    if sandbox.confinement_missing() and not sandbox.unconfined():
+        pytest.skip(f"no confinement here: {sandbox.confinement_missing()}")
+    visible, tmp = visible_canary("cli"), tmp_path / "tmp"          # the run's own TMPDIR: nothing else writes there
+    tmp.mkdir()
+    with open(visible, "w") as f:
+        f.write("precious")
+    before = fingerprint(visible)
+    try:
+        release = write_hostile_release(tmp_path / "release", visible)
+        cmd = [sys.executable, "train.py", "--env", "envscaler", "--tasks", release, "--model", toy_backbone_dir,
+               "--out", str(tmp_path / "run"), "--bank-threshold", "0", "--cold-steps", "1", "--steps", "1",
+               "--rollouts-per-step", "2", "--micro-batch", "1", "--latents", "2", "--max-new-tokens", "12",
+               "--max-env-steps", "2", "--embedder", "backbone"]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                           env={**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert fingerprint(visible) == before
+    finally:
+        os.remove(visible)
+    assert not os.listdir(tmp), f"temporary folders left behind: {os.listdir(tmp)}"
+    with open("/proc/sysvipc/shm") as f:
+        assert not [x for x in f.read().splitlines()[1:] if " 838860800 " in x], "a System V segment outlived the run"
 
 
 def test_the_trainer_outlives_every_attempt(outcomes):
@@ -198,22 +343,44 @@ def test_the_trainer_outlives_every_attempt(outcomes):
     assert proc.returncode == 0 and set(results) == set(ATTEMPTS), proc.stderr[-2000:]
 
 
+# Attempts that get out of a sandbox without its confinement and leave the test process alive (signal 0, no O_ASYNC)
+ESCAPE_UNCONFINED = ("io.FileIO", "read /etc/hostname", "os.fork", "chmod 0 of the interpreter's file", "setuid bit",
+                     "utime", "stat the project", "access the project", "inotify on the interpreter's folder",
+                     "System V memory", "socket buffers", "fill the disk",
+                     "rt_sigqueueinfo to the parent", "F_SETOWN to the parent")
+
+
 def test_without_confinement_the_same_attempts_escape(tmp_path, monkeypatch):
-    """The suite can fail: with --unsafe-no-sandbox's variable set, a write, a read of /etc and a process each get
-    out of the very same sandbox (`run_sandboxed`), so the assertions above are not vacuous."""
-    target = tmp_path / "written"
+    """The suite can fail: with --unsafe-no-sandbox's variable set, the very same sandbox (`run_sandboxed`) lets a
+    write, a read of /etc, a process, metadata changes, watches, System V memory and queued signals through, so the
+    assertions above are not vacuous. A folder chain past Python's recursion limit is still removed."""
     monkeypatch.setenv(sandbox.UNSAFE_ENV, "1")
-    for code in (f"io_ = __import__('io')\nio_.FileIO({str(target)!r}, 'w')\n",
-                 "print(open('/etc/hostname').read() is not None)\n",
-                 "import os\nprint(os.fork() >= 0)\n"):
-        r = sandbox.run_sandboxed(code, limits=sandbox.SandboxLimits(wall_s=3.0))
-        assert r.status == "ok", (code, r)
-    assert target.exists()
+    visible = visible_canary("unconfined")
+    try:
+        for name in ESCAPE_UNCONFINED:
+            with open(visible, "w") as f:
+                f.write("precious")
+            code = ATTEMPTS[name].format(target=str(tmp_path / name), canary=str(tmp_path / "canary"),
+                                         visible=visible, readme=os.path.join(ROOT, "README.md"), port=0)
+            if name == "System V memory":                        # escaped, then removed (IPC_RMID)
+                code = code.replace("assert ctypes.CDLL(None).shmget(0, 800 << 20, 0o1600) >= 0",
+                                    "i = ctypes.CDLL(None).shmget(0, 800 << 20, 0o1600)\n"
+                                    "ctypes.CDLL(None).shmctl(i, 0, None)\nassert i >= 0")
+            r = sandbox.run_sandboxed(code + "\n" + ESCAPED, limits=sandbox.SandboxLimits(wall_s=5.0, disk_mb=8))
+            assert "ESCAPED" in r.stdout, (name, r)
+    finally:
+        os.remove(visible)
+    import tempfile
+    before = set(os.listdir(tempfile.gettempdir()))
+    deep = ATTEMPTS["a chain of folders deeper than Python's recursion"]
+    assert sandbox.run_sandboxed(deep, limits=sandbox.SandboxLimits(wall_s=10.0, cpu_s=10)).status == "error"
+    assert set(os.listdir(tempfile.gettempdir())) <= before
 
 
 def test_the_seccomp_program_is_what_it_says():
     """The filter read back as a decision table, by an interpreter of the few BPF instructions it uses: each refused
-    call answers EPERM, clone3 ENOSYS, clone only with CLONE_THREAD, kill only of itself, prlimit64 only to read, any
+    call answers EPERM, clone3 ENOSYS, clone only with CLONE_THREAD, kill only of itself, prlimit64 only to read,
+    chmod's kin only without the setuid and setgid bits, fcntl but for a file's owner, signal, lease and notify, any
     other call (read, openat, mmap) passes, and another architecture is killed."""
     machine = "x86_64"
     nr, pid = sandbox.SYSCALLS[machine], 4242
@@ -245,6 +412,13 @@ def test_the_seccomp_program_is_what_it_says():
     assert run(nr["prlimit64"], (0, 9, 1 << 40, 0)) == deny                             # a pointer above 4 GB
     for other in (0, 1, 9, 257):                                                         # read, write, mmap, openat
         assert run(other) == allow
+    for call, i in (("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("fchmodat2", 2)):   # no setuid / setgid bit
+        mode = lambda m: tuple(m if j == i else 3 for j in range(6))                    # noqa: E731
+        assert run(nr[call], mode(0o4755)) == deny and run(nr[call], mode(0o2700)) == deny, call
+        assert run(nr[call], mode(0o755)) == allow and run(nr[call], mode(0o1777)) == allow, call
+    for cmd, verdict in ((8, deny), (10, deny), (15, deny), (1024, deny), (1026, deny),   # owner, signal, lease,
+                         (1, allow), (2, allow), (3, allow), (4, allow), (1030, allow)):  # notify; FD/FL, DUPFD
+        assert run(nr["fcntl"], (5, cmd)) == verdict, cmd
     assert run(0x40000000 + 2) == deny                                                   # x32's open
     assert run(2, arch=0xC00000B7) == sandbox.RET_KILL_PROCESS
 

@@ -41,8 +41,12 @@ message was executed, as ACEBench's result is) against the ground truth by model
 text, in order). A task passes end to end when every ground-truth class matches; its process score is 1.0 if it
 passed, else the share of milestones found in order (the best of the alternatives where a task lists several).
 `reward()` is that process score; eval.py reports both accuracies per regime and their mean over the tasks (the
-paper's overall: Figure 5's 60.6 is (20 × 56.6 + 30 × 63.3) / 50). Its dependencies that agent_eval never calls
-(pandas and openpyxl, for Excel sheets; the Chinese prompts where the clone lacks them) are empty stand-ins.
+paper's overall: Figure 5's 60.6 is (20 × 56.6 + 30 × 63.3) / 50). The verdict is agent_eval's, in the episode's
+worker, on the final state the executed calls produced and the agent's messages that went to execution (the milestone
+score reads their text, by ACEBench's definition: exact equality with a milestone); the reply reaches the state only
+as literal calls of the task's functions, and a worker's score that is not a number in [0, 1] is no verdict
+(tests/test_verdicts.py). Its dependencies that agent_eval never calls (pandas and openpyxl, for Excel sheets; the
+Chinese prompts where the clone lacks them) are empty stand-ins.
 
 What the clone's data does, scored as its checker scores it:
 - Four ground-truth class names are misspelt (ReminderAPI in multi_step 0 and 1, Reminderpi in multi_turn 7,
@@ -101,7 +105,7 @@ from dataclasses import dataclass, field
 from runtime import UserError
 from worlds import sandbox
 from worlds.bfcl import literal_problem
-from worlds.common import Environment, StepResult, parse_call_list, read_jsonl
+from worlds.common import Environment, StepResult, parse_call_list, read_jsonl, utf8_text
 
 REGIMES = ("multi_step", "multi_turn")
 FINISH = "finish conversation"            # ACEBench's stop phrase, from the agent or the user
@@ -488,6 +492,7 @@ def score(tasks: list[AceTask], records: list[dict], worker: sandbox.Worker | No
         worker.close()
     ok = isinstance(answer, dict) and all(isinstance(answer.get(k), (int, float)) for k in ("end_to_end", "process",
                                                                                            "correct"))
+    ok = ok and all(0 <= answer[k] <= 1 for k in ("end_to_end", "process"))      # NaN fails it too: a reward in [0, 1]
     if not ok:
         error = (answer or {}).get("error") or "the worker did not answer"
         return {"end_to_end": 0.0, "process": 0.0, "correct": 0, "error": str(error)[-500:]}
@@ -638,12 +643,15 @@ class AceBenchWorld(Environment):
         return getattr(self, "worker", None)
 
     def _call(self, name: str, args: dict) -> dict | None:
+        """One call in the worker -> {"text", "shown": its result as text and as ACEBench shows it, "ok"}, or None
+        once the worker is gone; the texts as UTF-8 can carry them (common.utf8_text)."""
         worker = self._worker()
         answer = worker and worker.request(op="call", name=name, args=args)
         if not (answer and all(isinstance(answer.get(k), t) for k, t in (("text", str), ("shown", str),
                                                                           ("ok", bool)))):
             self.close()
             return None
+        answer = {"text": utf8_text(answer["text"]), "shown": utf8_text(answer["shown"]), "ok": answer["ok"]}
         self.trace.append((name, args, answer["text"]))
         return answer
 
@@ -661,7 +669,7 @@ class AceBenchWorld(Environment):
             self.log[self.task.task_id] = {"passed": verdict["correct"] == 1, "process": verdict["process"],
                                            "record": record, "error": verdict.get("error")}
         self.close()
-        return verdict["process"]
+        return float(verdict["process"])
 
     def close(self):
         """Stop the episode's worker, if it runs."""

@@ -27,7 +27,10 @@ and checks the instances' state and the execution results after every turn; a ta
 passes. `reward()` is the fraction of turns whose prefix passes (the signal training needs; say so in a table);
 `passed` is BFCL's accuracy, which eval.py reports. As in BFCL's runner, a task whose question has fewer turns than
 its ground truth cannot pass: multi_turn_base_154 (5 user turns, 6 ground-truth turns) fails for every model, so
-799/800 is the ceiling, and the ground truth replayed through this environment reaches it (tests/test_bfcl.py).
+799/800 is the ceiling, and the ground truth replayed through this environment reaches it (tests/test_bfcl.py). The
+verdict is BFCL's checker, in the episode's worker, replaying from fresh instances only the call strings built here
+from checked names and values (deviation 1) against the release's ground truth: the reply's text never reaches it, and
+the worker's answer counts only as one bool per turn (tests/test_verdicts.py).
 
 Deviations from BFCL's own runner, each for safety or for the learner:
 1. Calls are executed from the parsed name and arguments (common.parse_tool_calls), never from a string: a name must
@@ -56,7 +59,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import math
 import os
 import random
 import tempfile
@@ -64,7 +66,7 @@ from dataclasses import dataclass, field
 
 import inject
 from runtime import UserError
-from worlds.common import Environment, StepResult, parse_tool_calls
+from worlds.common import MAX_DEPTH, Environment, StepResult, json_problem, parse_tool_calls, utf8_text
 from worlds import sandbox
 
 RELEASE = "2025.7.17"
@@ -88,7 +90,6 @@ CLASSES = {"GorillaFileSystem": ("gorilla_file_system", "gorilla_file_system.jso
 STATELESS = ("MathAPI",)                    # BFCL builds these without a scenario
 # An episode's worker: BFCL's own long-context file systems and its checker's replays fit these with room to spare
 LIMITS = sandbox.SandboxLimits(wall_s=30.0, cpu_s=300, memory_mb=2048, output_kb=4096)
-MAX_DEPTH = 32                              # how deeply a call's argument values may nest
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,29 +215,17 @@ def public_methods(objects: dict) -> dict:
 
 def literal_problem(name: str, args: dict, doc: dict) -> str | None:
     """Why a parsed call cannot become a literal call string, or None: its name must be the doc's, each argument
-    name an identifier among the doc's declared parameters, each value a plain JSON value (str, a finite number,
-    bool, None, lists, objects with string keys) nested at most MAX_DEPTH deep."""
+    name an identifier among the doc's declared parameters, each value a plain JSON value (common.json_problem:
+    str, a finite number, bool, None, lists, objects with string keys) nested at most common.MAX_DEPTH deep."""
     declared = doc["parameters"].get("properties", {})
     if name != doc["name"] or not name.isidentifier():
         return f"the function is {doc['name']!r}, not {name!r}"
     for key, value in args.items():
         if not (isinstance(key, str) and key.isidentifier() and key in declared):
             return f"{name} has no parameter {key!r}; its parameters are {', '.join(declared) or 'none'}"
-        if not _plain(value, MAX_DEPTH):
-            return f"the value of {key!r} is not a plain JSON value (or nests deeper than {MAX_DEPTH})"
+        if problem := json_problem(value, MAX_DEPTH):
+            return f"the value of {key!r} is not a plain JSON value ({problem})"
     return None
-
-
-def _plain(v, depth: int) -> bool:
-    if v is None or isinstance(v, (str, bool, int)):
-        return True
-    if isinstance(v, float):
-        return math.isfinite(v)
-    if depth <= 0:
-        return False
-    if isinstance(v, list):
-        return all(_plain(x, depth - 1) for x in v)
-    return isinstance(v, dict) and all(isinstance(k, str) and _plain(x, depth - 1) for k, x in v.items())
 
 
 def call_string(name: str, args: dict, doc: dict) -> str:
@@ -395,6 +384,7 @@ class BFCLWorld(Environment):
         answer = self.worker.request(op="call", name=name, args=args)
         if not (answer and isinstance(answer.get("text"), str) and isinstance(answer.get("ok"), bool)):
             return None
+        answer = {"text": utf8_text(answer["text"]), "ok": answer["ok"]}
         self.trace.append((name, args, answer["text"]))
         return answer
 

@@ -14,38 +14,50 @@ What is here, in order:
                                 against canonical_solution on base_input + plus_input within atol; the expected
                                 outputs are computed once in the sandbox and cached in TASKS.expected.json; base and
                                 plus reported apart), and plain HumanEval (prompt, test, entry_point)
-  the call-based driver         `run_calls`: call-based tests in one sandboxed process, outputs compared here
+  the call-based driver         `run_calls`: call-based tests in one sandboxed process, outputs compared here; every
+                                line it reads back is read totally (`_read_results`: forged or malformed -> no result)
+  the asserts driver            `ASSERTS_DRIVER`, `instrument_test`: HumanEval's check() and our asserts, run after the
+                                program by a driver that reports each assert statement passed and the test's end
   verification                  `verify`, `verify_detail`, `verify_many`: reward 1 iff every test passes, each
-                                program run in the sandbox (worlds/sandbox.py: a process the kernel confines)
+                                program run in the sandbox (worlds/sandbox.py: a process the kernel confines); the
+                                verdict is the harness's, never the program's exit code or its own __eq__
 
 Deviations: real benchmarks follow their harnesses where those were read (above `_NoGlobals`); the rest are
 assumptions listed there: TACO's user message, TACO's lenient stdin comparison (ours is line-wise), MBPP+'s per-task
 tuple/set input conversions (inputs are used as stored), and EvalPlus's special oracles that need code of their own
-(Mbpp/581, Mbpp/558). Outputs of call-based tests are compared here, outside the sandbox, as plain values.
+(Mbpp/581, Mbpp/558). Outputs of call-based tests are compared here, outside the sandbox, as plain values. HumanEval's
+harness passes a program whose run of prompt + program + test exits 0; ours (`_verify_asserts`) passes it only when
+every assert statement of the test passed at least once and the test ran to its end, with every value the program's
+functions return to the test rebuilt as a plain value (a numpy array reaches it as a list, an object of the program's
+own class not at all) and the test's builtins as they were before the program ran.
 """
 from __future__ import annotations
 
+import ast
 import base64
 import dataclasses
+import functools
 import inspect
 import io
 import json
 import math
 import pickle
+import secrets
 import zlib
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 
 import runtime
 from worlds.common import read_jsonl
-from worlds.sandbox import SandboxLimits, run_sandboxed
+from worlds.sandbox import RunResult, SandboxLimits, run_sandboxed
 
 
 @dataclass
 class CodeProblem:
     """One single-turn problem: the statement and its tests, in one of three forms:
     - `tests`: stdin/stdout pairs, and/or `asserts`, code that runs after the program (our layout, TACO stdin,
-      LiveCodeBench stdin, HumanEval's check());
+      LiveCodeBench stdin, HumanEval's check()); the functions the test names return plain values to it, and
+      fn_name, where given, is one of them;
     - `calls`: call-based tests, [[args, expected]]: `fn_name` is called (on `Solution()` where the program defines
       that class) with the JSON-parsed args (LiveCodeBench functional, TACO fn_name);
     - `evalplus`: diff-testing against the canonical solution on base and plus inputs (HumanEval+, MBPP+).
@@ -303,6 +315,13 @@ def problem_from_row(row: dict, where: str) -> CodeProblem:
         raise ValueError(f"{where}: the problem statement is empty")
     if not (fields.get("tests") or fields.get("asserts") or fields.get("calls") or fields.get("evalplus")):
         raise ValueError(f"{where}: the problem has no tests")
+    if fields.get("asserts"):       # counted and instrumented by our own parse (`instrument_test`): it must parse
+        if not isinstance(fields["asserts"], str):
+            raise ValueError(f"{where}: the test code must be a string")
+        try:
+            instrument_test(fields["asserts"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     task_id = str(row.get("task_id", row.get("question_id", row.get("id", where))))
     return CodeProblem(task_id, schema=str(row.get("schema", "")), variant=str(row.get("variant", "")), **fields)
 
@@ -352,19 +371,24 @@ def _lcb_same_output(got: str, want: str) -> bool:
     return True
 
 
-# -- call-based tests: one sandboxed run calls the function on every input and reports the results ----------------
-# The program's results travel back as JSON with tags for what JSON lacks. Only plain values pass, rebuilt from their
-# base types, so a result object with its own __eq__ cannot pass for the expected value; the comparison is done here,
-# outside the sandbox. A result line carries a random nonce the program never sees through its own stdin/stdout (it
-# could still dig it out of the driver's frames: the sandbox bounds what a program can do to the machine, not how
-# hard it tries to cheat the verdict; the same holds for the `asserts` path and for the official harnesses).
+# -- the verdict's wire: what the harness reads back from a sandboxed run --------------------------------------------
+# A program never decides its own verdict: its exit code counts for nothing, and values are compared by the harness.
+# Call-based results travel back as JSON with tags for what JSON lacks (`_encode`); only plain values pass, rebuilt
+# from their base types, so a result object with its own __eq__ (or an int subclass) cannot pass for the expected
+# value, and the comparison is done here, outside the sandbox. The asserts path rebuilds every value the program's
+# functions return the same way, inside the sandbox, before the test sees it (`ASSERTS_DRIVER`).
+# A report line starts with a fresh random nonce: the program never sees it through its stdin (the driver reads all of
+# it, then puts /dev/null in its place) or its stdout (it writes into a buffer). A program could still dig the nonce
+# out of the driver's frames: the sandbox bounds what a program can do to the machine, not how hard it tries to cheat
+# the verdict from inside (as for the official harnesses). So whatever line comes back, well-formed or forged, is read
+# totally: a malformed answer is a failed test with a reason, never an exception in the trainer.
 def _encode(x):
     """A plain value -> JSON with tags (tuple, set, frozenset, dict, complex, bytes); TypeError for anything else."""
     if x is None or type(x) is bool:
         return x
-    for base in (int, float, str):
+    for base, plain in ((int, int.__int__), (float, float.__float__), (str, str.__str__)):
         if isinstance(x, base):
-            return base(x)
+            return plain(x)     # the base type's own copy: a subclass's __eq__, __int__ or __str__ stays behind
     if isinstance(x, list):
         return [_encode(v) for v in x]
     for base, tag in ((tuple, "tuple"), (frozenset, "frozenset"), (set, "set")):
@@ -396,8 +420,9 @@ def _decode(x):
 
 
 CALL_DRIVER = r'''
-import io, json, signal, sys, time
+import io, json, os, signal, sys, time
 spec = json.loads(sys.stdin.read())
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)   # stdin is a file: the spec (and its nonce) cannot be read again
 sys.stdin = io.StringIO("")
 real_stdout = sys.stdout
 {codec}
@@ -441,15 +466,27 @@ _report(results)
 '''
 
 
+@functools.lru_cache(maxsize=None)
+def _with_codec(driver: str) -> str:
+    """A driver with the codec's source in place of {codec}: the child encodes and decodes as the harness does."""
+    return driver.replace("{codec}", inspect.getsource(_encode) + "\n" + inspect.getsource(_decode))
+
+
+def _nonce_line(stdout: str, nonce: str) -> str | None:
+    """What follows the nonce on the last line of a run's stdout that starts with it, or None."""
+    line = next((x for x in reversed(stdout.splitlines()) if x.startswith(nonce)), None)
+    return None if line is None else line[len(nonce):]
+
+
 def run_calls(code: str, fn_name: str, inputs: list, limits: SandboxLimits = SandboxLimits(), per_call=None,
               prelude: str = "", method: bool = True, not_none: str = "") -> tuple[list | None, str]:
     """Load `code` (after `prelude`) in the sandbox and call fn_name(*args) for each args in `inputs` (plain values),
     on Solution() if `method` and the code has that class; stops at the first error.
     -> ([{"out": value, "s": seconds} | {"error": str}], "") or (None, why no result came back); a program that
-    does not load (or lacks fn_name) gives [{"error": "cannot load ...", "load": 1}].
+    does not load (or lacks fn_name) gives [{"error": "cannot load ...", "load": 1}]. A result line that is not the
+    driver's (forged, cut, nested past the stack) is (None, why): never an exception.
     per_call: seconds allowed per call (default limits.wall_s each); the run's own limits grow with their sum.
     not_none: "all" reports `out is not None`, "non-bool" does so unless out is a bool (EvalPlus's MBPP oracles)."""
-    import secrets
     per_call = list(per_call) if per_call is not None else [limits.wall_s] * len(inputs)
     nonce = secrets.token_hex(16)
     spec = {"nonce": nonce, "code": code, "prelude": prelude, "fn_name": fn_name, "method": method,
@@ -457,13 +494,38 @@ def run_calls(code: str, fn_name: str, inputs: list, limits: SandboxLimits = San
     total = limits.wall_s + sum(per_call)
     run_limits = dataclasses.replace(limits, wall_s=total, cpu_s=int(math.ceil(total)) + 1,
                                      output_kb=max(limits.output_kb, 64 << 10))
-    driver = CALL_DRIVER.replace("{codec}", inspect.getsource(_encode) + "\n" + inspect.getsource(_decode))
-    r = run_sandboxed(driver, json.dumps(spec), run_limits)
-    line = next((x for x in reversed(r.stdout.splitlines()) if x.startswith(nonce)), None)
+    r = run_sandboxed(_with_codec(CALL_DRIVER), json.dumps(spec), run_limits)
+    line = _nonce_line(r.stdout, nonce)
     if line is None:
         return None, r.status + (f" ({_last_line(r.stderr)})" if r.stderr else "")
-    results = json.loads(line[len(nonce):])
-    return [({"out": _decode(x["out"]), "s": x["s"]} if "out" in x else x) for x in results], ""
+    return _read_results(line)
+
+
+def _read_results(line: str) -> tuple[list | None, str]:
+    """The driver's JSON list of results, each checked and decoded -> (results, "") or (None, why it is malformed)."""
+    try:
+        raw = json.loads(line)
+    except (ValueError, RecursionError) as e:       # not JSON, or nested past the parser's stack
+        return None, f"malformed result line ({type(e).__name__})"
+    if not isinstance(raw, list):
+        return None, f"malformed result line (a {type(raw).__name__}, not a list)"
+    results = [_read_result(x) for x in raw]
+    if any(r is None for r in results):
+        return None, "malformed result line (a result that is neither a value nor an error)"
+    return results, ""
+
+
+def _read_result(x) -> dict | None:
+    """{"out": decoded value, "s": seconds} or {"error": str[, "load": 1]}, as the driver writes them; else None."""
+    if isinstance(x, dict) and set(x) <= {"error", "load"} and isinstance(x.get("error"), str):
+        return {"error": x["error"], **({"load": 1} if x.get("load") == 1 else {})}
+    if not (isinstance(x, dict) and set(x) == {"out", "s"} and type(x["s"]) in (int, float)
+            and math.isfinite(x["s"]) and x["s"] >= 0):
+        return None
+    try:
+        return {"out": _decode(x["out"]), "s": float(x["s"])}
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError):   # tags or shapes _encode never writes
+        return None
 
 
 def _lcb_call_ok(out, want) -> bool:
@@ -478,9 +540,21 @@ def _taco_call_ok(out, want) -> bool:
     want = _int_keys(want)
     if out == want or (isinstance(want, list) and want and out == _int_keys(want[0])):
         return True
-    if isinstance(out, list) and out and isinstance(out[0], tuple) and isinstance(want, list) and want:
-        return [list(x) for x in out] == want[0]
+    try:        # TACO's own try: a list whose later items are not sequences is simply not equal
+        if isinstance(out, list) and out and isinstance(out[0], tuple) and isinstance(want, list) and want:
+            return [list(x) for x in out] == want[0]
+    except TypeError:
+        pass
     return False
+
+
+def _judged(rule, *args) -> bool:
+    """rule(*args) on values the program chose: one nested past the stack, an int too large for a float, or a shape
+    the rule did not expect is a wrong answer, not an exception in the trainer."""
+    try:
+        return bool(rule(*args))
+    except (RecursionError, OverflowError, TypeError, ValueError):
+        return False
 
 
 def _verify_calls(problem: CodeProblem, code: str, limits: SandboxLimits) -> tuple[bool, str]:
@@ -495,9 +569,130 @@ def _verify_calls(problem: CodeProblem, code: str, limits: SandboxLimits) -> tup
     for i, (res, (_, want)) in enumerate(zip(results, problem.calls)):
         if "error" in res:
             return False, f"test {i}: {res['error']}"
-        if not same(res["out"], want):
+        if not _judged(same, res["out"], want):
             return False, f"test {i}: wrong answer"
     return (True, "all tests passed") if len(results) == len(problem.calls) else (False, "missing results")
+
+
+# -- asserts: HumanEval's check() and our `asserts`, with the verdict taken by the harness ---------------------------
+# The test code runs after the program, as the releases run it, but inside a driver that decides the verdict itself:
+# every assert statement (counted here, by our own parse of the test) must report that it passed, and the test must
+# run to its end. Exiting early with code 0 (sys.exit, os._exit, an atexit hook), or an exit code forced after a failed
+# assert, leaves reports missing; every value the functions the test names hand it is rebuilt as a plain value first.
+ASSERT_HOOK = "__lopd_assert__"     # the name the instrumented test calls; the driver binds it after the program ran
+
+ASSERTS_DRIVER = r"""
+import builtins, io, json, os, sys
+spec = json.loads(sys.stdin.read())
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)   # stdin is a file: the spec (and its nonce) cannot be read again
+nonce, write, settrace, setprofile = spec.pop("nonce"), os.write, sys.settrace, sys.setprofile
+harness_builtins = dict(vars(builtins))
+__builtins__ = harness_builtins   # the functions below keep these, whatever the program does to the builtins module
+{codec}
+def say(text):
+    write(1, (nonce + text.replace("\n", " ") + "\n").encode("utf-8", "replace"))
+def why(e):
+    try:
+        text = str(e)[:200]
+    except BaseException:
+        text = ""
+    return type(e).__name__ + (": " + text if text else "")
+def plain(fn):
+    def candidate(*args, **kwargs):
+        return _decode(_encode(fn(*args, **kwargs)))
+    return candidate
+def test_namespace(module, seen):
+    ns = {k: v for k, v in module.items() if k not in harness_builtins or k == spec["fn_name"]}
+    for name in spec["wrap"]:
+        if name in ns and callable(ns[name]):
+            ns[name] = plain(ns[name])
+    def passed(i, condition):
+        if condition:
+            seen.add(i)
+            return True
+        return False
+    ns.update(__name__="__main__", __builtins__=dict(harness_builtins), **{spec["hook"]: passed})
+    return ns
+def main():
+    sys.stdin, sys.stdout = io.StringIO(""), io.StringIO()
+    module = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        exec(compile(spec["code"], "solution.py", "exec"), module)
+    except BaseException as e:
+        return say("error the program does not load: " + why(e))
+    seen = set()
+    ns = test_namespace(module, seen)
+    settrace(None)
+    setprofile(None)
+    try:
+        exec(compile(spec["test"], "test.py", "exec"), ns)
+    except BaseException as e:
+        return say("error " + why(e))
+    line = "done"
+    for i in sorted(seen):
+        line += " %d" % i
+    say(line)
+main()
+"""
+
+
+@functools.lru_cache(maxsize=1024)
+def instrument_test(test: str) -> tuple[str, int, tuple]:
+    """The test code with each assert's condition passed through the driver's recorder (`assert c, m` becomes
+    `assert __lopd_assert__(i, c), m`: the record is made inside the assert, so no jump between lines can keep the
+    record and skip the check) -> (that source, the number of assert statements, the names the test reads: the
+    program's functions among them return plain values). ValueError if the test is not Python."""
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise ValueError(f"the test code cannot be parsed ({type(e).__name__}: {e})") from None
+    names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)})
+    asserts = [node for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    for i, node in enumerate(asserts):
+        node.test = ast.Call(ast.Name(ASSERT_HOOK, ast.Load()), [ast.Constant(i), node.test], [])
+    return ast.unparse(ast.fix_missing_locations(tree)), len(asserts), tuple(names)
+
+
+def _verify_asserts(problem: CodeProblem, code: str, limits: SandboxLimits) -> tuple[bool, str]:
+    """The program, then its test, in ASSERTS_DRIVER: passed only if the driver reports the test's end and every
+    assert statement passed at least once, and the run ended cleanly. The test names the functions it calls (the
+    entry point, through check(entry_point)); fn_name, where given, is one of them."""
+    try:
+        test, n_asserts, names = instrument_test(problem.asserts)
+    except ValueError as e:
+        raise ValueError(f"{problem.task_id}: {e}") from None       # the release's test, not the program: ours to fix
+    nonce = secrets.token_hex(16)
+    spec = {"nonce": nonce, "code": code, "test": test, "hook": ASSERT_HOOK, "fn_name": problem.fn_name,
+            "wrap": sorted(set(names) | {problem.fn_name} - {""})}
+    r = run_sandboxed(_with_codec(ASSERTS_DRIVER), json.dumps(spec), limits)
+    return _asserts_verdict(_nonce_line(r.stdout, nonce), n_asserts, r)
+
+
+def _asserts_verdict(report: str | None, n_asserts: int, r: RunResult) -> tuple[bool, str]:
+    """The driver's report (what followed the nonce; None if no line had it) and the run `r` -> (passed, reason)."""
+    if report is None:
+        return False, f"asserts: no report from the harness (the run: {r.status}" + (
+            f", {_last_line(r.stderr)})" if r.stderr.strip() else ")")
+    kind, _, rest = report.partition(" ")
+    if kind == "error":
+        return False, f"asserts: {rest}"
+    seen = _indices(rest) if kind == "done" else None
+    if seen is None:
+        return False, "asserts: a malformed report"
+    missing = n_asserts - len(seen & set(range(n_asserts)))
+    if missing:
+        return False, f"asserts: {missing} of {n_asserts} assert statements never passed"
+    if r.status != "ok":
+        return False, f"asserts: the run ended {r.status} after the test"
+    return True, "all tests passed"
+
+
+def _indices(text: str) -> set | None:
+    """The assert numbers of a "done" report, or None where it holds anything but numbers."""
+    try:
+        return {int(x) for x in text.split()}
+    except ValueError:
+        return None
 
 
 # -- EvalPlus: diff-testing against the canonical solution (evalplus/evaluate.py, eval/__init__.py) ----------------
@@ -517,7 +712,7 @@ def _close(out, exp, atol: float) -> bool:
             _close(o, e, atol) for o, e in zip(out, exp))
     try:
         return abs(out - exp) <= atol + 1e-7 * abs(exp)
-    except TypeError:
+    except (TypeError, OverflowError):      # not a number, or an int no float can hold
         return False
 
 
@@ -616,7 +811,7 @@ def _verify_evalplus(problem: CodeProblem, code: str, limits: SandboxLimits) -> 
         part, k = ("base", i) if i < n_base else ("plus", i - n_base)
         if "error" in res:
             return False, f"{part} input {k}: {res['error']}", parts
-        if not _evalplus_ok(res["out"], want[i], inputs[i], spec["atol"], spec):
+        if not _judged(_evalplus_ok, res["out"], want[i], inputs[i], spec["atol"], spec):
             return False, f"{part} input {k}: wrong answer", parts
         parts["base"] = i + 1 >= n_base
     if len(results) != len(inputs):
@@ -633,7 +828,16 @@ def verify(problem: CodeProblem, code: str, limits: SandboxLimits = SandboxLimit
 def verify_detail(problem: CodeProblem, code: str, limits: SandboxLimits = SandboxLimits()) -> tuple[bool, str, dict]:
     """verify(), plus the parts EvalPlus reports: {"base": bool, "plus": bool} for HumanEval+ / MBPP+, else {}.
     stdin tests run one per process (LiveCodeBench's rule and prelude for its rows), then asserts after the program;
-    call-based tests run in one process (`run_calls`); EvalPlus diff-tests (`_verify_evalplus`)."""
+    call-based tests run in one process (`run_calls`); EvalPlus diff-tests (`_verify_evalplus`). Never raises on
+    anything the program does; a release file the harness cannot use (a test that is not Python, a canonical solution
+    that fails) is ValueError."""
+    try:
+        return _verdict(problem, code, limits)
+    except RecursionError:      # the readers and comparisons are total; this holds for any path added later
+        return False, "the program's values nest too deeply to be judged", {}
+
+
+def _verdict(problem: CodeProblem, code: str, limits: SandboxLimits) -> tuple[bool, str, dict]:
     if problem.evalplus:
         return _verify_evalplus(problem, code, limits)
     if problem.calls:
@@ -647,9 +851,7 @@ def verify_detail(problem: CodeProblem, code: str, limits: SandboxLimits = Sandb
         if not same(r.stdout, t["output"]):
             return False, f"test {i}: wrong output", {}
     if problem.asserts:
-        r = run_sandboxed(code + "\n\n" + problem.asserts + "\n", "", limits)
-        if r.status != "ok":
-            return False, f"asserts: {r.status}" + (f" ({_last_line(r.stderr)})" if r.stderr else ""), {}
+        return (*_verify_asserts(problem, code, limits), {})
     return True, "all tests passed", {}
 
 

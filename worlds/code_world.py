@@ -3,7 +3,8 @@
 
 An episode is one reply: the A.5 coding system prompt (none for EvalPlus, B.3), the problem, then the last fenced
 program of the reply, verified in the sandbox (code_benchmarks.py: each benchmark's own rules; worlds/sandbox.py: a
-process the kernel confines). Reward 1 if every test passes, else 0: the mean reward is pass@1 (Table 2).
+process the kernel confines). Reward 1 if every test passes, else 0: the mean reward is pass@1 (Table 2). The verdict is
+the harness's, never the program's exit code or a result's own __eq__ (tests/test_verdicts.py).
 
     python train.py --env code                         # the toy code world, its shipped toy backbone, CPU
     python train.py --env code --tasks DIR --model M   # TACO, LiveCodeBench or EvalPlus as released

@@ -12,6 +12,9 @@ toy worlds. `ENVS` names them for --env.
 
 A reply is text: the parsers turn it into (name, arguments) pairs of JSON values, in one pass over the reply, and a
 call that cannot be read is an error observation, never an exception and never code. Nothing here evaluates text.
+A call's arguments are a JSON object or the call is an error (`json_problem`): a tuple, a set, bytes, a complex
+number, NaN, a key that is no string are refused, not converted, so that every reader after the parser (the
+engine's count, a worker's JSON request, a checker) gets what the tool schemas describe.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -62,6 +66,8 @@ def read_jsonl(path: str, parse) -> list:
 # A tokenizer with a `response_template` (transformers >= 5 reads it from tokenizer_config.json) parses its own
 # replies (`parse_with_template`); where it finds no call, the formats above are tried.
 PYTHON_TAG = "<|python_tag|>"
+MAX_DEPTH = 32     # how deeply a call's argument values may nest: no tool schema nests near it, and each reader after
+#                    the parser (json.dumps, a checker's compare, a worker's deepcopy) recurses once a level
 
 
 def tagged_blocks(text: str, open_tag: str, close_tag: str) -> list[str]:
@@ -92,7 +98,7 @@ def _call_from_object(obj, key: str = "arguments"):
             return None, f"Error: '{key}' is not valid JSON"
     if not isinstance(args, dict):
         return None, f"Error: '{key}' must be an object"
-    return obj["name"], args
+    return _checked_call(obj["name"], args)
 
 
 def _json_call(body: str, key: str = "arguments"):
@@ -128,31 +134,25 @@ def parse_llama_calls(text: str):
     return calls
 
 
-def _literal(node):
-    """A Python literal of an Olmo 3 call argument (strings, numbers, booleans, None, lists, dicts)."""
-    value = ast.literal_eval(node)
-    if isinstance(value, (tuple, set, bytes, complex)):
-        raise ValueError("arguments must be JSON values")
-    return value
-
-
 def parse_olmo_calls(text: str):
     """Olmo 3: each line inside <function_calls> is name(key=literal, ...)."""
     calls, blocks = [], tagged_blocks(text, "<function_calls>", "</function_calls>")
     for block in blocks:
-        for line in filter(None, (x.strip() for x in block.splitlines())):
-            try:
-                node = ast.parse(line, mode="eval").body
-                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-                    raise ValueError("a call needs the form name(key=value, ...)")
-                if any(k.arg is None for k in node.keywords):
-                    raise ValueError("**kwargs is not allowed")
-                calls.append((node.func.id, {k.arg: _literal(k.value) for k in node.keywords}))
-            except (SyntaxError, ValueError, RecursionError, MemoryError) as err:   # the parser's own limits too
-                calls.append((None, f"Error: malformed function call {line[:60]!r} ({str(err)[:200]})"))
+        calls += [_olmo_call(line) for line in filter(None, (x.strip() for x in block.splitlines()))]
     if text.count("<function_calls>") > len(blocks):
         calls.append((None, "Error: unterminated <function_calls>"))
     return calls
+
+
+def _olmo_call(line: str):
+    """One line of an Olmo 3 block -> (name, arguments), or (None, error)."""
+    try:
+        node = ast.parse(line, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:     # the parser's own limits too
+        return None, f"Error: malformed function call {line[:60]!r} ({str(err)[:200]})"
+    if not isinstance(node, ast.Call):
+        return None, f"Error: malformed function call {line[:60]!r} (a call needs the form name(key=value, ...))"
+    return _literal_call(node)
 
 
 def parse_call_list(text: str):
@@ -171,27 +171,89 @@ def parse_call_list(text: str):
 
 
 def _literal_call(node: ast.Call):
+    """One parsed call node -> (name, arguments) from its literal keyword values, or (None, error)."""
     if not isinstance(node.func, ast.Name):
         return None, "Error: a call needs a plain function name: name(key=value, ...)"
     name = node.func.id
     if node.args or any(k.arg is None for k in node.keywords):
         return None, f"Error: {name} takes keyword arguments only: {name}(key=value, ...)"
-    try:
-        return name, {k.arg: _literal(k.value) for k in node.keywords}
+    try:      # TypeError: a set of lists, or a dict with a list for a key ({[1]: 2}), cannot be built
+        args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None, (f"Error: the arguments of {name} must be literal values (strings, numbers, True/False/None, "
                       "lists, dicts), not expressions")
+    return _checked_call(name, args)
+
+
+def _checked_call(name: str, args: dict):
+    """(name, args) where the name is text and the arguments a JSON object (`json_problem`), else (None, error)."""
+    if _text_problem(name):
+        return None, f"Error: the function name {name!r} is not text"
+    problem = json_problem(args, MAX_DEPTH + 1)                       # + 1: the arguments object itself
+    if problem:
+        return None, f"Error: the arguments of {name} must be JSON values: {problem}"
+    return name, args
+
+
+def json_problem(value, depth: int = MAX_DEPTH) -> str | None:
+    """Why `value` is no JSON value, or None: a JSON value is a string of Unicode, a finite number, a boolean, None,
+    or a list or a dict with string keys of JSON values, with at most `depth` lists and dicts nested. Python's
+    parsers give more (a tuple, a set, bytes, 1j, NaN, 1e999, {1: 2}, an int too long to print, "\\ud800"), which
+    json.dumps would refuse, or write changed (a tuple as a list, the key 1 as "1")."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        return _text_problem(value)
+    if isinstance(value, int):
+        return _int_problem(value)
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{value} is no JSON number"
+    if isinstance(value, (list, dict)) and depth <= 0:
+        return f"a value nests deeper than {MAX_DEPTH} lists and objects"
+    if isinstance(value, list):
+        return next(filter(None, (json_problem(v, depth - 1) for v in value)), None)
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            return "object keys must be strings"
+        return next(filter(None, (_text_problem(k) or json_problem(v, depth - 1) for k, v in value.items())), None)
+    return f"a {type(value).__name__} is no JSON value"
+
+
+def _text_problem(text: str) -> str | None:
+    """Half a surrogate pair (JSON's "\\ud800", Python's '\\ud800') is no Unicode: UTF-8, and so a tokenizer reading
+    an observation that echoes it, cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a string holds half a surrogate pair"
+    return None
+
+
+def _int_problem(n: int) -> str | None:
+    """An int Python cannot print (past its digit limit: a long hex literal) cannot be written as JSON either."""
+    try:
+        str(n)
+    except ValueError:
+        return "an integer too long to write"
+    return None
+
+
+def utf8_text(text: str) -> str:
+    """A worker's answer as UTF-8 can carry it: JSON may bring back half a surrogate pair (the environment's code
+    wrote one), which would reach the tokenizer in an observation; each becomes '?'."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def parse_with_template(text: str, response_template: dict):
     """The tokenizer's own parser (transformers' `parse_response` on its `response_template`). A call region it
     cannot parse is an error observation."""
     from transformers.utils.chat_parsing import parse_response
-    try:
+    try:      # the library's parser, not ours: whatever it raises on a reply is that reply's error
         parsed = parse_response(text, response_template, prefix="")
-    except (ValueError, RecursionError) as err:
+    except Exception as err:
         return [(None, f"Error: tool call could not be parsed ({(str(err).splitlines() or [''])[0][:200]})")]
-    return [_call_from_object(c) for c in parsed.get("tool_calls") or []]
+    found = (parsed.get("tool_calls") if isinstance(parsed, dict) else None) or []
+    return [_call_from_object(c) for c in (found if isinstance(found, list) else [found])]   # one call, unlisted
 
 
 def parse_tool_calls(text: str, response_template: dict | None = None):

@@ -44,6 +44,12 @@ its scratch directory, no network, no new processes, no signal to another proces
 wall-clock limit per request). A worker that hangs, dies, breaks a limit or answers anything but an answer costs its
 episode (an error observation and reward 0), not the run.
 
+The verdict is the checklist's, run in the worker on the state the tool calls produced: the reply's text never reaches
+it, a call reaches the environment only as a listed tool with its declared arguments (deviation 3), and an answer the
+environment's code queued ahead of the worker's own lacks the request's fresh id and answers nothing
+(tests/test_verdicts.py). Environment code that runs during the checklist itself could still forge it: the dataset's
+code shares the worker with its checker, as in the official code.
+
 Choices the paper leaves open:
 1. The held-out split. B.3 samples 200 tasks at random from the pool and publishes no ids; the rule above is ours.
    The release's 2,550 scenarios less 200 leave 2,350 training tasks; B.2 says 2,349 and does not say which one it
@@ -53,6 +59,10 @@ Deviations from the official code:
 1. A method name starting with "_" is not a tool (the official code would call any attribute).
 2. Only the first call of a reply runs, as the official parser reads only the first; the others are counted but not
    answered (the system prompt asks for one call a step).
+3. A call must name one of the environment's listed tools (else it is an invalid tool, as a missing method is) and
+   pass only the arguments that tool declares (else the episode ends with reward 0, as the official code's TypeError
+   ends it): the official code calls any public attribute with any keywords, so a public helper the tool list lacks,
+   or a tool taking **kwargs, could set the fields the checklist reads.
 """
 from __future__ import annotations
 
@@ -60,12 +70,13 @@ import hashlib
 import json
 import math
 import os
+import secrets
 from dataclasses import dataclass, field
 
 import inject
 import runtime
 from runtime import UserError
-from worlds.common import Environment, StepResult, parse_tool_calls
+from worlds.common import Environment, StepResult, parse_tool_calls, utf8_text
 from worlds import sandbox
 
 # The official system prompt (envs/envscaler/runtime.py, SYSTEM_PROMPT), word for word
@@ -136,6 +147,7 @@ for line in sys.stdin:
                "call": lambda: call(req["name"], req["args"]), "reward": lambda: reward(req["checklist"])}[req["op"]]()
     except BaseException:
         out = {"ok": False, "status": "raised", "text": traceback.format_exc()}
+    out["id"] = req.get("id")
     sys.stdout.seek(0), sys.stdout.truncate()
     answer.write(json.dumps(out, default=str) + "\n")
     answer.flush()
@@ -378,9 +390,10 @@ STATUSES = ("ok", "invalid", "raised")
 
 
 def call_answer(answer) -> dict | None:
-    """A worker's answer to a call, if it is one ({"status": ok | invalid | raised, "text": str}), else None."""
+    """A worker's answer to a call, if it is one ({"status": ok | invalid | raised, "text": str}), else None; its
+    text as UTF-8 can carry it (common.utf8_text)."""
     if isinstance(answer, dict) and answer.get("status") in STATUSES and isinstance(answer.get("text", ""), str):
-        return answer
+        return {"status": answer["status"], "text": utf8_text(answer.get("text", ""))}
     return None
 
 
@@ -416,8 +429,8 @@ class EnvScalerWorld(Environment):
         """The episode's worker: the class code executed, the instance built and its initial state kept."""
         self.worker = sandbox.Worker(WORKER, self.limits)
         scenario = self.task.scenario
-        started = self.worker.request(op="start", code=self.task.env["env_class_code"],
-                                      cls=scenario["env_class_name"], config=scenario["init_config"])
+        started = self._ask(op="start", code=self.task.env["env_class_code"], cls=scenario["env_class_name"],
+                            config=scenario["init_config"])
         return bool(started and started.get("ok") is True)
 
     def step(self, reply: str) -> StepResult:
@@ -426,13 +439,15 @@ class EnvScalerWorld(Environment):
             return self._end(GONE)
         calls = parse_tool_calls(reply, self.response_template)
         if not calls:                                            # "Task Completed": scored by the checklist
-            reward = reward_answer(self.worker.request(op="reward",
-                                                       checklist=self.task.scenario["checklist_with_func"]))
+            reward = reward_answer(self._ask(op="reward", checklist=self.task.scenario["checklist_with_func"]))
             return StepResult([], True) if self._scored(reward) else self._end(GONE)
         name, args = calls[0]                                    # the official parser reads the first call only
         if name is None:                                         # malformed: an observation, the episode goes on
             return self._capped(StepResult([f"Error: malformed response. {args}"], False, len(calls), 1))
-        answer = call_answer(self.worker.request(op="call", name=name, args=args))
+        refused = self._refused(name, args, len(calls))
+        if refused:                                              # deviation 3: never reaches the environment
+            return refused
+        answer = call_answer(self._ask(op="call", name=name, args=args))
         if answer is None:                                       # hung, died, or answered nonsense
             return self._end(GONE, len(calls))
         self.trace.append((name, args, answer.get("text", "")))
@@ -442,6 +457,27 @@ class EnvScalerWorld(Environment):
         if answer["status"] == "raised":                         # the official rule: a raising tool ends it, 0
             return self._end("Error: <Exception>\n" + answer.get("text", ""), len(calls))
         return self._capped(StepResult([answer.get("text", "")], False, len(calls), 0))
+
+    def _ask(self, **request) -> dict | None:
+        """One request to the worker, with a fresh id its answer must carry: a line the environment's code wrote ahead
+        of the worker's own answer (a forged answer queued on the stream) answers no request, and ends the episode."""
+        tag = secrets.token_hex(8)
+        answer = self.worker.request(id=tag, **request)
+        return answer if isinstance(answer, dict) and answer.get("id") == tag else None
+
+    def _refused(self, name: str, args: dict, n_calls: int) -> StepResult | None:
+        """A call the checker's state must never see (deviation 3): a name the tool list lacks is an invalid tool, as
+        a missing method is; an argument the tool does not declare ends the episode with reward 0, as the official
+        code's TypeError does (a tool taking **kwargs would otherwise write it into the state)."""
+        tool = next((t["function"] for t in self.tools if t.get("function", {}).get("name") == name), None)
+        if tool is None:
+            return self._capped(StepResult([f"Error: '{name}' is not a valid tool of this environment."], False,
+                                           n_calls, 1))
+        declared = (tool.get("parameters") or {}).get("properties")
+        extra = [k for k in args if k not in declared] if isinstance(declared, dict) and isinstance(args, dict) else []
+        if extra:
+            return self._end(f"Error: <Exception>\n{name}() got an unexpected keyword argument {extra[0]!r}", n_calls)
+        return None
 
     def _scored(self, reward: float | None) -> bool:
         """Keep the checklist's reward; False (reward 0) when the worker gave none."""

