@@ -949,8 +949,8 @@ def fits(p: Planning, world: int = 0) -> bool:
 def advice(p: Planning, err: NoFit) -> str:
     """What fits instead of the refused settings, each planned again before it is named: the longest --max-len
     (only where one conversation leaves room), --grad-ckpt where it was turned off, --student-lora (said whether
-    it fits), more GPUs under torchrun (FSDP2 shards a full student), a larger device. Never a flag that cannot
-    help."""
+    it fits), more GPUs under torchrun (FSDP2 shards a full student; a GPU a rank, so not on a CPU, whose ranks
+    share its memory), a larger device. Never a flag that cannot help."""
     args, out = p.args, []
     if (n := usable_max_len(p, err.largest)) and fits(_with(p, max_len=n, max_new_tokens=min(args.max_new_tokens,
                                                                                              n // 2))):
@@ -960,7 +960,7 @@ def advice(p: Planning, err: NoFit) -> str:
     lora = None if args.student_lora else lora_advice(_with(p, student_lora=True))
     if lora:
         out.append(lora)
-    if not args.student_lora and (gpus := fewest_gpus(p)):
+    if p.machine.type == "cuda" and not args.student_lora and (gpus := fewest_gpus(p)):   # CPU ranks share one memory
         out.append(f"torchrun --nproc-per-node {gpus} (FSDP2 shards the student)" if gpus <= 8 else
                    f"torchrun on {gpus} GPUs (FSDP2 shards the student; --nnodes × --nproc-per-node)")
     if limit := smallest_limit(p):

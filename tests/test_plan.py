@@ -56,6 +56,14 @@ def refusal(capsys, argv) -> str:
     return lines[0]
 
 
+@pytest.fixture
+def h100(monkeypatch):
+    """The device train.py plans for is an H100 (81,559 MiB, ~1 GB of it CUDA's context), whatever this machine's."""
+    real = runtime.machine
+    monkeypatch.setattr(runtime, "machine", lambda args, device, loaded=0: dataclasses.replace(
+        real(args, device, loaded), type="cuda", total=81_559 * 2**20, free=81_559 * 2**20 - 10**9))
+
+
 @pytest.fixture(autouse=True)
 def roomy_disk(monkeypatch):
     """--out on a disk with 1 TB free, whatever this machine's (the disk's own test sets its own)."""
@@ -90,19 +98,19 @@ def followed(argv, suggestion: str) -> tuple:
 
 
 def test_the_cards_command_on_80_gb_refuses_before_any_weight_and_every_suggestion_fits(config_only, tmp_path,
-                                                                                     capsys):
+                                                                                     capsys, h100):
     """`python train.py --model Qwen/Qwen3-4B` on an 80 GB device: the full fp32 student's weights, gradients and
     AdamW states alone pass what the plan may fill, so no --max-len can help and none is named. The refusal comes
     from the config alone (the folder has no weights, no tokenizer), in one line that names the device's total and
     free; --student-lora, the fewest GPUs under torchrun and a larger device are each planned again and fit."""
     argv = card(config_only, tmp_path / "run", "--memory", "80")
     line = refusal(capsys, argv)
-    assert line.startswith("error: memory plan: cpu ") and " total, " in line and " free; " in line
-    assert "the run fills at most 80.0 GB (--memory), the 8.0 GB backbone included" in line
+    assert line.startswith("error: memory plan: cuda 85.5 GB total, 84.5 GB free; the run fills at most 80.0 GB "
+                           "(--memory), the 8.0 GB backbone included: 61.2 GB planned of the 72.0 GB beside it: ")
     assert "(65.9 GB)" in line and "no --max-len fits" in line
     fits = suggestions(line)
     assert fits[0] == "--student-lora" and fits[1].startswith("torchrun --nproc-per-node 4 ") and \
-        fits[2].startswith("a machine with ") and not any("--max-len" in s for s in fits), fits
+        fits[2].startswith("a card with ") and not any("--max-len" in s for s in fits), fits
     for s in fits:
         assert plans(*followed(argv, s)), s
     assert not plans(argv, 2) and runtime.uneven(train.parse_args(argv), 3)    # 3: 32 rollouts do not split
@@ -110,7 +118,15 @@ def test_the_cards_command_on_80_gb_refuses_before_any_weight_and_every_suggesti
     assert not plans([*argv, "--memory", f"{gb - 0.1:.1f}"])                      # the smallest device, to 0.1 GB
 
 
-def test_where_a_shorter_conversation_fits_the_refusal_names_the_longest_max_len(config_only, tmp_path, capsys):
+def test_on_a_cpu_more_ranks_are_not_suggested(config_only, tmp_path, capsys):
+    """torchrun's ranks on one CPU machine share its memory: the same refusal there names no torchrun."""
+    line = refusal(capsys, card(config_only, tmp_path / "run", "--memory", "80"))
+    assert line.startswith("error: memory plan: cpu ") and suggestions(line)[0] == "--student-lora"
+    assert "torchrun" not in line and suggestions(line)[1].startswith("a machine with ")
+
+
+def test_where_a_shorter_conversation_fits_the_refusal_names_the_longest_max_len(config_only, tmp_path, capsys,
+                                                                                 h100):
     """At 100 GB the resident states fit but one 40,960-token conversation does not: the refusal names the longest
     --max-len that fits (one token more does not), and the other suggestions, each planned again."""
     argv = card(config_only, tmp_path / "run", "--memory", "100")
