@@ -686,6 +686,55 @@ class Footprint:
     checkpoint: int    # bytes one checkpoint writes (rank 0: the whole student and its AdamW states, the composer)
 
 
+@dataclass
+class Trains:
+    """What the joint stage trains beside the student, from the method and the composer (train.trains)."""
+    targets: tuple     # the projections a LoRA adapts: the composer's, and a LoRA student's
+    lora_r: int        # the composer's LoRA rank
+    qformer: int       # the composer's QFormer parameters
+    ema: bool          # the method keeps an EMA copy of a full student (SDPO, SDFT)
+    per_task: int      # rollouts per task (GRPO's groups): a step's tasks split over the ranks whole
+
+
+def footprint(args, model, trains: Trains, ranks: int = 0) -> Footprint | None:
+    """What the settings `args` hold on each of `ranks` ranks (0: this job's) beside their activations, counted on θ̄
+    (loaded or on the meta device): the parameters trained on a rank (the student, a full copy sharded by FSDP2 or
+    a LoRA of rank --student-lora-r, an EMA teacher counted with it; the composer, replicated), what FSDP2 gathers
+    of a full student, one checkpoint's bytes (fp32 weights and AdamW m and v of all that is trained, an EMA
+    teacher's weights), θ̄'s bytes. None where the settings cannot run there: an EMA method with --student-lora, or
+    batches that do not split evenly over the ranks (`check_world`)."""
+    ranks = ranks or world()
+    if (trains.ema and args.student_lora) or uneven(args, ranks, trains.per_task):
+        return None
+    lora = sum(m.in_features + m.out_features for n, m in model.named_modules()      # a LoRA's, per unit of rank
+               if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in trains.targets)
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]
+    layer = sum(t.numel() for t in layers[0].parameters()) if layers else 0
+    total = sum(t.numel() for t in model.parameters())
+    student = lora * args.student_lora_r if args.student_lora else total
+    composer = lora * trains.lora_r + trains.qformer
+    sharded = ranks > 1 and not args.student_lora
+    root = total - layer * len(layers)                                   # embeddings, head, final norm
+    return Footprint(backbone=backbone_bytes(model),
+                     trained=(student // ranks if sharded else student) * (2 if trains.ema else 1) + composer,
+                     gathered=(root + 2 * layer, total) if sharded else (0, 0),
+                     checkpoint=12 * (student + composer) + (4 * student if trains.ema else 0))
+
+
+def prompt_tokens(chat, tasks: list, latents: int) -> int:
+    """The tokens a plan prices a prompt at: the longest of the world's first eight prompts as `chat` (engine.Chat,
+    with --model's tokenizer) renders them, plus the teacher's `latents` positions; PROMPT_TOKENS where no chat with
+    a template could be made before the weights."""
+    if chat is None or not tasks or not chat.tokenizer.chat_template:
+        return PROMPT_TOKENS + latents
+    return max(len(chat.prompt(*chat.begin(task))) for task in tasks[:8]) + latents
+
+
+def backbone_bytes(model) -> int:
+    """θ̄'s bytes on its device: its parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
 def conversation_tokens(args, prompt: int) -> int:
     """The tokens one conversation is priced at, in training and in generation: its episode's own budget, `prompt`
     then --max-env-steps replies of --max-new-tokens each followed by an observation (OBSERVATION_TOKENS), and
@@ -889,33 +938,36 @@ def _check_one_fits(costs: Costs, free: int, n: int, tokens: int, generating: in
 
 @dataclass
 class Planning:
-    """What a plan is made from (`memory_plan`): a run's settings, its backbone, the machine, and how the settings'
-    footprint is counted, so that a refusal can plan its suggestions again."""
+    """What a plan is made from (`memory_plan`): a run's settings, its backbone, the machine, what the method trains
+    and the prompt, so that a refusal can plan its suggestions again (`footprint_of`)."""
     args: object           # train.Args
     model: object          # θ̄, loaded or built on the meta device from its config
     machine: Machine
-    footprint_of: object   # (args, world) -> Footprint, or None where those settings cannot run on `world` ranks
-    prompt: int            # tokens of the world's first prompt, the teacher's latent positions included
+    trains: Trains
+    prompt: int            # tokens of the world's first prompts, the teacher's latent positions included
+
+    def footprint_of(self, args, ranks: int = 0) -> Footprint | None:
+        return footprint(args, self.model, self.trains, ranks)
 
 
-def memory_plan(p: Planning, world: int = 0) -> MemoryPlan:
-    """The plan of `p` on each of `world` ranks (0: this job's). A UserError in one line when it cannot fit: one
+def memory_plan(p: Planning, ranks: int = 0) -> MemoryPlan:
+    """The plan of `p` on each of `ranks` ranks (0: this job's). A UserError in one line when it cannot fit: one
     conversation that cannot train or generate, followed by what fits (`advice`); two checkpoints that do not fit
     --out's disk (`check_disk`)."""
-    if p.footprint_of(p.args, world) is None:         # train._check and check_world refuse these settings first
-        raise UserError(f"memory plan: these settings cannot run on {world or globals()['world']()} ranks")
+    if p.footprint_of(p.args, ranks) is None:         # train._check and check_world refuse these settings first
+        raise UserError(f"memory plan: these settings cannot run on {ranks or world()} ranks")
     try:
-        plan = _plan(p, world)
+        plan = _plan(p, ranks)
     except NoFit as err:
-        where = budget_words(p.machine, p.footprint_of(p.args, world).backbone)
+        where = budget_words(p.machine, p.footprint_of(p.args, ranks).backbone)
         raise UserError(f"memory plan: {where}: {err.why}. {advice(p, err)}") from None
     check_disk(p, plan)
     return plan
 
 
-def _plan(p: Planning, world: int = 0) -> MemoryPlan:
+def _plan(p: Planning, ranks: int = 0) -> MemoryPlan:
     """`plan_memory` on the costs of `p` (a NoFit where one conversation does not fit)."""
-    args, config, foot = p.args, p.model.config, p.footprint_of(p.args, world)
+    args, config, foot = p.args, p.model.config, p.footprint_of(p.args, ranks)
     elem = next(p.model.parameters()).element_size()        # the precision forwards run in: bf16 2, fp32 4
     n, free = conversation_tokens(args, p.prompt), p.machine.limit - foot.backbone
     costs = step_costs(config, elem, foot.trained, args.n_ret, args.loss_chunk, n)
@@ -935,12 +987,12 @@ def _plan(p: Planning, world: int = 0) -> MemoryPlan:
     return dataclasses.replace(plan, machine=p.machine, backbone=foot.backbone, checkpoint=checkpoint)
 
 
-def fits(p: Planning, world: int = 0) -> bool:
-    """Whether the plan of `p` on `world` ranks fits (memory only), for settings that can run there."""
-    if p.footprint_of(p.args, world) is None:
+def fits(p: Planning, ranks: int = 0) -> bool:
+    """Whether the plan of `p` on `ranks` ranks fits (memory only), for settings that can run there."""
+    if p.footprint_of(p.args, ranks) is None:
         return False
     try:
-        _plan(p, world)
+        _plan(p, ranks)
     except NoFit:
         return False
     return True
@@ -1125,6 +1177,15 @@ def check_causal_lm(path: str):
         raise UserError(f"--model {path!r}: a {config.model_type!r} model ({', '.join(saved_as) or 'no head'}) is not "
                         "a causal LM; give a decoder checkpoint such as Qwen/Qwen3-4B")
     return config
+
+
+def load_tokenizer(path: str, chat_template: str = ""):
+    """`path`'s tokenizer (a folder or hub id), with the Jinja template of the file `chat_template` where given."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if chat_template:
+        tok.chat_template = open(chat_template).read()
+    return tok
 
 
 def meta_backbone(config, dtype):

@@ -8,8 +8,7 @@
 
 The file reads in the order a run does: `Args` (every setting, grouped), `main`, then the stages, each cached in
 --out so that a rerun skips what is finished (--resume: a cold start or joint stage goes on; finished rows read back):
-  1. backbone      the toy backbone (worlds/toy_backbone.py) or --model, planned before it loads
-                   (`plan_before_loading`); what depends on it (`fit_to_model`)
+  1. backbone      the toy backbone (worlds/toy_backbone.py) or --model; what depends on it (`fit_to_model`)
   2. base rollouts the base model on the world's training tasks (worlds/)
   3. bank          successful rollouts -> experience bank + FAISS index + cached query embeddings (retrieval.py)
   4. cold start    composer φ0 by eq. (14) on the bank's own trajectories (composer.py)
@@ -27,10 +26,9 @@ reference without the task (`--composer-input reference`; composer.py, deviation
 --qformer-dtype bfloat16; L_distill over the whole batch's tokens is the official code's (--kl-per trajectory: eq.
 10 as written). Controls: --method rft, --retrieval other | none | shop; the dial: --conventions K.
 
-Real backbones: bf16 weights with the trained ones in fp32 under autocast (`runtime.precision`), a memory plan for
-every forward/backward and generation batch (made from --model's config before any weight is fetched: a run that
-cannot fit stops there, naming what fits), --student-lora for θ as a second adapter. User errors end the run
-with one line and exit status 2. Under torchrun each rank rolls out a slice of each batch, normalisers and Δ are
+Real backbones: bf16 weights with the trained ones in fp32 under autocast (`runtime.precision`), a memory plan made
+before any weight is read (`plan_before_loading`), --student-lora for θ as a second adapter. User errors end the
+run with one line and exit status 2. Under torchrun each rank rolls out a slice of each batch, normalisers and Δ are
 summed over ranks, the full student is sharded with FSDP2, rank 0 alone logs and writes (runtime.py).
 """
 from __future__ import annotations
@@ -142,9 +140,8 @@ class Args:
                             "virtualenv: docs/real-models.md)")
     device: str = arg("auto", "auto | cpu | cuda | mps")
     dtype: str = arg("auto", "auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16")
-    memory: float = arg(0, "GB the run may fill on its device in total, the backbone included (0 = what the device "
-                           "has free before the backbone loads): the memory plan chooses --token-budget, --gen-batch "
-                           "and --grad-ckpt within it where not given")
+    memory: float = arg(0, "GB the run may fill on its device in total, the backbone included (0 = what is free "
+                           "before it loads): the memory plan fits --token-budget, --gen-batch, --grad-ckpt within it")
     micro_batch: int = arg(lopd.LOPDConfig.micro_batch, "at most this many rollouts per forward/backward")
     token_budget: int = arg(None, "at most this many padded tokens per forward/backward (engine.micro_batches). "
                                   "Default: what the memory plan fits; 0 = no limit but --micro-batch (the toy's)")
@@ -231,9 +228,9 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     device, dtype = runtime.pick_device(args.device, args.dtype)
     log = runtime.Log(args.out, args.tensorboard)
     train_tasks, test_tasks = load_splits(args, record)      # first: the plan prices the world's first prompts
-    prompt = plan_before_loading(args, device, dtype, train_tasks)    # a run that cannot fit stops here
+    planned = plan_before_loading(args, device, dtype, train_tasks)    # a run that cannot fit stops here
     model, tok = load_backbone(args, device, dtype)
-    plan = fit_to_model(args, model, tok, device, prompt)
+    plan = fit_to_model(args, model, tok, device, planned)
     runtime.start_engine(args, model, args.model or toy_backbone(args), plan.free)
     if record and runtime.rank() == 0:   # atomically: another rank may be reading it in check_same_world
         runtime.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
@@ -252,51 +249,31 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: the backbone θ̄ (and its tokenizer)
 # ----------------------------------------------------------------------------------------------------------------
-def plan_before_loading(args: Args, device, dtype, tasks) -> int:
-    """The memory plan before any weight is fetched or read (runtime.memory_plan): θ̄ built on the meta device from
-    --model's config alone (a few KB: a folder, or a hub id through the HF cache), in the precision and on the
-    device the run uses, --max-len within the model's context (`runtime.fit_context`). A run that cannot fit
-    stops here with one line naming what fits. -> the tokens of the world's first prompts (`prompt_tokens`)."""
+def plan_before_loading(args: Args, device, dtype, tasks) -> runtime.Planning:
+    """The memory plan on θ̄ built on the meta device from --model's config alone, before any weight is fetched or
+    read (runtime.memory_plan): a run that cannot fit stops here, in one line naming what fits. -> what it planned
+    from (the prompt: the world's first, with --model's template), which `fit_to_model` plans again once loaded."""
     path = args.model or toy_backbone(args)
-    config = runtime.check_causal_lm(path)
-    n_ctx = getattr(config, "max_position_embeddings", None)
+    model = runtime.meta_backbone(runtime.check_causal_lm(path), dtype)
+    n_ctx = getattr(model.config, "max_position_embeddings", None)
     args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
-    model = runtime.meta_backbone(config, dtype)
-    prompt = prompt_tokens(args, path, tasks)
-    runtime.memory_plan(planning(args, model, runtime.machine(args, device), prompt))
-    return prompt
-
-
-def prompt_tokens(args: Args, path: str, tasks: list) -> int:
-    """The tokens the plan prices a prompt at: the longest of the world's first few prompts (a world's prompts
-    differ by task, and in BFCL or EnvScaler by their tools) rendered as the run renders them (--model's tokenizer
-    and chat template, the tools, the thinking mode), plus the teacher's J·K latent positions; runtime.PROMPT_TOKENS
-    where no tokenizer can be read before the weights (a folder with only config.json, a hub id not cached)."""
-    latents = args.n_ret * args.latents
     try:
-        tok = load_tokenizer(args, path)
-    except (OSError, ValueError, TypeError):
-        return runtime.PROMPT_TOKENS + latents
-    if not tasks or not tok.chat_template:              # load_backbone refuses a tokenizer without a template
-        return runtime.PROMPT_TOKENS + latents
-    thinking = args.thinking if args.thinking is not None else thinks_by_default(args, tok)
-    chat = engine.Chat(tok, env_factory(args), thinking)
-    return max(len(chat.prompt(*chat.begin(task))) for task in tasks[:8]) + latents
+        chat = chat_of(args, runtime.load_tokenizer(path, args.chat_template))   # thinking off: the longer prompt
+    except (OSError, ValueError, TypeError):                # a folder with only config.json, a hub id not cached
+        chat = None
+    prompt = runtime.prompt_tokens(chat, tasks, args.n_ret * args.latents)
+    planning = runtime.Planning(args, model, runtime.machine(args, device), trains(args, model.config), prompt)
+    runtime.memory_plan(planning)
+    return planning
 
 
-def planning(args: Args, model, machine, prompt: int) -> runtime.Planning:
-    """What runtime.memory_plan plans from: the settings, θ̄ (loaded or on the meta device), the machine, the
-    prompt's tokens, and `footprint` on θ̄ for the settings a refusal suggests instead."""
-    return runtime.Planning(args, model, machine, lambda a, world: footprint(a, model, world), prompt)
-
-
-def load_tokenizer(args: Args, path: str):
-    """--model's tokenizer, with --chat-template's template where given."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
-    if args.chat_template:
-        tok.chat_template = open(args.chat_template).read()
-    return tok
+def trains(args: Args, config) -> runtime.Trains:
+    """What the joint stage trains beside θ (runtime.footprint): the composer's LoRA and QFormer, an EMA teacher."""
+    cc, d, heads = ComposerConfig(n_latents=args.latents), config.hidden_size, config.num_attention_heads
+    with torch.device("meta"):
+        qformer = QFormer(d, heads, cc.n_latents, cc.n_layers, cc.ffn_mult, 1.0)
+    return runtime.Trains(tuple(cc.lora_targets), cc.lora_r, sum(p.numel() for p in qformer.parameters()),
+                          METHODS[args.method].keeps_ema, rollouts_per_task(args))
 
 
 def load_backbone(args: Args, device, dtype):
@@ -306,7 +283,7 @@ def load_backbone(args: Args, device, dtype):
     runtime.check_causal_lm(path)
     if environment(args).toy_world == "tools" and not args.tasks:      # a toy backbone knows its world's tools
         toy.check_conventions(path, args.conventions)
-    tok = load_tokenizer(args, path)
+    tok = runtime.load_tokenizer(path, args.chat_template)
     if not tok.chat_template:
         raise UserError(f"--model {path!r}: its tokenizer has no chat template (a base checkpoint?); give one with "
                         "--chat-template FILE (a Jinja file), or use an instruct model")
@@ -318,64 +295,23 @@ def load_backbone(args: Args, device, dtype):
     return model, tok
 
 
-def fit_to_model(args: Args, model, tok, device, prompt: int) -> runtime.MemoryPlan:
-    """The settings that depend on the backbone, resolved here and nowhere else (each change said in one line; all
-    of them written to args.json, the plan to memory_plan.json): the thinking mode, --max-len within the model's
-    context and a reply within half of it (`runtime.fit_context`), and the memory plan's token budget, generation
-    batch and gradient checkpointing where the command line gave none (`runtime.fit_memory`, from the memory
-    measured beside the loaded backbone; `prompt`: the prompt's tokens, `prompt_tokens`)."""
+def fit_to_model(args: Args, model, tok, device, planned: runtime.Planning) -> runtime.MemoryPlan:
+    """The settings that depend on the backbone, resolved here and in `plan_before_loading` (--max-len within its
+    context, `runtime.fit_context`), each change said in one line, all written to args.json, the plan to
+    memory_plan.json: the thinking mode, and the memory plan's token budget, generation batch and gradient
+    checkpointing where the command line gave none (`runtime.fit_memory`: `planned` again, beside the backbone)."""
     if args.thinking is None:
         args.thinking = thinks_by_default(args, tok)
         if args.thinking:
             say("thinking mode on (B.2; the template has enable_thinking): --no-thinking turns it off")
-    n_ctx = getattr(model.config, "max_position_embeddings", None)
-    args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
-    loaded = footprint(args, model).backbone
-    return runtime.fit_memory(planning(args, model, runtime.machine(args, device, loaded), prompt))
+    machine = runtime.machine(args, device, loaded=runtime.backbone_bytes(model))
+    return runtime.fit_memory(dataclasses.replace(planned, args=args, model=model, machine=machine))
 
 
 def thinks_by_default(args: Args, tok) -> bool:
     """B.2 runs Qwen3 with thinking on: a real model whose chat template reads `enable_thinking` thinks unless
     --no-thinking. The toy backbone never does (its budgets are sized for short replies)."""
     return not is_toy(args) and "enable_thinking" in (tok.chat_template or "")
-
-
-def footprint(args: Args, model, world: int = 0) -> runtime.Footprint | None:
-    """What the settings `args` hold on each of `world` ranks (0: this job's) beside their activations, counted on θ̄
-    (loaded or on the meta device): the parameters trained on a rank (the student, a full copy sharded over the
-    ranks by FSDP2 or a LoRA of rank --student-lora-r, SDPO's EMA teacher counted with it; the composer's LoRA and
-    QFormer, replicated), what FSDP2 gathers of a full student, one checkpoint's bytes (fp32 weights and AdamW m, v
-    of all that is trained, an EMA teacher's weights), θ̄'s bytes. None where the settings cannot run there: an EMA
-    method with --student-lora, or batches that do not split evenly over the ranks (runtime.check_world)."""
-    world = world or runtime.world()
-    ema = METHODS[args.method].keeps_ema
-    if (ema and args.student_lora) or runtime.uneven(args, world, rollouts_per_task(args)):
-        return None
-    n = parameter_counts(args, model)
-    student = n["lora"] * args.student_lora_r if args.student_lora else n["backbone"]
-    sharded = world > 1 and not args.student_lora
-    trained = (student // world if sharded else student) * (2 if ema else 1) + n["composer"]
-    return runtime.Footprint(backbone=n["bytes"], trained=trained,
-                             gathered=(n["root"] + 2 * n["layer"], n["backbone"]) if sharded else (0, 0),
-                             checkpoint=12 * (student + n["composer"]) + (4 * student if ema else 0))
-
-
-def parameter_counts(args: Args, model) -> dict:
-    """θ̄'s parameters (`backbone`, `bytes` with its buffers), those outside its decoder layers (`root`: embeddings,
-    head, final norm) and in one of them (`layer`), a LoRA's per unit of rank on the composer's projections
-    (`lora`), and the composer's trainable ones (`composer`: its LoRA and QFormer)."""
-    cc = ComposerConfig(n_latents=args.latents)
-    per_rank = sum(m.in_features + m.out_features for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in cc.lora_targets)
-    with torch.device("meta"):
-        d, heads = model.config.hidden_size, model.config.num_attention_heads
-        qformer = sum(p.numel() for p in QFormer(d, heads, cc.n_latents, cc.n_layers, cc.ffn_mult, 1.0).parameters())
-    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]
-    layer = sum(p.numel() for p in layers[0].parameters()) if layers else 0
-    backbone = sum(p.numel() for p in model.parameters())
-    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return {"backbone": backbone, "bytes": held, "root": backbone - layer * len(layers), "layer": layer,
-            "lora": per_rank, "composer": per_rank * cc.lora_r + qformer}
 
 
 def toy_backbone(args: Args) -> str:

@@ -448,7 +448,8 @@ def headline_plans(gpus: int = 1) -> list:
         args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
         prompt = runtime.PROMPT_TOKENS + args.n_ret * args.latents          # no tokenizer: the plan's estimate
         try:
-            line = runtime.memory_plan(train.planning(args, model, machine, prompt), world=gpus).line()
+            planning = runtime.Planning(args, model, machine, train.trains(args, model.config), prompt)
+            line = runtime.memory_plan(planning, ranks=gpus).line()
         except runtime.UserError as err:
             line = f"error: {err}"
         if gpus > 1:

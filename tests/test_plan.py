@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=9728, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True)
-# docs/real-models.md, "A real run on this machine": the real-model tier's command, less --model and --out
+# docs/real-models.md, "Memory at the paper's budgets" (its real run): the real-model tier's command, less --model, --out
 DOCS_COMMAND = ["--n-train", "16", "--n-test", "4", "--cold-steps", "2", "--steps", "2", "--rollouts-per-step", "4",
                 "--micro-batch", "2", "--latents", "2", "--max-new-tokens", "48", "--max-env-steps", "2",
                 "--bank-threshold", "0"]
@@ -81,6 +81,11 @@ def plans(argv, world: int = 1) -> bool:
             return True
         except runtime.UserError:
             return False
+
+
+def planning(args, model, machine, prompt: int) -> runtime.Planning:
+    """What train.plan_before_loading plans from, for `model` on `machine` and a prompt of `prompt` tokens."""
+    return runtime.Planning(args, model, machine, train.trains(args, model.config), prompt)
 
 
 def suggestions(line: str) -> list:
@@ -146,12 +151,12 @@ def test_on_141_gb_the_plan_line_says_the_device_and_the_checkpoints_disk(config
     model = runtime.meta_backbone(Qwen3Config(**QWEN3_4B), torch.bfloat16)
     machine = runtime.Machine("cuda", total=150_755_000_000, free=149_700_000_000, limit=141 * 10**9, given=True,
                               disk=500 * 10**9)
-    plan = runtime.memory_plan(train.planning(args, model, machine, prompt=4096))
+    plan = runtime.memory_plan(planning(args, model, machine, prompt=4096))
     line = plan.line()
     assert line.startswith("memory plan: cuda 150.8 GB total, 149.7 GB free; the run fills at most 141.0 GB "
                            "(--memory), the 8.0 GB backbone included: 113.0 GB planned of the 133.0 GB beside it; ")
     assert plan.grad_ckpt and "one 40960-token conversation trains in 100.5 GB" in line
-    foot = train.footprint(args, model)
+    foot = runtime.footprint(args, model, train.trains(args, model.config))
     assert plan.checkpoint == foot.checkpoint and 12 * 4.02e9 < plan.checkpoint < 12 * 4.2e9
     assert line.endswith(f"checkpoints 2 × {plan.checkpoint / 1e9:.1f} GB on --out's disk (500.0 GB free)")
 
@@ -183,8 +188,8 @@ def test_memory_means_the_whole_run_backbone_included(tmp_path):
     after = runtime.machine(args, "cpu", loaded=8 * 10**9)
     assert before.limit == after.limit == 30 * 10**9 and before.given
     lora = dataclasses.replace(args, student_lora=True, max_len=4096)
-    plan = runtime.memory_plan(train.planning(lora, model, before, prompt=1000))
-    assert plan.free == 30 * 10**9 - train.footprint(lora, model).backbone
+    plan = runtime.memory_plan(planning(lora, model, before, prompt=1000))
+    assert plan.free == 30 * 10**9 - runtime.backbone_bytes(model)
 
 
 def test_a_conversation_is_priced_at_its_episodes_budget():
@@ -214,14 +219,15 @@ def test_the_docs_smallest_real_model_command_runs_on_a_40960_context_model(tmp_
     tok.save_pretrained(folder)
     argv = ["--model", str(folder), "--out", str(tmp_path / "run"), *DOCS_COMMAND]
     args = train.parse_args(argv)
-    prompt = train.prompt_tokens(args, str(folder), train.load_splits(args, False)[0])
+    tasks = train.load_splits(args, False)[0]
+    prompt = train.plan_before_loading(args, torch.device("cpu"), torch.float32, tasks).prompt   # measured
     episode = prompt + 2 * (48 + runtime.OBSERVATION_TOKENS)
     assert episode < 8192
     meta = runtime.meta_backbone(config, torch.float32)
     machine = runtime.Machine("cpu", total=10**11, free=10**11, limit=10**8, given=True, disk=10**12)
-    whole = runtime.smallest_limit(train.planning(args, meta, machine, prompt=40960))   # priced at --max-len
+    whole = runtime.smallest_limit(planning(args, meta, machine, prompt=40960))   # priced at --max-len
     memory = f"{whole / 2 / 1e9:.4f}"                  # half of what a 40,960-token conversation needs
-    assert runtime.smallest_limit(train.planning(args, meta, machine, prompt=prompt)) < float(memory) * 1e9
+    assert runtime.smallest_limit(planning(args, meta, machine, prompt=prompt)) < float(memory) * 1e9
     res = subprocess.run([sys.executable, "train.py", *argv, "--memory", memory], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -85,8 +85,9 @@ def test_real_models_think_by_default_with_the_papers_budgets(tmp_path):
     template.write_text(qwen3.chat_template)
     for a, want in ((real, True), (off, False)):                        # --no-thinking is kept as given
         a.chat_template = str(template)
+        planned = train.plan_before_loading(a, torch.device("cpu"), torch.float32, [])
         model, tok = train.load_backbone(a, "cpu", torch.float32)
-        train.fit_to_model(a, model, tok, torch.device("cpu"), prompt=1000)
+        train.fit_to_model(a, model, tok, torch.device("cpu"), planned)
         assert a.thinking is want
     toy_args = train.parse_args(["--out", str(tmp_path / "t")])
     assert toy_args.max_new_tokens == 64 and not train.thinks_by_default(toy_args, qwen3)
@@ -175,7 +176,7 @@ def test_under_vllm_the_generation_batch_follows_the_paged_cache_not_max_len(cap
 
     def plan(*more):
         args = train.parse_args(flags + list(more))
-        return runtime.fit_memory(train.planning(args, model, machine, prompt=1000))
+        return runtime.fit_memory(runtime.Planning(args, model, machine, train.trains(args, config), prompt=1000))
     assert runtime.OBSERVATION_TOKENS == 512
     hf, vllm = plan("--kv-budget", "1"), plan("--kv-budget", "1", "--engine", "vllm")
     assert hf.conversation == 2920 and hf.gen_batch == 10**9 // (kv_token * 2920) == 7   # the episode's caches
