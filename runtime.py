@@ -11,8 +11,9 @@ data-parallel helper is the identity, so the single-process path is exactly the 
     python -m pytest tests/test_distributed.py tests/test_real_path.py -q
 
 Sections, in order: user errors; device, seed, precision, log; data parallel; the student (full, LoRA,
-checkpointed); FSDP2 and full state dicts; checkpoints and resume (the joint stage's, the cold start's) and the
-evaluation's rows read back after a kill.
+checkpointed); the memory plan (made before any weight is fetched, and again beside the loaded backbone); FSDP2
+and full state dicts; checkpoints and resume (the joint stage's, the cold start's) and the evaluation's rows read
+back after a kill.
 
 No deviation from the paper lives here: the official code's engineering (SGLang rollouts, Ray workers, DeepSpeed)
 is replaced, not followed, and the mathematics these helpers serve is the same on any number of processes.
@@ -25,6 +26,7 @@ import datetime
 import functools
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -214,14 +216,20 @@ def dist_setup(device: str = "auto", timeout_minutes: float = 360) -> tuple[int,
 def check_world(args, world: int, per_task: int = 1):
     """Every rank gets an equal slice of each batch (its micro-batch count, and so FSDP's collectives, match);
     per_task: rollouts per task of the method (GRPO's and SDPO's groups)."""
+    if why := uneven(args, world, per_task):
+        raise SystemExit(why)
+
+
+def uneven(args, world: int, per_task: int = 1) -> str:
+    """Why the batches of `args` do not split evenly over `world` ranks (`check_world`); "" where they do."""
     tasks = args.rollouts_per_step // per_task
     if tasks % world:
-        raise SystemExit(f"--rollouts-per-step {args.rollouts_per_step}: {tasks} tasks a step"
-                         + (f" (groups of --group {per_task})" if per_task > 1 else "")
-                         + f" do not split evenly over {world} processes; use a multiple of {world * per_task}")
+        return (f"--rollouts-per-step {args.rollouts_per_step}: {tasks} tasks a step"
+                + (f" (groups of --group {per_task})" if per_task > 1 else "")
+                + f" do not split evenly over {world} processes; use a multiple of {world * per_task}")
     if args.cold_batch % world:
-        raise SystemExit(f"--cold-batch {args.cold_batch} does not split evenly over {world} processes; "
-                         f"use a multiple of {world}")
+        return f"--cold-batch {args.cold_batch} does not split evenly over {world} processes; use a multiple of {world}"
+    return ""
 
 
 def world() -> int:
@@ -597,29 +605,141 @@ def lm_head(model_or_head) -> tuple:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The memory plan: every budget from the machine it runs on
+# The memory plan: every budget from the machine it runs on, decided before any weight is read
 # ----------------------------------------------------------------------------------------------------------------
-HEADROOM = 0.85     # the share of the measured free memory a plan fills; the rest is for what it does not count
+# train.prepare plans twice. First on θ̄ built on the meta device from --model's config alone (a few KB), before the
+# weights are fetched or loaded: a run that cannot fit stops there, in one line that names what does fit, each
+# suggestion planned again (`advice`). Then on the loaded backbone (`fit_memory`), from the memory measured free
+# beside it, for the budgets: the token budget of every forward/backward, the conversations that generate
+# together, gradient checkpointing. Both plans are `memory_plan` on a `Planning`.
+HEADROOM = 0.85     # the share of the memory beside the backbone a plan fills; the rest is for what it does not count
 CPU_TOKENS = 2048   # a CPU's forward/backward is no faster a token past this many (docs/real-models.md): the cap there
 EXPERIENCE_TOKENS = 512   # tokens of one retrieved experience in the composer's encoder (an observation-lite trace)
+OBSERVATION_TOKENS = 512  # what one environment step adds to a conversation beside its reply (a tool's result, a
+                          # program's test report, the template's turn markers): an upper estimate, see the docs
+PROMPT_TOKENS = 4096      # the first prompt where no tokenizer can be read before the weights (a folder with only
+                          # config.json, a hub id not in the cache): a system prompt and its tool schemas, rounded up
 VLLM_MAX_SEQS = 256       # --engine vllm: the engine's max_num_seqs (vLLM's CPU default), given so the plan knows it
+MOST_GPUS = 64            # the most GPUs a refusal's advice considers under torchrun
 GB = 1e9
 
 
-def free_memory(device) -> int:
-    """Bytes this process may still fill: CUDA's free memory on the device; on the CPU the host's available RAM
-    (MemAvailable) and, under an address-space cap (`ulimit -v`), what the cap leaves above the process's size."""
+def device_memory(device) -> tuple[int, int]:
+    """(total, free) bytes of the device a run uses: CUDA's card; on the CPU (and MPS, which shares the host's
+    memory) the host's MemTotal and MemAvailable, and under an address-space cap (`ulimit -v`) what the cap leaves
+    above the process's size."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        return total, free
     info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")}
-    free = info.get("MemAvailable", info.get("MemFree", 0))
+    total, free = info.get("MemTotal", 0), info.get("MemAvailable", info.get("MemFree", 0))
     import resource
     cap = resource.getrlimit(resource.RLIMIT_AS)[0]
     if cap != resource.RLIM_INFINITY:
         size = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize"))
-        free = min(free, cap - size)
-    return max(0, free)
+        total, free = min(total, cap), min(free, cap - size)
+    return total, max(0, free)
+
+
+def free_memory(device) -> int:
+    """Bytes this process may still fill on `device` (`device_memory`)."""
+    return device_memory(device)[1]
+
+
+def disk_free(out: str) -> int:
+    """Bytes a run may write under `out`: what its filesystem has free (the nearest folder that exists), plus what
+    OUT/ckpt already holds (a resumed run's checkpoint is replaced by the next one)."""
+    where = os.path.abspath(out)
+    while not os.path.isdir(where):
+        where = os.path.dirname(where)
+    held = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(os.path.join(out, "ckpt"))
+               for f in files)
+    return shutil.disk_usage(where).free + held
+
+
+@dataclass
+class Machine:
+    """What a plan is made for: the device the run uses and the disk --out is on, in bytes."""
+    type: str          # cuda | cpu | mps
+    total: int         # the device's memory
+    free: int          # free on it when measured (before the backbone loads, or beside it)
+    limit: int         # what the run may fill, the backbone included: --memory GB, else what was free before it
+    given: bool        # the limit is --memory's
+    disk: int          # free for --out (`disk_free`)
+
+
+def machine(args, device, loaded: int = 0) -> Machine:
+    """The device `device` and --out's disk, measured now; `loaded`: bytes of the backbone already on the device
+    (0 before it loads), so that what was free before it is `free + loaded`."""
+    total, free = device_memory(device)
+    limit = int(args.memory * GB) if args.memory else free + loaded
+    return Machine(torch.device(device).type, total, free, limit, bool(args.memory), disk_free(args.out))
+
+
+@dataclass
+class Footprint:
+    """What a run's settings hold on each rank beside its activations, counted on θ̄ (train.footprint)."""
+    backbone: int      # bytes of θ̄ on the device: the teacher and the composer's encoder
+    trained: int       # parameters trained on this rank (its shard of the student, the composer): 16 bytes each
+    gathered: tuple    # parameters of an FSDP2 student gathered whole on a rank (while training, while generating)
+    checkpoint: int    # bytes one checkpoint writes (rank 0: the whole student and its AdamW states, the composer)
+
+
+@dataclass
+class Trains:
+    """What the joint stage trains beside the student, from the method and the composer (train.trains)."""
+    targets: tuple     # the projections a LoRA adapts: the composer's, and a LoRA student's
+    lora_r: int        # the composer's LoRA rank
+    qformer: int       # the composer's QFormer parameters
+    ema: bool          # the method keeps an EMA copy of a full student (SDPO, SDFT)
+    per_task: int      # rollouts per task (GRPO's groups): a step's tasks split over the ranks whole
+
+
+def footprint(args, model, trains: Trains, ranks: int = 0) -> Footprint | None:
+    """What the settings `args` hold on each of `ranks` ranks (0: this job's) beside their activations, counted on θ̄
+    (loaded or on the meta device): the parameters trained on a rank (the student, a full copy sharded by FSDP2 or
+    a LoRA of rank --student-lora-r, an EMA teacher counted with it; the composer, replicated), what FSDP2 gathers
+    of a full student, one checkpoint's bytes (fp32 weights and AdamW m and v of all that is trained, an EMA
+    teacher's weights), θ̄'s bytes. None where the settings cannot run there: an EMA method with --student-lora, or
+    batches that do not split evenly over the ranks (`check_world`)."""
+    ranks = ranks or world()
+    if (trains.ema and args.student_lora) or uneven(args, ranks, trains.per_task):
+        return None
+    lora = sum(m.in_features + m.out_features for n, m in model.named_modules()      # a LoRA's, per unit of rank
+               if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in trains.targets)
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]
+    layer = sum(t.numel() for t in layers[0].parameters()) if layers else 0
+    total = sum(t.numel() for t in model.parameters())
+    student = lora * args.student_lora_r if args.student_lora else total
+    composer = lora * trains.lora_r + trains.qformer
+    sharded = ranks > 1 and not args.student_lora
+    root = total - layer * len(layers)                                   # embeddings, head, final norm
+    return Footprint(backbone=backbone_bytes(model),
+                     trained=(student // ranks if sharded else student) * (2 if trains.ema else 1) + composer,
+                     gathered=(root + 2 * layer, total) if sharded else (0, 0),
+                     checkpoint=12 * (student + composer) + (4 * student if trains.ema else 0))
+
+
+def prompt_tokens(chat, tasks: list, latents: int) -> int:
+    """The tokens a plan prices a prompt at: the longest of the world's first eight prompts as `chat` (engine.Chat,
+    with --model's tokenizer) renders them, plus the teacher's `latents` positions; PROMPT_TOKENS where no chat with
+    a template could be made before the weights."""
+    if chat is None or not tasks or not chat.tokenizer.chat_template:
+        return PROMPT_TOKENS + latents
+    return max(len(chat.prompt(*chat.begin(task))) for task in tasks[:8]) + latents
+
+
+def backbone_bytes(model) -> int:
+    """θ̄'s bytes on its device: its parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def conversation_tokens(args, prompt: int) -> int:
+    """The tokens one conversation is priced at, in training and in generation: its episode's own budget, `prompt`
+    then --max-env-steps replies of --max-new-tokens each followed by an observation (OBSERVATION_TOKENS), and
+    never more than --max-len, where the engine ends every episode."""
+    return min(args.max_len, prompt + args.max_env_steps * (args.max_new_tokens + OBSERVATION_TOKENS))
 
 
 def layer_activation_bytes(config, elem: int = 2) -> int:
@@ -680,8 +800,10 @@ class Costs:
     resident: int        # allocated for the whole joint stage: the trained weights, their gradients and AdamW states
     per_token: dict      # {checkpointing: bytes} of one supervised token of a micro-batch (student and teacher)
     per_row: dict        # {checkpointing: bytes} of one rollout of a micro-batch (its J experiences in the encoder)
-    fixed: int           # of any training step: the loss's chunk of rows
-    per_conversation: int   # of one conversation of --max-len tokens generating: its KV cache
+    fixed: int           # of any training step: the loss's chunk of rows (and an FSDP2 student's gathered layers)
+    per_conversation: int   # of one priced conversation generating: its KV cache
+    kv_token: int = 0       # of one token of a generating conversation
+    generating: int = 0     # held only while generating: an FSDP2 student gathered whole
     engine_batch: tuple | None = None   # --engine vllm: (conversations, bound) of `vllm_batch`; its cache is resident
 
 
@@ -690,34 +812,70 @@ def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max
     parameters on this rank (its shard of the student, and the composer): 16 bytes each (fp32 weight, gradient,
     AdamW m and v); every supervised token goes through the student and the teacher, each rollout's J experiences
     through the encoder; the loss is C rows × ~6 fp32 (V,) tensors chunked, both sides' (T, V) logits in full; a
-    generating conversation holds the KV cache of max_len tokens."""
+    generating conversation of `max_len` priced tokens (`conversation_tokens`) holds their KV cache."""
     sides = {ck: 2 * activation_bytes_per_token(config, ck, elem) for ck in (False, True)}
     full_logits = 0 if loss_chunk else 2 * config.vocab_size * (elem + 8)        # logits, log-probs, a gradient
+    kv = kv_bytes_per_token(config, elem)
     return Costs(resident=16 * trained,
                  per_token={ck: b + full_logits for ck, b in sides.items()},
                  per_row={ck: n_ret * EXPERIENCE_TOKENS * b // 2 for ck, b in sides.items()},
                  fixed=loss_bytes_per_row(config) * loss_chunk,
-                 per_conversation=max_len * kv_bytes_per_token(config, elem))
+                 per_conversation=max_len * kv, kv_token=kv)
+
+
+class NoFit(UserError):
+    """The plan's refusal (`plan_memory`): why, and the longest conversation that would fit (0: none)."""
+
+    def __init__(self, why: str, largest: int, free: int):
+        super().__init__(f"memory plan: {why} ({_size(HEADROOM * free)} planned of {_size(free)} free)")
+        self.why, self.largest = why, largest
 
 
 @dataclass
 class MemoryPlan:
-    free: int              # bytes measured free once the backbone is loaded (or --memory)
+    free: int              # bytes the plan may fill beside the backbone (HEADROOM of them are planned)
     grad_ckpt: bool
     token_budget: int      # padded tokens per forward/backward
     gen_batch: int         # conversations that generate together
-    longest: int           # bytes a training step of one --max-len conversation needs, at the plan's checkpointing
+    longest: int           # bytes a training step of one priced conversation needs, at the plan's checkpointing
     chosen: tuple          # which of grad_ckpt, token_budget, gen_batch the plan chose (the others were given)
-    gen_bound: str = ""    # what bounded a chosen gen_batch where it is not --max-len KV caches (--engine vllm)
+    gen_bound: str = ""    # what bounded a chosen gen_batch where it is not the KV caches (--engine vllm)
+    conversation: int = 0  # the tokens a conversation is priced at (`conversation_tokens`)
+    notes: tuple = ()      # a given budget that will not fit, one line each (`fit_memory` says them)
+    machine: Machine | None = None     # what it was made for (`memory_plan`), and what it holds there:
+    backbone: int = 0                  # θ̄'s bytes on the device
+    checkpoint: int = 0                # one checkpoint's bytes; two are on disk while the next is written
 
-    def line(self, max_len: int) -> str:
+    def line(self) -> str:
         made = lambda k: "" if k in self.chosen else " (given)"                        # noqa: E731
         bound = f" ({self.gen_bound}; --gen-batch to set)" if self.gen_bound and "gen_batch" in self.chosen else ""
         budget = f"{self.token_budget} tokens" if self.token_budget else "--micro-batch rollouts"
-        return (f"memory plan: {_size(HEADROOM * self.free)} of {_size(self.free)} free; gradient "
-                f"checkpointing {'on' if self.grad_ckpt else 'off'}{made('grad_ckpt')}; {budget} a forward/backward"
-                f"{made('token_budget')} (one {max_len}-token conversation trains in {_size(self.longest)}); "
-                f"{self.gen_batch} conversations generate together{made('gen_batch')}{bound}")
+        return (f"memory plan: {self.room_words()}; gradient checkpointing {'on' if self.grad_ckpt else 'off'}"
+                f"{made('grad_ckpt')}; {budget} a forward/backward{made('token_budget')} (one "
+                f"{self.conversation}-token conversation trains in {_size(self.longest)}); {self.gen_batch} "
+                f"conversations generate together{made('gen_batch')}{bound}{self.disk_words()}")
+
+    def room_words(self) -> str:
+        """Where the plan's bytes come from: the device's total and free, what the run may fill, the backbone."""
+        if self.machine is None:
+            return f"{_size(HEADROOM * self.free)} planned of {_size(self.free)} free"
+        return budget_words(self.machine, self.backbone)
+
+    def disk_words(self) -> str:
+        """The checkpoints' room: two on disk while the next is written (`check_disk`)."""
+        if self.machine is None or not self.checkpoint:
+            return ""
+        return f"; checkpoints 2 × {_size(self.checkpoint)} on --out's disk ({_size(self.machine.disk)} free)"
+
+
+def budget_words(m: Machine, backbone: int) -> str:
+    """The device's total and free, what a run may fill there (--memory or what is free), the backbone's share and
+    what the plan fills beside it: the plan's line and a refusal say them alike."""
+    beside = m.limit - backbone
+    limit = "--memory" if m.given else "what is free; --memory to set"
+    return (f"{m.type} {_size(m.total)} total, {_size(m.free)} free; the run fills at most {_size(m.limit)} ({limit}),"
+            f" the {_size(backbone)} backbone included: {_size(HEADROOM * beside)} planned of the {_size(beside)} "
+            "beside it")
 
 
 def _size(b: float) -> str:
@@ -726,66 +884,221 @@ def _size(b: float) -> str:
 
 
 def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | None = None) -> MemoryPlan:
-    """The budgets that fit `free` bytes (HEADROOM of them): checkpointing only if one conversation of max_len
-    tokens does not train without it; the token budget that fills what is left beside the resident weights, at
-    most `cap` (on a CPU a longer forward is no faster a token: train.py caps it there at CPU_TOKENS, and a
-    micro-batch still holds at least one episode); as many generating conversations as their KV caches fit (under
-    --engine vllm, `costs.engine_batch`: the engine's cache is resident, and pages).
-    `given` holds grad_ckpt, token_budget and gen_batch, each kept unless None. A UserError, before any work, when
-    one --max-len conversation cannot train even alone; a line when a given budget will not fit."""
+    """The budgets that fit `free` bytes beside the backbone (HEADROOM of them) for conversations priced at `max_len`
+    tokens: checkpointing only if one conversation does not train without it; the token budget that fills what is
+    left beside the resident weights, at most `cap` (on a CPU a longer forward is no faster a token: train.py caps
+    it there at CPU_TOKENS, and a micro-batch still holds at least one episode); as many generating conversations
+    as their KV caches fit (under --engine vllm, `costs.engine_batch`: the engine's cache is resident, and pages).
+    `given` holds grad_ckpt, token_budget and gen_batch, each kept unless None. A NoFit (a UserError) when one
+    conversation cannot train, or generate, even alone; a note when a given budget will not fit."""
     grad_ckpt, token_budget, gen_batch = given["grad_ckpt"], given["token_budget"], given["gen_batch"]
     room = int(HEADROOM * free) - costs.resident - costs.fixed
     tokens = {ck: (room - costs.per_row[ck]) // costs.per_token[ck] for ck in (False, True)}
     ckpt = grad_ckpt if grad_ckpt is not None else tokens[False] < max_len
     longest = costs.resident + costs.fixed + costs.per_row[ckpt] + max_len * costs.per_token[ckpt]
+    generating = room + costs.fixed - costs.generating               # the loss's chunk is freed by then
+    _check_one_fits(costs, free, max_len, tokens[ckpt], generating)
     where = f"{_size(HEADROOM * free)} planned of {_size(free)} free"
-    if tokens[ckpt] < max_len:
-        fix = "give --grad-ckpt, " if not ckpt else ""
-        raise UserError(f"memory plan: one conversation of --max-len {max_len} tokens needs {_size(longest)} to "
-                        f"train ({where}): {fix}lower --max-len, use --student-lora, or free memory")
     budget = token_budget if token_budget is not None else int(min(tokens[ckpt], cap or tokens[ckpt]))
+    notes = []
     if token_budget and token_budget > tokens[ckpt]:
-        say(f"memory plan: --token-budget {token_budget} will not fit ({where}: {int(tokens[ckpt])} tokens do)")
-    fit, bound = costs.engine_batch or (int((room + costs.fixed) // max(1, costs.per_conversation)), "")
-    batch = gen_batch if gen_batch is not None else max(1, fit)     # KV caches: the loss's chunk is freed by then
+        notes.append(f"memory plan: --token-budget {token_budget} will not fit ({where}: {int(tokens[ckpt])} "
+                     "tokens do)")
+    fit, bound = costs.engine_batch or (int(generating // max(1, costs.per_conversation)), "")
+    batch = gen_batch if gen_batch is not None else max(1, fit)
     if gen_batch and gen_batch > fit and not bound:                 # vLLM queues or preempts what does not fit
-        say(f"memory plan: --gen-batch {gen_batch} will not fit ({where}: {max(0, fit)} conversations do)")
+        notes.append(f"memory plan: --gen-batch {gen_batch} will not fit ({where}: {max(0, fit)} conversations do)")
     chosen = tuple(k for k, v in (("grad_ckpt", grad_ckpt), ("token_budget", token_budget),
                                   ("gen_batch", gen_batch)) if v is None)
-    return MemoryPlan(free, ckpt, budget, batch, longest, chosen, bound)
+    return MemoryPlan(free, ckpt, budget, batch, longest, chosen, bound, max_len, tuple(notes))
 
 
-def fit_memory(args, model, device, trained: int) -> MemoryPlan:
-    """The memory plan of a run on its loaded backbone (train.fit_to_model calls it): from the memory free once θ̄
-    is loaded (or --memory GB), the token budget of every forward/backward, the conversations that generate together
-    and gradient checkpointing, where the command line gave none (written into `args`; one line says what it chose).
-    A UserError before any work when one --max-len conversation cannot train."""
-    elem = next(model.parameters()).element_size()          # the precision forwards run in: bf16 2, fp32 4
-    if args.kv_budget and args.gen_batch is None and args.engine == "hf":   # vLLM's cache pages: `memory_plan`
-        args.gen_batch = kv_budget_batch(model.config, args.kv_budget, args.max_len, elem)
-    free = int(args.memory * GB) if args.memory else free_memory(device)
-    plan = memory_plan(args, model, free, device.type, trained)
-    args.grad_ckpt, args.token_budget, args.gen_batch = plan.grad_ckpt, plan.token_budget, plan.gen_batch
-    say(plan.line(args.max_len))
-    if args.grad_ckpt:
-        checkpointing(model)
+def _check_one_fits(costs: Costs, free: int, n: int, tokens: int, generating: int):
+    """A NoFit unless one conversation of n tokens trains (`tokens` fit a step) and generates (its KV cache within
+    `generating` bytes); its `largest`: the longest conversation that does both (0: the resident terms alone do
+    not leave room for one)."""
+    kv_tokens = generating // max(1, costs.kv_token) if costs.engine_batch is None else tokens
+    largest = int(max(0, min(tokens, kv_tokens)))
+    if n <= largest:
+        return
+    states = f"the trained weights, their gradients and AdamW states ({_size(costs.resident)})"
+    if tokens < 1:
+        raise NoFit(f"{states}, a step's fixed terms ({_size(costs.fixed)}) and a rollout's experiences in the "
+                    f"encoder ({_size(costs.per_row[True])}) leave no room for one conversation: no --max-len fits",
+                    0, free)
+    if largest == 0:
+        raise NoFit(f"{states} and the student gathered whole to generate ({_size(costs.generating)}) leave no room "
+                    "for one conversation's KV cache: no --max-len fits", 0, free)
+    train = costs.resident + costs.fixed + costs.per_row[True] + n * costs.per_token[True]
+    what = "train" if tokens < n else "generate"
+    need = train if what == "train" else costs.resident + costs.generating + n * costs.kv_token
+    raise NoFit(f"one {n}-token conversation needs {_size(need)} to {what}; at most {largest} tokens fit", largest,
+                free)
+
+
+@dataclass
+class Planning:
+    """What a plan is made from (`memory_plan`): a run's settings, its backbone, the machine, what the method trains
+    and the prompt, so that a refusal can plan its suggestions again (`footprint_of`)."""
+    args: object           # train.Args
+    model: object          # θ̄, loaded or built on the meta device from its config
+    machine: Machine
+    trains: Trains
+    prompt: int            # tokens of the world's first prompts, the teacher's latent positions included
+
+    def footprint_of(self, args, ranks: int = 0) -> Footprint | None:
+        return footprint(args, self.model, self.trains, ranks)
+
+
+def memory_plan(p: Planning, ranks: int = 0) -> MemoryPlan:
+    """The plan of `p` on each of `ranks` ranks (0: this job's). A UserError in one line when it cannot fit: one
+    conversation that cannot train or generate, followed by what fits (`advice`); two checkpoints that do not fit
+    --out's disk (`check_disk`)."""
+    if p.footprint_of(p.args, ranks) is None:         # train._check and check_world refuse these settings first
+        raise UserError(f"memory plan: these settings cannot run on {ranks or world()} ranks")
+    try:
+        plan = _plan(p, ranks)
+    except NoFit as err:
+        where = budget_words(p.machine, p.footprint_of(p.args, ranks).backbone)
+        raise UserError(f"memory plan: {where}: {err.why}. {advice(p, err)}") from None
+    check_disk(p, plan)
     return plan
 
 
-def memory_plan(args, model, free: int, device_type: str, trained: int) -> MemoryPlan:
-    """The plan of a run with settings `args` (train.Args) on `model` (real or on the meta device: scripts/bench.py
-    --memory) with `free` bytes of a `device_type` device (cuda, cpu, ...); `trained`: the parameters the joint
-    stage trains on this rank (train.trained_parameters)."""
-    costs = step_costs(model.config, next(model.parameters()).element_size(), trained,
-                               args.n_ret, args.loss_chunk, args.max_len)
+def _plan(p: Planning, ranks: int = 0) -> MemoryPlan:
+    """`plan_memory` on the costs of `p` (a NoFit where one conversation does not fit)."""
+    args, config, foot = p.args, p.model.config, p.footprint_of(p.args, ranks)
+    elem = next(p.model.parameters()).element_size()        # the precision forwards run in: bf16 2, fp32 4
+    n, free = conversation_tokens(args, p.prompt), p.machine.limit - foot.backbone
+    costs = step_costs(config, elem, foot.trained, args.n_ret, args.loss_chunk, n)
+    costs = dataclasses.replace(costs, fixed=costs.fixed + elem * foot.gathered[0],
+                                generating=elem * foot.gathered[1])
     if args.engine == "vllm":           # the engine's own fp32 copy of the weights and its KV cache, for the whole run
-        kv, weights = engine_kv_bytes(args, free), 4 * sum(p.numel() for p in model.parameters())
+        kv, weights = engine_kv_bytes(args, free), 4 * sum(t.numel() for t in p.model.parameters())
         in_flight = min(args.max_len, args.max_env_steps * args.max_new_tokens)     # what a conversation's replies add
-        batch = vllm_batch(kv // kv_bytes_per_token(model.config, 4), in_flight)     # the engine's cache is fp32
+        batch = vllm_batch(kv // kv_bytes_per_token(config, 4), in_flight)           # the engine's cache is fp32
         costs = dataclasses.replace(costs, resident=costs.resident + weights + kv, engine_batch=batch)
     given = {k: getattr(args, k) for k in ("grad_ckpt", "token_budget", "gen_batch")}
-    cap = CPU_TOKENS if device_type == "cpu" else None    # a longer forward is no faster there
-    return plan_memory(costs, free, args.max_len, given, cap=cap)
+    if args.kv_budget and given["gen_batch"] is None and args.engine == "hf":     # vLLM's cache pages: above
+        given["gen_batch"] = kv_budget_batch(config, args.kv_budget, n, elem)
+    cap = CPU_TOKENS if p.machine.type == "cpu" else None    # a longer forward is no faster there
+    plan = plan_memory(costs, free, n, given, cap=cap)
+    checkpoint = foot.checkpoint if args.steps else 0       # --steps 0: no joint stage, no checkpoint
+    return dataclasses.replace(plan, machine=p.machine, backbone=foot.backbone, checkpoint=checkpoint)
+
+
+def fits(p: Planning, ranks: int = 0) -> bool:
+    """Whether the plan of `p` on `ranks` ranks fits (memory only), for settings that can run there."""
+    if p.footprint_of(p.args, ranks) is None:
+        return False
+    try:
+        _plan(p, ranks)
+    except NoFit:
+        return False
+    return True
+
+
+def advice(p: Planning, err: NoFit) -> str:
+    """What fits instead of the refused settings, each planned again before it is named: the longest --max-len
+    (only where one conversation leaves room), --grad-ckpt where it was turned off, --student-lora (said whether
+    it fits), more GPUs under torchrun (FSDP2 shards a full student; a GPU a rank, so not on a CPU, whose ranks
+    share its memory), a larger device. Never a flag that cannot help."""
+    args, out = p.args, []
+    if (n := usable_max_len(p, err.largest)) and fits(_with(p, max_len=n, max_new_tokens=min(args.max_new_tokens,
+                                                                                             n // 2))):
+        out.append(f"--max-len {n}")
+    if args.grad_ckpt is False and fits(_with(p, grad_ckpt=True)):
+        out.append("--grad-ckpt")
+    lora = None if args.student_lora else lora_advice(_with(p, student_lora=True))
+    if lora:
+        out.append(lora)
+    if p.machine.type == "cuda" and not args.student_lora and (gpus := fewest_gpus(p)):   # CPU ranks share one memory
+        out.append(f"torchrun --nproc-per-node {gpus} (FSDP2 shards the student)" if gpus <= 8 else
+                   f"torchrun on {gpus} GPUs (FSDP2 shards the student; --nnodes × --nproc-per-node)")
+    if limit := smallest_limit(p):
+        out.append(f"a {'card' if p.machine.type == 'cuda' else 'machine'} with {_size_up(limit)} free")
+    said = "What fits: " + "; ".join(out) if out else "Nothing the plan knows fits"
+    return said + (" (--student-lora does not fit either)" if lora == "" else "")
+
+
+def _with(p: Planning, **settings) -> Planning:
+    return dataclasses.replace(p, args=dataclasses.replace(p.args, **settings))
+
+
+def usable_max_len(p: Planning, largest: int) -> int:
+    """`largest`, the longest conversation that fits, as a --max-len, if the prompt and one reply fit in it (a reply
+    of at most half of it: `fit_context`); else 0."""
+    return largest if largest >= p.prompt + min(p.args.max_new_tokens, largest // 2) else 0
+
+
+def lora_advice(p: Planning) -> str | None:
+    """--student-lora (in `p`), planned: as given, or with the longest --max-len it leaves; "" where neither fits,
+    None where the method cannot take it."""
+    if p.footprint_of(p.args, 0) is None:
+        return None
+    try:
+        _plan(p)
+        return "--student-lora"
+    except NoFit as err:
+        n = usable_max_len(p, err.largest)
+        if n and fits(_with(p, max_len=n, max_new_tokens=min(p.args.max_new_tokens, n // 2))):
+            return f"--student-lora --max-len {n}"
+        return ""
+
+
+def fewest_gpus(p: Planning) -> int:
+    """The fewest ranks, more than this job's, on which each rank's plan fits (0: none up to MOST_GPUS)."""
+    return next((n for n in range(max(2, world() + 1), MOST_GPUS + 1) if fits(p, n)), 0)
+
+
+def smallest_limit(p: Planning) -> int:
+    """The fewest bytes, in whole MB, the run must be able to fill (the backbone included) for its plan to fit (0:
+    not even 100 TB): a bisection over `fits`, which only grows with the memory."""
+    grow = lambda mb: fits(dataclasses.replace(p, machine=dataclasses.replace(p.machine, limit=mb * 10**6)))  # noqa
+    lo, hi = p.machine.limit // 10**6, 10**8
+    if not grow(hi):
+        return 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if grow(mid) else (mid, hi)
+    return hi * 10**6
+
+
+def _size_up(b: float) -> str:
+    """Bytes as GB rounded up to a tenth, or as MB rounded up below a tenth of a GB: what a suggestion needs."""
+    return f"{math.ceil(b / GB * 10) / 10:.1f} GB" if b >= 0.1 * GB else f"{math.ceil(b / 1e6):.0f} MB"
+
+
+def check_disk(p: Planning, plan: MemoryPlan):
+    """A UserError unless two checkpoints fit --out's disk (the next one is written before the last is deleted,
+    `publish`), naming what fits: a LoRA student's checkpoints, a disk with the room."""
+    need, disk = 2 * plan.checkpoint, p.machine.disk
+    if need <= disk:
+        return
+    out = []
+    lora = _with(p, student_lora=True)
+    if not p.args.student_lora and fits(lora) and 2 * (small := p.footprint_of(lora.args, 0).checkpoint) <= disk:
+        out.append(f"--student-lora (its checkpoints: {_size(small)} each)")
+    out.append(f"--out on a disk with {_size_up(need)} free")
+    raise UserError(f"disk plan: a checkpoint of the run is {_size(plan.checkpoint)} (fp32 weights and AdamW m, v of "
+                    f"all it trains), and two are on disk while the next is written: {_size(need)}, more than the "
+                    f"{_size(disk)} free for --out {p.args.out!r}. What fits: {'; '.join(out)}")
+
+
+def fit_memory(p: Planning) -> MemoryPlan:
+    """The memory plan of a run on its loaded backbone (train.fit_to_model calls it, with `p.machine` measured
+    beside it): the token budget of every forward/backward, the conversations that generate together and gradient
+    checkpointing, where the command line gave none (written into `p.args`; one line says what it chose). The
+    same refusal as before loading (`memory_plan`) if the memory measured now leaves less than was planned."""
+    plan = memory_plan(p)
+    args = p.args
+    args.grad_ckpt, args.token_budget, args.gen_batch = plan.grad_ckpt, plan.token_budget, plan.gen_batch
+    for note in plan.notes:
+        say(note)
+    say(plan.line())
+    if args.grad_ckpt:
+        checkpointing(p.model)
+    return plan
 
 
 def absolute_paths(args):
@@ -848,7 +1161,8 @@ def replan(args):
 
 
 def check_causal_lm(path: str):
-    """A UserError unless `path` (a folder or hub id) holds a config of a causal LM architecture."""
+    """`path`'s model config (a folder or hub id: config.json alone is read); a UserError unless it is a causal LM
+    architecture."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     try:
@@ -862,6 +1176,24 @@ def check_causal_lm(path: str):
             a.endswith(heads) for a in saved_as)):
         raise UserError(f"--model {path!r}: a {config.model_type!r} model ({', '.join(saved_as) or 'no head'}) is not "
                         "a causal LM; give a decoder checkpoint such as Qwen/Qwen3-4B")
+    return config
+
+
+def load_tokenizer(path: str, chat_template: str = ""):
+    """`path`'s tokenizer (a folder or hub id), with the Jinja template of the file `chat_template` where given."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if chat_template:
+        tok.chat_template = open(chat_template).read()
+    return tok
+
+
+def meta_backbone(config, dtype):
+    """θ̄ of `config` on the meta device in `dtype`: its shapes and parameter counts for the plan, no memory, no
+    weight read."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -26,9 +26,9 @@ reference without the task (`--composer-input reference`; composer.py, deviation
 --qformer-dtype bfloat16; L_distill over the whole batch's tokens is the official code's (--kl-per trajectory: eq.
 10 as written). Controls: --method rft, --retrieval other | none | shop; the dial: --conventions K.
 
-Real backbones: bf16 weights with the trained ones in fp32 under autocast (`runtime.precision`), a memory plan for
-every forward/backward and generation batch, --student-lora for θ as a second adapter. User errors end the run
-with one line and exit status 2. Under torchrun each rank rolls out a slice of each batch, normalisers and Δ are
+Real backbones: bf16 weights with the trained ones in fp32 under autocast (`runtime.precision`), a memory plan made
+before any weight is read (`plan_before_loading`), --student-lora for θ as a second adapter. User errors end the
+run with one line and exit status 2. Under torchrun each rank rolls out a slice of each batch, normalisers and Δ are
 summed over ranks, the full student is sharded with FSDP2, rank 0 alone logs and writes (runtime.py).
 """
 from __future__ import annotations
@@ -140,8 +140,8 @@ class Args:
                             "virtualenv: docs/real-models.md)")
     device: str = arg("auto", "auto | cpu | cuda | mps")
     dtype: str = arg("auto", "auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16")
-    memory: float = arg(0, "GB the memory plan may fill (0 = what the device has free once the backbone is loaded): "
-                           "it chooses --token-budget, --gen-batch and --grad-ckpt where not given")
+    memory: float = arg(0, "GB the run may fill on its device in total, the backbone included (0 = what is free "
+                           "before it loads): the memory plan fits --token-budget, --gen-batch, --grad-ckpt within it")
     micro_batch: int = arg(lopd.LOPDConfig.micro_batch, "at most this many rollouts per forward/backward")
     token_budget: int = arg(None, "at most this many padded tokens per forward/backward (engine.micro_batches). "
                                   "Default: what the memory plan fits; 0 = no limit but --micro-batch (the toy's)")
@@ -228,14 +228,15 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     runtime.seed_everything(args.seed)
     device, dtype = runtime.pick_device(args.device, args.dtype)
     log = runtime.Log(args.out, args.tensorboard)
+    train_tasks, test_tasks = load_splits(args, record)      # first: the plan prices the world's first prompts
+    planned = plan_before_loading(args, device, dtype, train_tasks)    # a run that cannot fit stops here
     model, tok = load_backbone(args, device, dtype)
-    plan = fit_to_model(args, model, tok, device)
+    plan = fit_to_model(args, model, tok, device, planned)
     runtime.start_engine(args, model, args.model or toy_backbone(args), plan.free)
     if record and runtime.rank() == 0:   # atomically: another rank may be reading it in check_same_world
         runtime.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
         runtime.write_json(os.path.join(args.out, "memory_plan.json"), dataclasses.asdict(plan))
     source = None if args.student_lora else runtime.student_source(model)   # θ̄'s weights, before the composer's LoRA
-    train_tasks, test_tasks = load_splits(args, record)
     episodes = base_rollouts(args, model, tok, train_tasks, log)
     retriever = build_retriever(args, model, tok, episodes, train_tasks, test_tasks, log)
     composer = cold_start(args, model, tok, retriever, episodes, train_tasks, log)
@@ -249,16 +250,41 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: the backbone θ̄ (and its tokenizer)
 # ----------------------------------------------------------------------------------------------------------------
+def plan_before_loading(args: Args, device, dtype, tasks) -> runtime.Planning:
+    """The memory plan on θ̄ built on the meta device from --model's config alone, before any weight is fetched or
+    read (runtime.memory_plan): a run that cannot fit stops here, in one line naming what fits. -> what it planned
+    from (the prompt: the world's first, with --model's template), which `fit_to_model` plans again once loaded."""
+    path = args.model or toy_backbone(args)
+    model = runtime.meta_backbone(runtime.check_causal_lm(path), dtype)
+    n_ctx = getattr(model.config, "max_position_embeddings", None)
+    args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
+    try:
+        chat = chat_of(args, runtime.load_tokenizer(path, args.chat_template))   # thinking off: the longer prompt
+    except (OSError, ValueError, TypeError):                # a folder with only config.json, a hub id not cached
+        chat = None
+    prompt = runtime.prompt_tokens(chat, tasks, args.n_ret * args.latents)
+    planning = runtime.Planning(args, model, runtime.machine(args, device), trains(args, model.config), prompt)
+    runtime.memory_plan(planning)
+    return planning
+
+
+def trains(args: Args, config) -> runtime.Trains:
+    """What the joint stage trains beside θ (runtime.footprint): the composer's LoRA and QFormer, an EMA teacher."""
+    cc, d, heads = ComposerConfig(n_latents=args.latents), config.hidden_size, config.num_attention_heads
+    with torch.device("meta"):
+        qformer = QFormer(d, heads, cc.n_latents, cc.n_layers, cc.ffn_mult, 1.0)
+    return runtime.Trains(tuple(cc.lora_targets), cc.lora_r, sum(p.numel() for p in qformer.parameters()),
+                          METHODS[args.method].keeps_ema, rollouts_per_task(args))
+
+
 def load_backbone(args: Args, device, dtype):
     """The base model θ̄ and its tokenizer: --model, or the toy backbone built (once) into OUT/backbone."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     path = args.model or toy_backbone(args)
     runtime.check_causal_lm(path)
     if environment(args).toy_world == "tools" and not args.tasks:      # a toy backbone knows its world's tools
         toy.check_conventions(path, args.conventions)
-    tok = AutoTokenizer.from_pretrained(path)
-    if args.chat_template:
-        tok.chat_template = open(args.chat_template).read()
+    tok = runtime.load_tokenizer(path, args.chat_template)
     if not tok.chat_template:
         raise UserError(f"--model {path!r}: its tokenizer has no chat template (a base checkpoint?); give one with "
                         "--chat-template FILE (a Jinja file), or use an instruct model")
@@ -270,39 +296,23 @@ def load_backbone(args: Args, device, dtype):
     return model, tok
 
 
-def fit_to_model(args: Args, model, tok, device) -> runtime.MemoryPlan:
-    """The settings that depend on the backbone, resolved here and nowhere else (each change said in one line; all
-    of them written to args.json, the plan to memory_plan.json): the thinking mode, --max-len within the model's
-    context and a reply within half of it (`runtime.fit_context`), and the memory plan's token budget, generation
-    batch and gradient checkpointing where the command line gave none (`runtime.fit_memory`)."""
+def fit_to_model(args: Args, model, tok, device, planned: runtime.Planning) -> runtime.MemoryPlan:
+    """The settings that depend on the backbone, resolved here and in `plan_before_loading` (--max-len within its
+    context, `runtime.fit_context`), each change said in one line, all written to args.json, the plan to
+    memory_plan.json: the thinking mode, and the memory plan's token budget, generation batch and gradient
+    checkpointing where the command line gave none (`runtime.fit_memory`: `planned` again, beside the backbone)."""
     if args.thinking is None:
         args.thinking = thinks_by_default(args, tok)
         if args.thinking:
             say("thinking mode on (B.2; the template has enable_thinking): --no-thinking turns it off")
-    n_ctx = getattr(model.config, "max_position_embeddings", None)
-    args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
-    return runtime.fit_memory(args, model, device, trained_parameters(args, model))
+    machine = runtime.machine(args, device, loaded=runtime.backbone_bytes(model))
+    return runtime.fit_memory(dataclasses.replace(planned, args=args, model=model, machine=machine))
 
 
 def thinks_by_default(args: Args, tok) -> bool:
     """B.2 runs Qwen3 with thinking on: a real model whose chat template reads `enable_thinking` thinks unless
     --no-thinking. The toy backbone never does (its budgets are sized for short replies)."""
     return not is_toy(args) and "enable_thinking" in (tok.chat_template or "")
-
-
-def trained_parameters(args: Args, model) -> int:
-    """Parameters trained in the joint stage on this rank, counted on θ̄ before any is made: the student (a full
-    copy, sharded over the ranks by FSDP2, or a LoRA of rank --student-lora-r; SDPO's EMA teacher counted with it),
-    the composer's LoRA and QFormer (replicated)."""
-    cc = ComposerConfig(n_latents=args.latents)
-    per_rank = sum(m.in_features + m.out_features for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in cc.lora_targets)
-    with torch.device("meta"):
-        d, heads = model.config.hidden_size, model.config.num_attention_heads
-        qformer = sum(p.numel() for p in QFormer(d, heads, cc.n_latents, cc.n_layers, cc.ffn_mult, 1.0).parameters())
-    student = per_rank * args.student_lora_r if args.student_lora else (sum(p.numel() for p in model.parameters())
-                                                                        // runtime.world())
-    return student * (2 if METHODS[args.method].keeps_ema else 1) + per_rank * cc.lora_r + qformer
 
 
 def toy_backbone(args: Args) -> str:

@@ -3,7 +3,8 @@
     python -m scripts.bench --loss                  # top-M + tail reverse KL vs F.cross_entropy on the same logits
     python -m scripts.bench --loss --vocab 151936   # at Qwen3's vocabulary size
     python -m scripts.bench --step --model runs/toy/backbone   # one LOPD step vs one OPSD-style step, time per phase
-    python -m scripts.bench --memory                # train.py's memory plan for the card's command on an H200, then
+    python -m scripts.bench --memory                # train.py's memory plan for the card's command on an H100 and an
+                                            # H200 (a refusal on the H100, naming what fits), then
                                             # the phases of Qwen3-4B/8B (and Olmo3-7B) from meta-device counts
     python -m scripts.bench --memory --gpus 8       # the same per GPU under torchrun (FSDP2 student, replicated
                                             # backbone)
@@ -292,6 +293,8 @@ SMOLLM2 = ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_lay
                          num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=8192))     # the real-model tier's SmolLM2-135M-Instruct
 H200_BYTES = 143_771 * 2**20     # what nvidia-smi reports for one H200
+H100_BYTES = 81_559 * 2**20      # and for one H100 80 GB (HBM3)
+DISK_BYTES = 1000 * 10**9        # the disk --out is on, for the plans of --memory
 CUDA_CONTEXT = 1e9               # CUDA's own context and torch's workspaces, roughly
 GB = 1e9
 
@@ -419,33 +422,45 @@ def print_plan_check(tokens: int = 512, chunk: int = 256):
         print(f"| {name} | {got:,.0f} | {plan:,.0f} | {got / plan:.2f} |")
 
 
-def headline_plans() -> list:
-    """What train.py's memory plan chooses (train.memory_plan, on the backbone built on the meta device) for the
-    card's command on one H200, and for SmolLM2-135M on a 24 GB CPU machine (the real-model tier's test command).
-    -> [(command, where, free bytes, plan, max_len)]"""
+def headline_plans(gpus: int = 1) -> list:
+    """What train.py's memory plan says (runtime.memory_plan, on the backbone built on the meta device, as train.py
+    plans before loading) for the card's command on one H100 (80 GB) and one H200, and for SmolLM2-135M on a 24 GB
+    CPU machine (the real-model tier's command); with `gpus` > 1, each rank's under torchrun (the GPUs' cases): a
+    refusal's line, or the plan's. -> [(command, where, line)]"""
     import train
-    from transformers import AutoModelForCausalLM
-    cases = [("python train.py --model Qwen/Qwen3-4B", "qwen3-4b", torch.bfloat16, "cuda", "one H200",
-              lambda n: H200_BYTES - 2 * n - CUDA_CONTEXT, []),
-             ("python train.py --model SMOLLM2 --micro-batch 2 --latents 2", "smollm2-135m", torch.float32, "cpu",
-              "a 24 GB CPU machine (24.5 GB available with the backbone loaded, as measured here)", lambda n: 24.5 * GB,
+    cases = [("python train.py --model Qwen/Qwen3-4B", "qwen3-4b", torch.bfloat16, "one H100 (80 GB)",
+              runtime.Machine("cuda", H100_BYTES, H100_BYTES - CUDA_CONTEXT, H100_BYTES - CUDA_CONTEXT, False,
+                              DISK_BYTES), []),
+             ("python train.py --model Qwen/Qwen3-4B", "qwen3-4b", torch.bfloat16, "one H200",
+              runtime.Machine("cuda", H200_BYTES, H200_BYTES - CUDA_CONTEXT, H200_BYTES - CUDA_CONTEXT, False,
+                              DISK_BYTES), []),
+             ("python train.py --model SMOLLM2 --micro-batch 2 --latents 2", "smollm2-135m", torch.float32,
+              "a 24 GB CPU machine (25.0 GB available before the backbone loads: the 24.5 GB measured beside it)",
+              runtime.Machine("cpu", 25 * GB, 25 * GB, 25 * GB, False, DISK_BYTES),
               ["--micro-batch", "2", "--latents", "2"])]
     out = []
-    for command, arch, dtype, device, where, free_of, flags in cases:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(arch_config(arch), dtype=dtype)
+    for command, arch, dtype, where, machine, flags in cases:
+        if gpus > 1 and machine.type != "cuda":
+            continue
+        model = runtime.meta_backbone(arch_config(arch), dtype)
         args = train.parse_args(["--model", "org/" + arch, *flags])       # a hub id: the paper's defaults
         n_ctx = model.config.max_position_embeddings
         args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
-        free = int(free_of(sum(p.numel() for p in model.parameters())))
-        out.append((command, where, free, runtime.memory_plan(args, model, free, device,
-                                                                 train.trained_parameters(args, model)), args.max_len))
+        prompt = runtime.PROMPT_TOKENS + args.n_ret * args.latents          # no tokenizer: the plan's estimate
+        try:
+            planning = runtime.Planning(args, model, machine, train.trains(args, model.config), prompt)
+            line = runtime.memory_plan(planning, ranks=gpus).line()
+        except runtime.UserError as err:
+            line = f"error: {err}"
+        if gpus > 1:
+            command, where = f"torchrun --nproc-per-node {gpus} {command[7:]}", f"{gpus} ranks, each on {where}"
+        out.append((command, where, line))
     return out
 
 
-def print_headline_plans():
-    for command, where, free, plan, max_len in headline_plans():
-        print(f"`{command}` on {where}:\n  {plan.line(max_len)}")
+def print_headline_plans(gpus: int = 1):
+    for command, where, line in headline_plans(gpus):
+        print(f"`{command}` on {where}:\n  {line}")
 
 
 def print_memory_table(rollouts: int, tokens: int, loss_chunk: int = 1024, gen_batch: int = 8):
@@ -871,6 +886,8 @@ def main(argv=None):
         print()
         print_memory_table(rollouts=1, tokens=40960)
         if a.gpus > 1:
+            print()
+            print_headline_plans(a.gpus)
             print()
             print_memory_table_gpus(a.gpus, rollouts=1, tokens=40960)
     if a.check_plan:

@@ -304,8 +304,9 @@ def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(w
 
 
 def test_the_plan_checkpoints_only_when_needed_and_refuses_what_cannot_train():
-    """Checkpointing is chosen when one --max-len conversation does not train without it; a given value is kept
-    and named; below one conversation even with checkpointing the plan is a one-line UserError before any work."""
+    """Checkpointing is chosen when one conversation does not train without it; a given value is kept and named;
+    below one conversation even with checkpointing the plan is a one-line UserError before any work, naming the
+    longest conversation that fits (runtime.advice turns it into a --max-len)."""
     config = type("C", (), dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                 num_key_value_heads=2, vocab_size=1000))()
     costs = runtime.step_costs(config, 4, trained=10_000, n_ret=3, loss_chunk=0, max_len=1000)
@@ -315,15 +316,17 @@ def test_the_plan_checkpoints_only_when_needed_and_refuses_what_cannot_train():
     roomy = runtime.plan_memory(costs, int(need[0] / runtime.HEADROOM) + 1, 1000, none)
     tight = runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) + 1, 1000, none)
     assert (roomy.grad_ckpt, tight.grad_ckpt) == (False, True) and tight.token_budget >= 1000
-    assert tight.chosen == ("grad_ckpt", "token_budget", "gen_batch") and "(given)" not in tight.line(1000)
+    assert tight.chosen == ("grad_ckpt", "token_budget", "gen_batch") and "(given)" not in tight.line()
     capped = runtime.plan_memory(costs, 10 * need[0], 1000, none, cap=1000)
     assert capped.token_budget == 1000 and capped.gen_batch > 1
     kept = runtime.plan_memory(costs, 10 * need[0], 1000, dict(none, grad_ckpt=True, token_budget=0, gen_batch=3))
     assert (kept.grad_ckpt, kept.token_budget, kept.gen_batch, kept.chosen) == (True, 0, 3, ())
-    with pytest.raises(runtime.UserError, match=r"--max-len 1000 .*lower --max-len"):
+    with pytest.raises(runtime.UserError, match=r"one 1000-token conversation needs .* to train; at most 999 "):
         runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) - 1, 1000, none)
-    with pytest.raises(runtime.UserError, match="give --grad-ckpt"):
+    with pytest.raises(runtime.NoFit) as err:                  # checkpointing given off: the longest without it
         runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) + 1, 1000, dict(none, grad_ckpt=False))
+    assert 0 < err.value.largest < 1000 and costs.per_row[0] + err.value.largest * costs.per_token[0] <= \
+        runtime.HEADROOM * (need[1] / runtime.HEADROOM + 1) - costs.resident - costs.fixed
 
 
 @pytest.mark.equality

@@ -85,8 +85,9 @@ def test_real_models_think_by_default_with_the_papers_budgets(tmp_path):
     template.write_text(qwen3.chat_template)
     for a, want in ((real, True), (off, False)):                        # --no-thinking is kept as given
         a.chat_template = str(template)
+        planned = train.plan_before_loading(a, torch.device("cpu"), torch.float32, [])
         model, tok = train.load_backbone(a, "cpu", torch.float32)
-        train.fit_to_model(a, model, tok, torch.device("cpu"))
+        train.fit_to_model(a, model, tok, torch.device("cpu"), planned)
         assert a.thinking is want
     toy_args = train.parse_args(["--out", str(tmp_path / "t")])
     assert toy_args.max_new_tokens == 64 and not train.thinks_by_default(toy_args, qwen3)
@@ -158,10 +159,11 @@ def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
 
 
 def test_under_vllm_the_generation_batch_follows_the_paged_cache_not_max_len(capsys):
-    """SmolLM2-135M's shape (fp32, on the meta device) at --kv-budget 1 --max-len 8192, 3 replies of 128 tokens:
-    --engine hf keeps a KV cache of --max-len tokens a conversation (2 fit); vLLM pages its cache, so the plan fits
-    the cache's tokens over what a conversation's replies add, at most the engine's max_num_seqs; the line names
-    the bound. The figures are worked by hand from the shape, not from runtime's helpers; vLLM is not imported."""
+    """SmolLM2-135M's shape (fp32, on the meta device) at --kv-budget 1 --max-len 8192, 3 replies of 128 tokens
+    after a 1,000-token prompt: --engine hf keeps a KV cache of the episode's budget a conversation (1,000 + 3 ×
+    (128 + 512 of observation) = 2,920 tokens: 7 fit); vLLM pages its cache, so the plan fits the cache's tokens over
+    what a conversation's replies add, at most the engine's max_num_seqs; the line names the bound. The figures
+    are worked by hand from the shape, not from runtime's helpers; vLLM is not imported."""
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192)
@@ -170,21 +172,23 @@ def test_under_vllm_the_generation_batch_follows_the_paged_cache_not_max_len(cap
     kv_token = 2 * 30 * 3 * (576 // 9) * 4                     # keys and values, 30 layers, 3 heads of 64, fp32
     flags = ["--model", "org/smollm2", "--max-len", "8192", "--max-new-tokens", "128", "--max-env-steps", "3",
              "--memory", "48"]
+    machine = runtime.Machine("cpu", total=64 * 10**9, free=60 * 10**9, limit=48 * 10**9, given=True, disk=10**12)
 
     def plan(*more):
         args = train.parse_args(flags + list(more))
-        return runtime.fit_memory(args, model, torch.device("cpu"), train.trained_parameters(args, model))
+        return runtime.fit_memory(runtime.Planning(args, model, machine, train.trains(args, config), prompt=1000))
+    assert runtime.OBSERVATION_TOKENS == 512
     hf, vllm = plan("--kv-budget", "1"), plan("--kv-budget", "1", "--engine", "vllm")
-    assert hf.gen_batch == 10**9 // (kv_token * 8192) == 2                  # whole --max-len caches, as before
+    assert hf.conversation == 2920 and hf.gen_batch == 10**9 // (kv_token * 2920) == 7   # the episode's caches
     assert vllm.gen_batch == 10**9 // kv_token // (3 * 128) == 56           # 21,701 tokens, 384 a conversation
     assert "56 conversations generate together (vLLM's paged cache: 21701 tokens, 384 a conversation's replies; " \
            "--gen-batch to set)" in capsys.readouterr().out
     roomy = plan("--kv-budget", "20", "--engine", "vllm")                   # 434,027 tokens: 1,130 would fit
-    assert roomy.gen_batch == runtime.VLLM_MAX_SEQS == 256 and "(vLLM's max_num_seqs; " in roomy.line(8192)
+    assert roomy.gen_batch == runtime.VLLM_MAX_SEQS == 256 and "(vLLM's max_num_seqs; " in roomy.line()
     given = plan("--kv-budget", "1", "--engine", "vllm", "--gen-batch", "8")
-    assert given.gen_batch == 8 and given.line(8192).endswith("8 conversations generate together (given)")
+    assert given.gen_batch == 8 and "8 conversations generate together (given); checkpoints" in given.line()
     hf_planned = plan()                  # no --kv-budget: --engine hf fills what training leaves, as it did
-    assert hf_planned.gen_bound == "" and hf_planned.line(8192).endswith("conversations generate together")
+    assert hf_planned.gen_bound == "" and "conversations generate together; checkpoints" in hf_planned.line()
 
 
 @pytest.mark.parametrize("tied", [True, False])

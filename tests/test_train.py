@@ -661,13 +661,15 @@ def test_workers_split_the_cores_between_them(monkeypatch):
 
 
 def test_a_run_that_cannot_fit_stops_before_any_work(backbone, tmp_path):
-    """The pre-flight check: one --max-len conversation that cannot train in the memory given is one line on stderr
-    and exit status 2, before the base rollouts."""
+    """The pre-flight check: a run whose trained states leave no room for one conversation in the memory given
+    (--memory 0.002: 2 MB, the backbone included) is one line on stderr and exit status 2, before the base
+    rollouts; it names what fits, and no --max-len, which could not help."""
     proc = start(train_cmd(backbone, tmp_path / "run", "--memory", "0.002"), tmp_path / "log")
     rc, out, err = finish(proc, timeout=120, ok=False)
     last = err.strip().splitlines()[-1]
     assert rc == 2 and "Traceback" not in err, err[-2000:]
-    assert last.startswith("error: memory plan: one conversation of --max-len 768 tokens") and "lower --max-len" in last
+    assert last.startswith("error: memory plan: cpu ") and "no --max-len fits. What fits: a machine with " in last
+    assert "--max-len" not in last.split("What fits:")[1]
     assert not os.path.exists(tmp_path / "run" / "base_rollouts.jsonl")
 
 
