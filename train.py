@@ -159,8 +159,7 @@ class Args:
     resume: bool = arg(False, "continue the cold start and the joint stage from their checkpoints, if present")
     unsafe_no_sandbox: bool = arg(False, "run the world's untrusted code (programs, environments, BFCL's calls) "
                                          "WITHOUT the kernel's confinement, process limits only (worlds/sandbox.py): "
-                                         "for a machine without bubblewrap's namespaces or seccomp that the code "
-                                         "may wreck")
+                                         "for a machine without bubblewrap or seccomp that the code may wreck")
     tensorboard: str = arg("", "also write every metric as TensorBoard scalars here (pip install tensorboard)")
 
 
