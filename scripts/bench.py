@@ -626,6 +626,53 @@ def generate_whole(model, tokenizer, contexts, cfg, embed_fn=None, **_):
     return rows
 
 
+def reference_sample_next(scores, cfg):
+    """engine.sample_next as it was at ae4202a: top-p over a sort of the whole vocabulary, torch.multinomial."""
+    if cfg.temperature <= 0:
+        return scores.argmax(-1)                                              # (B,)
+    s = scores / cfg.temperature if cfg.temperature != 1.0 else scores       # (B, V)
+    if cfg.top_k:
+        kth = torch.topk(s, min(cfg.top_k, s.shape[-1]))[0][..., -1:]         # (B, 1) the k-th largest
+        s = s.masked_fill(s < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_s, order = torch.sort(s, descending=False)                     # (B, V) ascending
+        drop = sorted_s.softmax(-1).cumsum(-1) <= 1 - cfg.top_p                # (B, V) the tail outside the nucleus
+        drop[..., -1:] = False                                                # the most likely token always stays
+        s = s.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(s.softmax(-1), num_samples=1)[:, 0]              # (B,)
+
+
+class ReferenceConversations(engine.Conversations):
+    """engine.Conversations decoding as it did at ae4202a, the reference tests/test_decode.py checks the decode
+    against and the "before" of `bench_decode`: transformers' DynamicCache (each token concatenated to every
+    layer's cache), the mask concatenated a column a token, the host reading ids, log-probs and the live rows back
+    at every token, top-p over a sort of the whole vocabulary (`reference_sample_next`)."""
+
+    def empty_cache(self):
+        from transformers.cache_utils import DynamicCache
+        return DynamicCache(config=engine.inner_model(self.model).config)
+
+    def decode(self, logits, cfg, eos: list) -> list:
+        B, ends = logits.shape[0], torch.tensor(eos, device=self.device)
+        replies, logps = [[] for _ in range(B)], [[] for _ in range(B)]
+        live = torch.ones(B, dtype=torch.bool, device=self.device)                       # (B,)
+        for t in range(cfg.max_new_tokens):
+            tok = reference_sample_next(logits, cfg)                                       # (B,)
+            lp = F.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]                  # (B,) log π(a_t)
+            for i, (a, la, on) in enumerate(zip(tok.tolist(), lp.tolist(), live.tolist())):
+                if on:
+                    replies[i].append(a)
+                    logps[i].append(la)
+            live = live & ~torch.isin(tok, ends)
+            if not live.any() or t == cfg.max_new_tokens - 1:
+                break
+            for i in live.nonzero()[:, 0].tolist():               # the token goes into the cache of a live row
+                self.fed[i].append(replies[i][-1])
+            self.mask = torch.cat([self.mask, live[:, None].long()], 1)                   # (B, L + 1)
+            logits = self.forward(ids=tok.masked_fill(~live, self.pad)[:, None])           # (B, V)
+        return [(r, lp, bool(r) and r[-1] in eos) for r, lp in zip(replies, logps)]
+
+
 def _proc_bytes(field: str) -> int:
     """A field of /proc/self/status in bytes (VmRSS: now, VmHWM: peak)."""
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
