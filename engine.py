@@ -696,6 +696,8 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, *, prompt_fn=None, embe
     order = sorted(range(len(tasks)), key=lambda i: len(tasks[i].text)) if cfg.sort_by_length else range(len(tasks))
     was_training = model.training
     model.eval()
+    # a fp32 student under bf16 autocast generates from a bf16 copy, made once here (runtime.decoding_copy)
+    decoder = model if cfg.generator is not None else runtime.decoding_copy(model)
     for start in range(0, len(tasks), cfg.batch_size):
         which = order[start:start + cfg.batch_size]                          # indices into tasks
         chunk = [tasks[j] for j in which]
@@ -709,7 +711,7 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, *, prompt_fn=None, embe
             ep.add(prompt_fn(msgs, env.tools) if prompt_fn else chat.prompt(msgs, env.tools), sampled=False)
             ep.prompt_len = len(ep.ids)
         # each conversation keeps its KV cache from turn to turn; embed_fn is told which tasks the rows are
-        conv = Conversations(model, tokenizer, None if embed_fn is None else
+        conv = Conversations(decoder, tokenizer, None if embed_fn is None else
                              lambda ids, att, rows=which: embed_fn(ids, att, rows))
         while not all(ep.done for ep in eps):
             live = [i for i, ep in enumerate(eps) if not ep.done]

@@ -329,7 +329,7 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
     the latents) and the composer's encoder (J experiences per rollout). The loss: with --loss-chunk C, ~6 fp32 (C, V)
     tensors (both sides' logits and log-probs, a gradient) whatever the tokens; with full logits, bf16 logits and
     fp32 log-probs of every token, both sides. Rolling out `gen_batch` conversations adds their KV cache (gradients
-    are freed by then). What is not counted: SDPA's causal mask, allocator fragmentation, CUDA's own context."""
+    are freed by then) and, for a full student, its bf16 decoding copy (runtime.decoding_copy). What is not counted: SDPA's causal mask, allocator fragmentation, CUDA's own context."""
     n = param_counts(config)
     P, V = n["backbone"], config.vocab_size
     student = n["lora"] // 8 * student_r if student_lora else P                     # train.py --student-lora-r
@@ -342,7 +342,9 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
            "activations": per_tok * act_tokens / GB, "loss": loss / GB,
            "kv cache": gen_batch * tokens * runtime.kv_bytes_per_token(config) / GB}
     out["training"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "loss"))
-    out["rollout"] = out["weights"] + out["optimizer"] + out["kv cache"]
+    embed = 0 if config.tie_word_embeddings else V * config.hidden_size             # kept fp32, shared
+    copy = 0 if student_lora else 2 * (P - embed)                                  # runtime.decoding_copy
+    out["rollout"] = out["weights"] + out["optimizer"] + out["kv cache"] + copy / GB
     out["peak"] = max(out["training"], out["rollout"])
     return out
 
@@ -460,8 +462,8 @@ def print_memory_table(rollouts: int, tokens: int, loss_chunk: int = 1024, gen_b
                   " | ".join(f"{m[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "loss",
                                                      "kv cache", "training", "rollout")) +
                   f" | {'yes' if m['peak'] < 80 else 'no'} | {'yes' if m['peak'] < 141 else 'no'} |")
-    print(f"(GB; a micro-batch of {rollouts} x {tokens} tokens, checkpointing; rollout: weights, AdamW states and "
-          "the KV cache)")
+    print(f"(GB; a micro-batch of {rollouts} x {tokens} tokens, checkpointing; rollout: weights, AdamW states, "
+          "the KV cache and a full student's bf16 decoding copy)")
 
 
 def memory_plan_gpus(config, student_lora: bool, gpus: int, rollouts: int = 1, tokens: int = 40960,

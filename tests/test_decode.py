@@ -1,8 +1,9 @@
 """The decode loop (engine.Conversations.decode, sample_next, PreallocatedLayer) against the one it replaced, kept
 as scripts/bench.py's ReferenceConversations: the same seed gives the same ids, the same log-probs (to fp32
 rounding), the same cache and mask after every turn and the same random stream, on the toy backbone (whole
-rollouts) and on SmolLM2 (turns driven by hand: a shared system prompt, thinking on, observations of different
-lengths, a row leaving the batch).
+rollouts) and on SmolLM2 (turns driven by hand: a shared system prompt, observations of different lengths, a row
+leaving the batch). Thinking is switched on, though neither chat template here renders it differently (SmolLM2's
+has no switch, the toy's neither). Then the decoding copy of a fp32 model under bf16 autocast (runtime.py).
 
     python -m pytest tests/test_decode.py -q
 """
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
 import engine
+import runtime
 from scripts import bench
 from worlds import tool_world
 from worlds import toy_backbone as toy
@@ -70,7 +72,8 @@ def test_preallocated_layer_writes_in_place_and_holds_dynamic_layers_values():
             assert ours.free() >= arg and torch.equal(ours.keys, theirs.keys)
         else:
             for layer in (ours, theirs):
-                {"repeat": layer.batch_repeat_interleave, "crop": layer.crop, "select": layer.batch_select_indices}[op](arg)
+                ops = dict(repeat=layer.batch_repeat_interleave, crop=layer.crop, select=layer.batch_select_indices)
+                ops[op](arg)
             assert torch.equal(ours.keys, theirs.keys) and ours.free() == 0      # the room is gone with the views
 
 
@@ -103,7 +106,7 @@ def test_toy_rollouts_are_the_reference_decodes(backbone, monkeypatch, name):
 
 def turns(conversations, model, tok, cfg, seed: int = 0) -> list:
     """Three turns of three conversations driven by hand through `conversations` (engine.Conversations or the
-    reference): one system prompt, thinking on; each reply gets an observation of a length of its own, and the
+    reference): one system prompt, thinking switched on; each reply gets an observation of a length of its own, and the
     second row leaves before the last turn. -> per turn (replies, the mask, the cache's length, the generator's
     state after the turn)."""
     system = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
@@ -177,3 +180,49 @@ def test_a_sliding_window_model_is_looked_at_every_token(backbone):
     longest = [max(len(r[0]) for r in rows) for rows, *_ in got]
     assert any(n % engine.END_CHECK for n in longest)                 # a last end between two looks
     assert_same_turns(got, turns(bench.ReferenceConversations, model, tok, cfg))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The decoding copy: a fp32 model under bf16 autocast generates from its Linear weights cast once (runtime.py)
+# ------------------------------------------------------------------------------------------------------------
+def test_the_decoding_copy_is_made_only_under_autocast_and_shares_what_autocast_leaves(backbone):
+    model, _ = backbone
+    assert runtime.decoding_copy(model) is model                              # fp32 without autocast: the CPU
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copy = runtime.decoding_copy(model)
+        bf16 = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.bfloat16)
+        assert runtime.decoding_copy(bf16) is bf16                            # a bf16 backbone: as it is
+    assert copy is not model and copy.lm_head.weight.dtype == torch.bfloat16
+    assert copy.model.embed_tokens.weight is model.model.embed_tokens.weight  # not cast by autocast: shared
+    assert copy.model.norm.weight is model.model.norm.weight
+    assert model.lm_head.weight.dtype == torch.float32 and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_rollouts_from_the_decoding_copy_are_autocasts(backbone, monkeypatch):
+    """The toy backbone under CPU's bf16 autocast (train.py's `precision` on CUDA): whole rollouts from the copy
+    and from the fp32 model, each weight cast at every forward, give the same ids and log-probs, exactly."""
+    model, tok = backbone
+    tasks = tool_world.make_splits(0, n_train=8, n_test=0)[0]
+    cfg = engine.SampleConfig(max_new_tokens=24, max_len=400, batch_size=8)
+    runs, made = [], []
+    real = runtime.decoding_copy
+    for copying in (True, False):
+        monkeypatch.setattr(runtime, "decoding_copy", lambda m: made.append(real(m)) or made[-1] if copying else m)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(engine.rollout(model, toy.toy_chat(tok), tasks, cfg))
+    assert len(made) == 1 and made[0] is not model                            # one copy a rollout
+    assert sum(e.steps for e in runs[0]) > len(tasks)
+    for a, b in zip(*runs):
+        assert a.ids == b.ids and a.logps == b.logps
+
+
+def test_smollm2_turns_from_the_decoding_copy_are_autocasts(smollm2):
+    model, tok = AutoModelForCausalLM.from_pretrained(smollm2).eval(), AutoTokenizer.from_pretrained(smollm2)
+    cfg = engine.SampleConfig(max_new_tokens=12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copy = runtime.decoding_copy(model)
+        got = turns(lambda m, t: engine.Conversations(copy, t), model, tok, cfg)
+        want = turns(engine.Conversations, model, tok, cfg)
+    for (rows, *_), (rows_w, *_) in zip(got, want):
+        assert rows == rows_w
