@@ -15,6 +15,9 @@
                                             # weights, no download): memory, generation tok/s, phases, MFU
     python -m scripts.bench --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
     python -m scripts.bench --rollout               # multi-turn generation: cached conversations vs generate every turn
+    python -m scripts.bench --decode                # decode tokens/s at 512, 2k, 8k tokens of context, before and
+                                            # after the decode kept the reply on the device (SmolLM2, CPU:
+                                            # docs/real-models.md, "Decoding")
     python -m scripts.bench --engines               # sampled tokens/s, --engine hf vs --engine vllm (vLLM's virtualenv)
     python -m scripts.bench --verifier              # the code sandbox: programs/s on all cores, overhead per program
     python -m scripts.bench --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
@@ -729,6 +732,44 @@ def bench_rollout(rollouts: int, tokens: int, steps: int):
           f"{out['whole'][0] / out['cached'][0]:.1f}x faster; identical ids in {same}/{rollouts} episodes")
 
 
+def bench_decode(batch: int, tokens: int, repeats: int, contexts=(512, 2048, 8192)):
+    """Decode tokens a second against the context length, `rollout_model` on this machine: `batch` conversations of
+    each length sample `tokens` tokens each (B.2's sampling, no row ends), through the decode it replaced
+    (`ReferenceConversations`: a concatenated cache and mask, a read-back every token, top-p over a sort of V) and
+    through engine.Conversations, from the same seed (the same ids, checked); best of `repeats`, each from a copy of
+    the prompt's cache. The rows share all but their last 8 prompt tokens, so the prompt is computed once, outside
+    the clock. The longest context is cut to the model's positions less the reply."""
+    import copy
+    model, tok, name, _ = rollout_model()
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu")    # a GPU times both decodes on it
+    cfg = engine.SampleConfig(max_new_tokens=tokens)
+    room = getattr(model.config, "max_position_embeddings", max(contexts) + tokens) - tokens
+    g = torch.Generator().manual_seed(0)
+    where = "cuda" if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
+    print(f"{name}, decode of {batch} conversations x {tokens} new tokens ({where}), best of {repeats}:")
+    print("| context | before (tok/s) | after (tok/s) | after / before | same ids |")
+    print("|---|---|---|---|---|")
+    for n in contexts:
+        n = min(n, room)
+        shared = torch.randint(0, len(tok), (n - 8,), generator=g).tolist()
+        prompts = [shared + torch.randint(0, len(tok), (8,), generator=g).tolist() for _ in range(batch)]
+        rate, ids = {}, {}
+        for how, cls in (("before", ReferenceConversations), ("after", engine.Conversations)):
+            with torch.no_grad():
+                conv = cls(model, tok)
+                logits = conv.start(list(range(batch)), prompts)                           # (B, V) outside the clock
+                times = []
+                for _ in range(repeats):
+                    again = copy.deepcopy(conv, memo={id(model): model})                   # the prompt's cache
+                    torch.manual_seed(0)
+                    t0 = time.perf_counter()
+                    rows = again.decode(logits, cfg, eos=[-1])                             # no id ends a reply
+                    times.append(time.perf_counter() - t0)
+            rate[how], ids[how] = batch * tokens / min(times), [r[0] for r in rows]
+        print(f"| {n} | {rate['before']:.1f} | {rate['after']:.1f} | {rate['after'] / rate['before']:.2f}x | "
+              f"{ids['before'] == ids['after']} |", flush=True)
+
+
 def bench_engines(rollouts: int, tokens: int, steps: int):
     """The same tool-world rollout (`tool_world_tasks`, B.2's sampling, `tokens` new tokens a reply) by `rollout_model`
     through engine.Conversations (--engine hf) and through vLLM (--engine vllm, its own virtualenv): sampled tokens
@@ -874,6 +915,9 @@ def main(argv=None):
                    help="one LOPD step of this backbone with random weights (qwen3-vocab: ~10 M parameters, V 151,936)")
     p.add_argument("--rollout", action="store_true", help="a multi-turn rollout: cached conversations against "
                    "generate on every whole conversation (SmolLM2 where installed)")
+    p.add_argument("--decode", action="store_true", help="decode tokens/s against the context length (512, 2k, 8k), "
+                   "the decode before and after it kept the reply on the device (SmolLM2 where installed; --batch "
+                   "conversations, default 4, of --tokens new tokens, default 64)")
     p.add_argument("--engines", action="store_true", help="sampled tokens/s of --engine hf against --engine vllm on "
                    "one rollout (vLLM's virtualenv; SmolLM2 where installed)")
     p.add_argument("--rollouts", type=int, help="rollouts for --arch and --dist-step (default 32), --rollout (8) and "
@@ -882,8 +926,8 @@ def main(argv=None):
     p.add_argument("--student-lora", action="store_true", help="--arch with the student as a LoRA adapter")
     p.add_argument("--grad-ckpt", action="store_true", help="--arch with gradient checkpointing")
     p.add_argument("--model", default="runs/toy/backbone", help="backbone folder for --step")
-    p.add_argument("--batch", type=int, default=16, help="B")
-    p.add_argument("--tokens", type=int, help="T (default 512; for --rollout, new tokens per reply: 48)")
+    p.add_argument("--batch", type=int, help="B (default 16; for --decode, conversations: 4)")
+    p.add_argument("--tokens", type=int, help="T (default 512; for --rollout, new tokens per reply: 48; --decode: 64)")
     p.add_argument("--vocab", type=int, default=523, help="V (default: the toy tokenizer's size)")
     p.add_argument("--top-m", type=int, default=20, help="M")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the minimum is reported")
@@ -906,15 +950,17 @@ def main(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(a, flag)}")
     if a.rollout:
         bench_rollout(a.rollouts or 8, a.tokens or 48, steps=3)
+    if a.decode:
+        bench_decode(a.batch or 4, a.tokens or 64, a.repeats)
     if a.engines:
         bench_engines(a.rollouts or 16, a.tokens or 128, steps=3)
     rollouts, tokens = a.rollouts or 32, a.tokens or 512
     if a.loss and a.fused:
         bench_fused_loss(a.rows, a.hidden, a.vocab, a.top_m, a.loss_chunk or 1024, a.repeats)
     elif a.loss:
-        bench_loss(a.batch, tokens, a.vocab, a.top_m, a.repeats)
+        bench_loss(a.batch or 16, tokens, a.vocab, a.top_m, a.repeats)
     if a.step:
-        bench_step(a.model, a.batch, a.repeats)
+        bench_step(a.model, a.batch or 16, a.repeats)
     if a.memory:
         print_headline_plans()
         print()
@@ -935,7 +981,7 @@ def main(argv=None):
     if a.gpu_check:
         raise SystemExit(0 if gpu_check(a.gpu_check) else 1)
     if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout or a.dist_step
-            or a.check_plan or a.engines):
+            or a.check_plan or a.engines or a.decode):
         p.print_help()
 
 
