@@ -16,8 +16,8 @@
     python -m scripts.bench --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
     python -m scripts.bench --rollout               # multi-turn generation: cached conversations vs generate every turn
     python -m scripts.bench --decode                # decode tokens/s at 512, 2k, 8k tokens of context, before and
-                                            # after the decode kept the reply on the device (SmolLM2, CPU:
-                                            # docs/real-models.md, "Decoding")
+                                            # after the decode kept the reply on the device (SmolLM2; figures:
+                                            # docs/real-models.md, "Decoding with Hugging Face")
     python -m scripts.bench --engines               # sampled tokens/s, --engine hf vs --engine vllm (vLLM's virtualenv)
     python -m scripts.bench --verifier              # the code sandbox: programs/s on all cores, overhead per program
     python -m scripts.bench --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation

@@ -226,3 +226,11 @@ def test_smollm2_turns_from_the_decoding_copy_are_autocasts(smollm2):
         want = turns(engine.Conversations, model, tok, cfg)
     for (rows, *_), (rows_w, *_) in zip(got, want):
         assert rows == rows_w
+
+
+def test_the_decode_benchmark_runs_at_a_tiny_size(capsys):
+    """scripts/bench.py --decode's table (SmolLM2 where installed, else a random Qwen3), at two tiny contexts."""
+    bench.bench_decode(2, 4, 1, contexts=(24, 40))
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 24 ") or
+            line.startswith("| 40 ")]
+    assert len(rows) == 2 and all(row.endswith("| True |") for row in rows)
