@@ -85,6 +85,7 @@ def backbone(toy_backbone_dir):
     return AutoModelForCausalLM.from_pretrained(toy_backbone_dir), AutoTokenizer.from_pretrained(toy_backbone_dir)
 
 
+@pytest.mark.equality
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 def test_toy_rollouts_are_the_reference_decodes(backbone, monkeypatch, name):
     model, tok = backbone
@@ -140,6 +141,7 @@ def test_smollm2_turns_are_the_reference_decodes(smollm2, name):
     assert any(r[2] for rows, *_ in got for r in rows) and not all(r[2] for rows, *_ in got for r in rows)
 
 
+@pytest.mark.equality
 def test_steps_past_the_last_end_are_undone(backbone):
     """Every row ends within END_CHECK tokens, before the host looks: the extra steps' columns and draws are
     taken back (the same mask, cache length and random stream as the reference, which stops at once)."""
@@ -164,6 +166,7 @@ def test_compiled_decode_steps_give_the_eager_replies(backbone):
     assert_same_turns(turns(engine.Conversations, model, tok, cfg), eager)
 
 
+@pytest.mark.equality
 def test_a_sliding_window_model_is_looked_at_every_token(backbone):
     """A random Qwen3 whose first layer attends through a sliding window shorter than a turn: its cache cannot be
     cropped or compacted, so decode looks at the rows each token; the replies are still the reference's."""
@@ -198,6 +201,7 @@ def test_the_decoding_copy_is_made_only_under_autocast_and_shares_what_autocast_
     assert model.lm_head.weight.dtype == torch.float32 and all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.equality
 def test_rollouts_from_the_decoding_copy_are_autocasts(backbone, monkeypatch):
     """The toy backbone under CPU's bf16 autocast (train.py's `precision` on CUDA): whole rollouts from the copy
     and from the fp32 model, each weight cast at every forward, give the same ids and log-probs, exactly."""
