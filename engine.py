@@ -8,7 +8,8 @@ loop and the optimizer step (paper §3.1, eq. 1 and eq. 8's "the same sampled id
     Episode / rollout              on-policy episodes from the task alone (eq. 1): the exact sampled ids, the
                                    assistant-token mask ω, the sampling-time log-probs, the reward
     Conversations / sample_next    generation: each conversation's KV cache kept across turns, the prompt prefix a
-                                   batch shares computed once; Hugging Face's sampling (temperature, top-k, top-p)
+                                   batch shares computed once, a reply sampled on the device into a cache with room
+                                   for it (`PreallocatedLayer`); Hugging Face's sampling (temperature, top-k, top-p)
     student_logits / _logprobs     a model's scores of an episode's own ids behind a prompt (eq. 8's p_S)
     micro_batches / accumulate     the one forward/backward loop of every method's step: micro-batches by rollouts
                                    and a token budget, whole-batch normalisers, idle passes under torchrun
@@ -40,11 +41,13 @@ import inspect
 import json
 import os
 import random
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import inject
 import losses
@@ -344,6 +347,7 @@ class SampleConfig:
     batch_size: int = 64          # episodes generated together (train.py --gen-batch, or the memory plan's)
     sort_by_length: bool = False  # batch tasks of similar length together (real models: less left padding)
     generator: object = None      # a serving engine that samples the replies (--engine vllm); None: ours
+    compile_decode: bool = False  # one-token decode steps through torch.compile (`compiled`; train.py --compile-decode)
 
 
 def left_pad(rows, pad_id, device):
@@ -360,19 +364,98 @@ def left_pad(rows, pad_id, device):
 def sample_next(scores, cfg: SampleConfig):
     """The next token of each row from its logits (B, V) fp32: argmax at temperature 0; otherwise Hugging Face's
     sampling, in its order: divide by the temperature, keep the top-k, keep the top-p nucleus, draw from the
-    softmax. -> (B,) ids."""
+    softmax. -> (B,) ids.
+
+    After the top-k every other token has probability 0, so the nucleus is found among the k candidates: k scores
+    are sorted (torch.topk returns them in order), not V, and the same tokens are kept. Scores tied with the k-th
+    one are all kept by the top-k, as before; the nucleus then sums the k that torch.topk returned (the full sort
+    ordered such ties as torch.sort happened to). Without a top-k the whole vocabulary is sorted, as before."""
     if cfg.temperature <= 0:
         return scores.argmax(-1)                                              # (B,)
     s = scores / cfg.temperature if cfg.temperature != 1.0 else scores       # (B, V)
     if cfg.top_k:
-        kth = torch.topk(s, min(cfg.top_k, s.shape[-1]))[0][..., -1:]         # (B, 1) the k-th largest
-        s = s.masked_fill(s < kth, float("-inf"))
-    if cfg.top_p < 1.0:
-        sorted_s, order = torch.sort(s, descending=False)                     # (B, V) ascending
-        drop = sorted_s.softmax(-1).cumsum(-1) <= 1 - cfg.top_p                # (B, V) the tail outside the nucleus
-        drop[..., -1:] = False                                                # the most likely token always stays
-        s = s.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    return torch.multinomial(s.softmax(-1), num_samples=1)[:, 0]              # (B,)
+        top = torch.topk(s, min(cfg.top_k, s.shape[-1]))[0]                   # (B, k) descending
+        s = s.masked_fill(s < top[..., -1:], float("-inf"))                   # the top-k
+        if cfg.top_p < 1.0:
+            s = s.masked_fill(s < nucleus_floor(top.flip(-1), cfg.top_p), float("-inf"))
+    elif cfg.top_p < 1.0:
+        s = s.masked_fill(s < nucleus_floor(torch.sort(s)[0], cfg.top_p), float("-inf"))
+    return draw(s.softmax(-1))                                                # (B,)
+
+
+def nucleus_floor(ascending, top_p: float):
+    """The lowest score the top-p nucleus keeps, from candidate scores sorted ascending (B, n): Hugging Face's
+    rule drops the low tail whose cumulative probability is at most 1 − top_p and always keeps the most likely
+    token. -> (B, 1)"""
+    drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p                      # (B, n) the tail outside the nucleus
+    drop[..., -1:] = False                                                    # the most likely token always stays
+    return ascending.masked_fill(drop, float("inf")).amin(-1, keepdim=True)   # (B, 1)
+
+
+def draw(probs):
+    """One index per row of (B, V) probabilities, drawn as torch.multinomial(probs, 1) draws it: its own method for
+    one sample (the argmax of p / q, q ~ Exp(1) from the device's default generator), the same random numbers and
+    the same index, without its checks of the probabilities, which read two values back to the host at every call
+    (tests/test_decode.py checks the equality). -> (B,)"""
+    q = torch.empty_like(probs).exponential_(1)                               # (B, V)
+    return (probs / q).argmax(-1)                                             # (B,)
+
+
+END_CHECK = 8   # decode: tokens between two looks, from the host, at whether every row has ended (see decode)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One full-attention layer's KV cache (B, heads, L, hd) with room behind it for a reply's tokens.
+
+    transformers' DynamicLayer appends by concatenation, which copies the layer's whole cache: O(L) a token. Here
+    `reserve(n)` allocates room for n more columns once a reply (one copy of the cache), and `update` writes each
+    token into it in place; attention reads views of the buffers' first L columns. A feed that does not fit (a
+    prompt, an observation) is concatenated as DynamicLayer does. What runs between turns assigns new tensors to
+    keys and values (batch_repeat_interleave, batch_select_indices, crop, Conversations._compact); the room goes
+    with them until the next reserve. transformers' StaticCache also writes in place, but into one buffer of a
+    fixed max_cache_len that attention reads whole, and it has none of those batch operations."""
+
+    def lazy_initialization(self, *args, **kwargs):      # its arguments differ across transformers 5.x releases
+        super().lazy_initialization(*args, **kwargs)
+        self.room = None        # (keys buffer, values buffer, the views of them that keys and values were set to)
+
+    def free(self) -> int:
+        """Columns that can be written in place: 0 once keys or values are no longer views of the buffers."""
+        if not self.is_initialized or self.room is None or self.room[2] is not self.keys or \
+                self.room[3] is not self.values:
+            return 0
+        return self.room[0].shape[-2] - self.keys.shape[-2]
+
+    def reserve(self, n: int):
+        """Room for n more columns, the cache copied into buffers of L + n columns unless it has the room."""
+        if not self.is_initialized or self.keys.dim() < 4 or self.free() >= n:
+            return
+        B, heads, L, hd = self.keys.shape
+        buffers = [t.new_empty((B, heads, L + n, t.shape[-1])) for t in (self.keys, self.values)]   # (B, h, L+n, hd)
+        for buf, t in zip(buffers, (self.keys, self.values)):
+            buf[:, :, :L] = t
+        self._set(*buffers, L)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized or self.free() < key_states.shape[-2]:
+            return super().update(key_states, value_states, *args, **kwargs)          # concatenated
+        L, n = self.keys.shape[-2], key_states.shape[-2]
+        kbuf, vbuf = self.room[:2]
+        kbuf[:, :, L:L + n], vbuf[:, :, L:L + n] = key_states, value_states          # (B, h, n, hd) in place
+        self._set(kbuf, vbuf, L + n)
+        return self.keys, self.values
+
+    def _set(self, kbuf, vbuf, L: int):
+        self.keys, self.values = kbuf[:, :, :L], vbuf[:, :, :L]                       # (B, h, L, hd) views
+        self.room = (kbuf, vbuf, self.keys, self.values)
+
+
+def kv_cache(model):
+    """An empty KV cache for `model`: transformers' DynamicCache of its config (sliding-window layers as there),
+    every plain full-attention layer a `PreallocatedLayer`."""
+    cache = DynamicCache(config=inner_model(model).config)
+    cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 class Conversations:
@@ -395,20 +478,23 @@ class Conversations:
         self.cache, self.mask = None, None      # the model's cache of B rows; (B, L) 1 on each row's real tokens
         self.keys, self.fed = [], []            # per row: the caller's key, the ids its cache holds
         self.cache_arg = cache_argument(model)
+        self.step_model = model                 # what runs one-token steps (`decode`: compiled with --compile-decode)
 
     def forward(self, ids=None, embeds=None):
         """Feed (B, n) new ids (or embeddings) behind the cache, whose mask already covers them. -> (B, V) fp32
         logits of each row's last column."""
-        pos = (self.mask.cumsum(1) - 1).clamp(min=0)[:, -(ids if embeds is None else embeds).shape[1]:]   # (B, n)
-        past = {} if self.cache is None else {self.cache_arg: self.cache}
-        out = self.model(input_ids=ids, inputs_embeds=embeds, attention_mask=self.mask, position_ids=pos,
-                         use_cache=True, logits_to_keep=1, **past)
+        n = (ids if embeds is None else embeds).shape[1]
+        pos = (self.mask.cumsum(1) - 1).clamp(min=0)[:, -n:]                              # (B, n)
+        model = self.step_model if n == 1 and embeds is None else self.model
+        out = model(input_ids=ids, inputs_embeds=embeds, attention_mask=self.mask, position_ids=pos,
+                    use_cache=True, logits_to_keep=1, **{self.cache_arg: self.cache})
         self.cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
         return out.logits[:, -1].float()                                      # (B, V)
 
     def start(self, keys, prompts):
         """The first feed: the prompts' shared prefix once, for one row, then each row's own rest. -> (B, V)."""
         self.keys, self.fed = list(keys), [list(p) for p in prompts]
+        self.cache = self.empty_cache()
         rows = self._prompt_vectors(prompts)                       # per row (n_i,) ids or (n_i, d) embeddings
         p = _shared_prefix(rows)
         B, embeds = len(rows), self.embed_fn is not None
@@ -418,6 +504,10 @@ class Conversations:
             self.cache.batch_repeat_interleave(B)                                         # (B, heads, p, hd)
             self.mask = self.mask.expand(B, p)                                            # (B, p)
         return self._feed([r[p:] for r in rows])
+
+    def empty_cache(self):
+        """The KV cache a batch starts from (`kv_cache`)."""
+        return kv_cache(self.model)
 
     def _prompt_vectors(self, prompts) -> list:
         if self.embed_fn is None:
@@ -456,8 +546,7 @@ class Conversations:
     def _compact(self):
         """Move each row's cached tokens to the right end, in order, and drop the columns that hold only padding.
         Only for caches of full-attention layers (a sliding window keeps its own positions): others keep it."""
-        from transformers.cache_utils import DynamicLayer
-        if bool(self.mask.all()) or not all(type(layer) is DynamicLayer for layer in self.cache.layers):
+        if bool(self.mask.all()) or not self._full_attention():
             return                                                        # no padding, or a cache of another kind
         width = int(self.mask.sum(1).max())                               # the longest row's cached tokens
         order = torch.sort(self.mask, dim=1, stable=True).indices[:, -width:]             # (B, width) real last
@@ -468,34 +557,97 @@ class Conversations:
 
     def decode(self, logits, cfg: SampleConfig, eos: list) -> list:
         """Sample up to cfg.max_new_tokens per row from the logits of its last fed token; a row stops at its first
-        end-of-turn id. -> per row (reply ids, their log-probs at temperature 1, ended with eos?)."""
-        B, ends = logits.shape[0], torch.tensor(eos, device=self.device)
-        replies, logps = [[] for _ in range(B)], [[] for _ in range(B)]
-        live = torch.ones(B, dtype=torch.bool, device=self.device)                       # (B,)
-        for t in range(cfg.max_new_tokens):
+        end-of-turn id. -> per row (reply ids, their log-probs at temperature 1, ended with eos?).
+
+        The reply stays on the device until it is done: ids and log-probs go into (B, T) tensors, the attention
+        mask into columns made for the whole reply, keys and values into the room each layer reserved for it
+        (`PreallocatedLayer`), so a token copies no cache and waits for no read-back. The host looks at whether
+        every row has ended only every END_CHECK tokens: a read-back stalls the GPU's queue, and END_CHECK bounds
+        the steps run in vain after the last end to END_CHECK − 1. Those steps are then undone: their columns
+        are cropped from the cache and the mask, and the random generator is set back to where it stood after the
+        last row's end, so the cache, the mask and the random stream are exactly those of stopping at once (the
+        same seed, the same samples). A cache with sliding-window layers, which cannot be cropped past their
+        window, is looked at every token instead. The Python lists (replies, `fed`) are filled once, at the end."""
+        B, T, L, dev = logits.shape[0], cfg.max_new_tokens, self.mask.shape[1], self.device
+        ends, gen = torch.tensor(eos, device=dev), default_generator(dev)
+        ids = torch.zeros((B, T), dtype=torch.long, device=dev)                          # (B, T) sampled ids
+        logps = torch.zeros((B, T), device=dev)                                          # (B, T) log π(a_t)
+        kept = torch.zeros((B, T), dtype=torch.bool, device=dev)                         # (B, T) in the reply
+        live = torch.ones(B, dtype=torch.bool, device=dev)                               # (B,)
+        mask = torch.cat([self.mask, self.mask.new_zeros((B, T))], 1)                    # (B, L + T) 0 until fed
+        self._reserve(T)
+        self.step_model = compiled(self.model) if cfg.compile_decode else self.model
+        every = END_CHECK if self._full_attention() else 1     # a sliding window cannot be cropped: look each token
+        states = [None] * END_CHECK             # the generator's state before each of the last END_CHECK draws
+        for t in range(T):
+            states[t % END_CHECK] = gen.get_state()
             tok = sample_next(logits, cfg)                                                 # (B,)
-            lp = F.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]                  # (B,) log π(a_t)
-            for i, (a, la, on) in enumerate(zip(tok.tolist(), lp.tolist(), live.tolist())):
-                if on:
-                    replies[i].append(a)
-                    logps[i].append(la)
+            ids[:, t], kept[:, t] = tok, live
+            logps[:, t] = F.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]         # (B,) log π(a_t)
             live = live & ~torch.isin(tok, ends)
-            if not live.any() or t == cfg.max_new_tokens - 1:
+            if t == T - 1 or (t % every == every - 1 and not bool(live.any())):
                 break
-            for i in live.nonzero()[:, 0].tolist():               # the token goes into the cache of a live row
-                self.fed[i].append(replies[i][-1])
-            self.mask = torch.cat([self.mask, live[:, None].long()], 1)                   # (B, L + 1)
+            mask[:, L + t] = live                                  # the token goes into the cache of a live row
+            self.mask = mask[:, :L + t + 1]                                                # (B, L + t + 1)
             logits = self.forward(ids=tok.masked_fill(~live, self.pad)[:, None])           # (B, V)
-        return [(r, lp, bool(r) and r[-1] in eos) for r, lp in zip(replies, logps)]
+        lengths = kept.sum(1).tolist()
+        last = max(lengths) - 1                      # the step at which the last row ended (or the last step)
+        if t > last:                                 # steps run after every row had ended: undone
+            self.cache.crop(last - t)
+            self.mask = mask[:, :L + last]
+            gen.set_state(states[(last + 1) % END_CHECK])
+        replies = [r[:n] for r, n in zip(ids.tolist(), lengths)]
+        self.fed = [f + r[:-1] for f, r in zip(self.fed, replies)]       # all but each reply's last token are cached
+        return [(r, lp[:n], r[-1] in eos) for r, lp, n in zip(replies, logps.tolist(), lengths)]
+
+    def _full_attention(self) -> bool:
+        """Is every layer's cache a plain full-attention one, whose columns can be squeezed out or cropped?"""
+        return all(type(layer) in (DynamicLayer, PreallocatedLayer) for layer in self.cache.layers)
+
+    def _reserve(self, n: int):
+        """Room for n more columns in every layer that can write in place (`PreallocatedLayer.reserve`)."""
+        for layer in self.cache.layers:
+            if isinstance(layer, PreallocatedLayer):
+                layer.reserve(n)
+
+
+def default_generator(device) -> torch.Generator:
+    """torch's default random generator of `device`: the one `draw` takes its random numbers from."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    if device.type == "mps":
+        return torch.mps._get_default_mps_generator()
+    return torch.default_generator
+
+
+_COMPILED = weakref.WeakKeyDictionary()    # model -> its compiled forward, made once (--compile-decode)
+
+
+def compiled(model):
+    """`model`'s forward compiled by torch.compile for one-token decode steps (--compile-decode), once per model.
+
+    dynamic=True: the cache grows by a column a token, so a shape-specialised graph would recompile at every step;
+    no CUDA graphs ("reduce-overhead"), which replay fixed shapes and addresses, not a cache that grows. Checked
+    here on CPU: the toy backbone's ids and log-probs against the eager path (tests/test_decode.py). What only a
+    GPU shows: the speed-up over eager decode, the graph breaks and recompiles at the paper's sizes (TORCH_LOGS=
+    "graph_breaks,recompiles"), and that bf16 autocast compiles to the same replies within sampling noise."""
+    if model not in _COMPILED:
+        _COMPILED[model] = torch.compile(model, dynamic=True)
+    return _COMPILED[model]
 
 
 def cache_argument(model) -> str:
     """The name under which `model`'s forward takes a KV cache: `cache` in recent transformers 5.x releases,
     `past_key_values` before them."""
+    inner = inner_model(model)
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+
+
+def inner_model(model):
+    """The transformers model that `model` runs (itself, or the one inside a PEFT wrapper or a LoRA student)."""
     from transformers import PreTrainedModel
     wrapped = getattr(model, "peft", model)             # runtime.LoraStudent keeps its backbone off its modules
-    inner = next((m for m in wrapped.modules() if isinstance(m, PreTrainedModel)), wrapped)
-    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+    return next((m for m in wrapped.modules() if isinstance(m, PreTrainedModel)), wrapped)
 
 
 def _shared_prefix(rows) -> int:
@@ -558,6 +710,8 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, *, prompt_fn=None, embe
     order = sorted(range(len(tasks)), key=lambda i: len(tasks[i].text)) if cfg.sort_by_length else range(len(tasks))
     was_training = model.training
     model.eval()
+    # a fp32 student under bf16 autocast generates from a bf16 copy, made once here (runtime.decoding_copy)
+    decoder = model if cfg.generator is not None else runtime.decoding_copy(model)
     for start in range(0, len(tasks), cfg.batch_size):
         which = order[start:start + cfg.batch_size]                          # indices into tasks
         chunk = [tasks[j] for j in which]
@@ -571,7 +725,7 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, *, prompt_fn=None, embe
             ep.add(prompt_fn(msgs, env.tools) if prompt_fn else chat.prompt(msgs, env.tools), sampled=False)
             ep.prompt_len = len(ep.ids)
         # each conversation keeps its KV cache from turn to turn; embed_fn is told which tasks the rows are
-        conv = Conversations(model, tokenizer, None if embed_fn is None else
+        conv = Conversations(decoder, tokenizer, None if embed_fn is None else
                              lambda ids, att, rows=which: embed_fn(ids, att, rows))
         while not all(ep.done for ep in eps):
             live = [i for i, ep in enumerate(eps) if not ep.done]

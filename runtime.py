@@ -103,6 +103,43 @@ def precision(model):
     return torch.autocast(p.device.type, dtype=p.dtype, enabled=p.dtype != torch.float32, cache_enabled=False)
 
 
+def decoding_copy(model):
+    """What `model` generates from: under bf16 autocast (`precision`) a fp32 model, the full student, becomes a copy
+    whose Linear weights are cast to bf16 once, its other tensors the model's own (shared, not copied); any other
+    model is returned as it is (a bf16 backbone, a LoRA student on one, fp32 without autocast: the CPU, under
+    torchrun a sharded student, which FSDP2 gathers in bf16 already).
+
+    Autocast casts every fp32 Linear weight to bf16 at every forward: a decode step reads the fp32 student and
+    writes its bf16 cast at each token. engine.rollout makes this copy once a rollout, after the optimizer step
+    that changed the weights, and drops it after. It computes the same numbers: autocast runs the same bf16
+    matmul on the same cast of each weight, and what it does not cast (embeddings, norms) reads the shared fp32
+    tensors (tests/test_decode.py, on CPU's bf16 autocast). The memory plan counts the copy while the student
+    generates (`decoding_copy_bytes`). The copy shares the model's tensors: moving or casting it (`.to`) would
+    change the model. What only a GPU shows: the time a decode step saves on CUDA."""
+    p = next(model.parameters())
+    kind = p.device.type
+    if p.dtype != torch.float32 or not torch.is_autocast_enabled(kind) or world() > 1 or \
+            isinstance(model, LoraStudent) or torch.get_autocast_dtype(kind) == torch.float32:
+        return model
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}      # deepcopy reuses these, copies none
+    copy_ = copy.deepcopy(model, memo=shared)
+    with torch.no_grad():
+        for m in copy_.modules():
+            if isinstance(m, torch.nn.Linear):
+                for name, t in list(m.named_parameters(recurse=False)):      # weight, bias
+                    setattr(m, name, torch.nn.Parameter(t.to(torch.get_autocast_dtype(kind)), requires_grad=False))
+    return copy_.eval()
+
+
+def decoding_copy_bytes(args, model, elem: int) -> int:
+    """The bf16 copy `decoding_copy` makes of a full fp32 student while it generates (not under --student-lora,
+    nor torchrun, nor --engine vllm, nor fp32): 2 bytes a Linear parameter of `model` (the backbone θ̄)."""
+    if args.student_lora or world() > 1 or args.engine != "hf" or elem == 4:
+        return 0
+    return 2 * sum(t.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                   for t in m.parameters(recurse=False))
+
+
 def say(*a):
     """print on rank 0 only."""
     if rank() == 0:
@@ -805,6 +842,7 @@ class Costs:
     kv_token: int = 0       # of one token of a generating conversation
     generating: int = 0     # held only while generating: an FSDP2 student gathered whole
     engine_batch: tuple | None = None   # --engine vllm: (conversations, bound) of `vllm_batch`; its cache is resident
+    decoder: int = 0     # while the student generates: its bf16 copy (`decoding_copy`), beside the KV caches
 
 
 def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max_len: int) -> Costs:
@@ -888,7 +926,8 @@ def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | N
     tokens: checkpointing only if one conversation does not train without it; the token budget that fills what is
     left beside the resident weights, at most `cap` (on a CPU a longer forward is no faster a token: train.py caps
     it there at CPU_TOKENS, and a micro-batch still holds at least one episode); as many generating conversations
-    as their KV caches fit (under --engine vllm, `costs.engine_batch`: the engine's cache is resident, and pages).
+    as their KV caches fit beside the student's decoding copy (under --engine vllm, `costs.engine_batch`: the
+    engine's cache is resident, and pages).
     `given` holds grad_ckpt, token_budget and gen_batch, each kept unless None. A NoFit (a UserError) when one
     conversation cannot train, or generate, even alone; a note when a given budget will not fit."""
     grad_ckpt, token_budget, gen_batch = given["grad_ckpt"], given["token_budget"], given["gen_batch"]
@@ -896,7 +935,7 @@ def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | N
     tokens = {ck: (room - costs.per_row[ck]) // costs.per_token[ck] for ck in (False, True)}
     ckpt = grad_ckpt if grad_ckpt is not None else tokens[False] < max_len
     longest = costs.resident + costs.fixed + costs.per_row[ckpt] + max_len * costs.per_token[ckpt]
-    generating = room + costs.fixed - costs.generating               # the loss's chunk is freed by then
+    generating = room + costs.fixed - costs.generating - costs.decoder   # the loss's chunk freed, the copy made
     _check_one_fits(costs, free, max_len, tokens[ckpt], generating)
     where = f"{_size(HEADROOM * free)} planned of {_size(free)} free"
     budget = token_budget if token_budget is not None else int(min(tokens[ckpt], cap or tokens[ckpt]))
@@ -971,8 +1010,9 @@ def _plan(p: Planning, ranks: int = 0) -> MemoryPlan:
     elem = next(p.model.parameters()).element_size()        # the precision forwards run in: bf16 2, fp32 4
     n, free = conversation_tokens(args, p.prompt), p.machine.limit - foot.backbone
     costs = step_costs(config, elem, foot.trained, args.n_ret, args.loss_chunk, n)
+    decoder = 0 if ranks > 1 else decoding_copy_bytes(args, p.model, elem)     # torchrun's ranks decode sharded
     costs = dataclasses.replace(costs, fixed=costs.fixed + elem * foot.gathered[0],
-                                generating=elem * foot.gathered[1])
+                                generating=elem * foot.gathered[1], decoder=decoder)
     if args.engine == "vllm":           # the engine's own fp32 copy of the weights and its KV cache, for the whole run
         kv, weights = engine_kv_bytes(args, free), 4 * sum(t.numel() for t in p.model.parameters())
         in_flight = min(args.max_len, args.max_env_steps * args.max_new_tokens)     # what a conversation's replies add

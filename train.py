@@ -138,6 +138,8 @@ class Args:
     # -- engineering (runtime.py): device, precision, memory, checkpoints
     engine: str = arg("hf", "what generates every rollout: hf (engine.Conversations) | vllm (runtime.py, in its own "
                             "virtualenv: docs/real-models.md)")
+    compile_decode: bool = arg(False, "--engine hf: the one-token decode steps through torch.compile (engine.compiled; "
+                                      "a GPU speed option, compiling costs minutes; off: the eager, readable path)")
     device: str = arg("auto", "auto | cpu | cuda | mps")
     dtype: str = arg("auto", "auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16")
     memory: float = arg(0, "GB the run may fill on its device in total, the backbone included (0 = what is free "
@@ -347,7 +349,8 @@ def sample_config(args: Args, temperature=None) -> engine.SampleConfig:
     return engine.SampleConfig(temperature=args.temperature if temperature is None else temperature,
                                top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                                max_len=args.max_len, batch_size=args.gen_batch or engine.SampleConfig.batch_size,
-                               sort_by_length=not is_toy(args), generator=runtime.GENERATOR)
+                               sort_by_length=not is_toy(args), generator=runtime.GENERATOR,
+                               compile_decode=args.compile_decode)
 
 
 def load_splits(args: Args, record: bool = True):

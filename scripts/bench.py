@@ -16,6 +16,9 @@
                                             # weights, no download): memory, generation tok/s, phases, MFU
     python -m scripts.bench --arch toy --rollouts 8 --tokens 128          # the same on CPU at toy size
     python -m scripts.bench --rollout               # multi-turn generation: cached conversations vs generate every turn
+    python -m scripts.bench --decode                # decode tokens/s at 512, 2k, 8k tokens of context, before and
+                                            # after the decode kept the reply on the device (SmolLM2; figures:
+                                            # docs/real-models.md, "Decoding with Hugging Face")
     python -m scripts.bench --engines               # sampled tokens/s, --engine hf vs --engine vllm (vLLM's virtualenv)
     python -m scripts.bench --verifier              # the code sandbox: programs/s on all cores, overhead per program
     python -m scripts.bench --pretrain              # the toy backbone: SFT step time, build time, vanilla evaluation
@@ -332,7 +335,7 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
     the latents) and the composer's encoder (J experiences per rollout). The loss: with --loss-chunk C, ~6 fp32 (C, V)
     tensors (both sides' logits and log-probs, a gradient) whatever the tokens; with full logits, bf16 logits and
     fp32 log-probs of every token, both sides. Rolling out `gen_batch` conversations adds their KV cache (gradients
-    are freed by then). What is not counted: SDPA's causal mask, allocator fragmentation, CUDA's own context."""
+    are freed by then) and, for a full student, its bf16 decoding copy (runtime.decoding_copy). What is not counted: SDPA's causal mask, allocator fragmentation, CUDA's own context."""
     n = param_counts(config)
     P, V = n["backbone"], config.vocab_size
     student = n["lora"] // 8 * student_r if student_lora else P                     # train.py --student-lora-r
@@ -345,7 +348,9 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
            "activations": per_tok * act_tokens / GB, "loss": loss / GB,
            "kv cache": gen_batch * tokens * runtime.kv_bytes_per_token(config) / GB}
     out["training"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "loss"))
-    out["rollout"] = out["weights"] + out["optimizer"] + out["kv cache"]
+    embed = 0 if config.tie_word_embeddings else V * config.hidden_size             # kept fp32, shared
+    copy = 0 if student_lora else 2 * (P - embed)                                  # runtime.decoding_copy
+    out["rollout"] = out["weights"] + out["optimizer"] + out["kv cache"] + copy / GB
     out["peak"] = max(out["training"], out["rollout"])
     return out
 
@@ -475,8 +480,8 @@ def print_memory_table(rollouts: int, tokens: int, loss_chunk: int = 1024, gen_b
                   " | ".join(f"{m[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "loss",
                                                      "kv cache", "training", "rollout")) +
                   f" | {'yes' if m['peak'] < 80 else 'no'} | {'yes' if m['peak'] < 141 else 'no'} |")
-    print(f"(GB; a micro-batch of {rollouts} x {tokens} tokens, checkpointing; rollout: weights, AdamW states and "
-          "the KV cache)")
+    print(f"(GB; a micro-batch of {rollouts} x {tokens} tokens, checkpointing; rollout: weights, AdamW states, "
+          "the KV cache and a full student's bf16 decoding copy)")
 
 
 def memory_plan_gpus(config, student_lora: bool, gpus: int, rollouts: int = 1, tokens: int = 40960,
@@ -641,6 +646,53 @@ def generate_whole(model, tokenizer, contexts, cfg, embed_fn=None, **_):
     return rows
 
 
+def reference_sample_next(scores, cfg):
+    """engine.sample_next as it was at ae4202a: top-p over a sort of the whole vocabulary, torch.multinomial."""
+    if cfg.temperature <= 0:
+        return scores.argmax(-1)                                              # (B,)
+    s = scores / cfg.temperature if cfg.temperature != 1.0 else scores       # (B, V)
+    if cfg.top_k:
+        kth = torch.topk(s, min(cfg.top_k, s.shape[-1]))[0][..., -1:]         # (B, 1) the k-th largest
+        s = s.masked_fill(s < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_s, order = torch.sort(s, descending=False)                     # (B, V) ascending
+        drop = sorted_s.softmax(-1).cumsum(-1) <= 1 - cfg.top_p                # (B, V) the tail outside the nucleus
+        drop[..., -1:] = False                                                # the most likely token always stays
+        s = s.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(s.softmax(-1), num_samples=1)[:, 0]              # (B,)
+
+
+class ReferenceConversations(engine.Conversations):
+    """engine.Conversations decoding as it did at ae4202a, the reference tests/test_decode.py checks the decode
+    against and the "before" of `bench_decode`: transformers' DynamicCache (each token concatenated to every
+    layer's cache), the mask concatenated a column a token, the host reading ids, log-probs and the live rows back
+    at every token, top-p over a sort of the whole vocabulary (`reference_sample_next`)."""
+
+    def empty_cache(self):
+        from transformers.cache_utils import DynamicCache
+        return DynamicCache(config=engine.inner_model(self.model).config)
+
+    def decode(self, logits, cfg, eos: list) -> list:
+        B, ends = logits.shape[0], torch.tensor(eos, device=self.device)
+        replies, logps = [[] for _ in range(B)], [[] for _ in range(B)]
+        live = torch.ones(B, dtype=torch.bool, device=self.device)                       # (B,)
+        for t in range(cfg.max_new_tokens):
+            tok = reference_sample_next(logits, cfg)                                       # (B,)
+            lp = F.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]                  # (B,) log π(a_t)
+            for i, (a, la, on) in enumerate(zip(tok.tolist(), lp.tolist(), live.tolist())):
+                if on:
+                    replies[i].append(a)
+                    logps[i].append(la)
+            live = live & ~torch.isin(tok, ends)
+            if not live.any() or t == cfg.max_new_tokens - 1:
+                break
+            for i in live.nonzero()[:, 0].tolist():               # the token goes into the cache of a live row
+                self.fed[i].append(replies[i][-1])
+            self.mask = torch.cat([self.mask, live[:, None].long()], 1)                   # (B, L + 1)
+            logits = self.forward(ids=tok.masked_fill(~live, self.pad)[:, None])           # (B, V)
+        return [(r, lp, bool(r) and r[-1] in eos) for r, lp in zip(replies, logps)]
+
+
 def _proc_bytes(field: str) -> int:
     """A field of /proc/self/status in bytes (VmRSS: now, VmHWM: peak)."""
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
@@ -693,6 +745,44 @@ def bench_rollout(rollouts: int, tokens: int, steps: int):
     print(f"  generate on every whole conversation  {out['whole'][0]:7.1f} s")
     print(f"  cached conversations (lopd)           {out['cached'][0]:7.1f} s   "
           f"{out['whole'][0] / out['cached'][0]:.1f}x faster; identical ids in {same}/{rollouts} episodes")
+
+
+def bench_decode(batch: int, tokens: int, repeats: int, contexts=(512, 2048, 8192)):
+    """Decode tokens a second against the context length, `rollout_model` on this machine: `batch` conversations of
+    each length sample `tokens` tokens each (B.2's sampling, no row ends), through the decode it replaced
+    (`ReferenceConversations`: a concatenated cache and mask, a read-back every token, top-p over a sort of V) and
+    through engine.Conversations, from the same seed (the same ids, checked); best of `repeats`, each from a copy of
+    the prompt's cache. The rows share all but their last 8 prompt tokens, so the prompt is computed once, outside
+    the clock. The longest context is cut to the model's positions less the reply."""
+    import copy
+    model, tok, name, _ = rollout_model()
+    model = model.to("cuda" if torch.cuda.is_available() else "cpu")    # a GPU times both decodes on it
+    cfg = engine.SampleConfig(max_new_tokens=tokens)
+    room = getattr(model.config, "max_position_embeddings", max(contexts) + tokens) - tokens
+    g = torch.Generator().manual_seed(0)
+    where = "cuda" if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
+    print(f"{name}, decode of {batch} conversations x {tokens} new tokens ({where}), best of {repeats}:")
+    print("| context | before (tok/s) | after (tok/s) | after / before | same ids |")
+    print("|---|---|---|---|---|")
+    for n in contexts:
+        n = min(n, room)
+        shared = torch.randint(0, len(tok), (n - 8,), generator=g).tolist()
+        prompts = [shared + torch.randint(0, len(tok), (8,), generator=g).tolist() for _ in range(batch)]
+        rate, ids = {}, {}
+        for how, cls in (("before", ReferenceConversations), ("after", engine.Conversations)):
+            with torch.no_grad():
+                conv = cls(model, tok)
+                logits = conv.start(list(range(batch)), prompts)                           # (B, V) outside the clock
+                times = []
+                for _ in range(repeats):
+                    again = copy.deepcopy(conv, memo={id(model): model})                   # the prompt's cache
+                    torch.manual_seed(0)
+                    t0 = time.perf_counter()
+                    rows = again.decode(logits, cfg, eos=[-1])                             # no id ends a reply
+                    times.append(time.perf_counter() - t0)
+            rate[how], ids[how] = batch * tokens / min(times), [r[0] for r in rows]
+        print(f"| {n} | {rate['before']:.1f} | {rate['after']:.1f} | {rate['after'] / rate['before']:.2f}x | "
+              f"{ids['before'] == ids['after']} |", flush=True)
 
 
 def bench_engines(rollouts: int, tokens: int, steps: int):
@@ -840,6 +930,9 @@ def main(argv=None):
                    help="one LOPD step of this backbone with random weights (qwen3-vocab: ~10 M parameters, V 151,936)")
     p.add_argument("--rollout", action="store_true", help="a multi-turn rollout: cached conversations against "
                    "generate on every whole conversation (SmolLM2 where installed)")
+    p.add_argument("--decode", action="store_true", help="decode tokens/s against the context length (512, 2k, 8k), "
+                   "the decode before and after it kept the reply on the device (SmolLM2 where installed; --batch "
+                   "conversations, default 4, of --tokens new tokens, default 64)")
     p.add_argument("--engines", action="store_true", help="sampled tokens/s of --engine hf against --engine vllm on "
                    "one rollout (vLLM's virtualenv; SmolLM2 where installed)")
     p.add_argument("--rollouts", type=int, help="rollouts for --arch and --dist-step (default 32), --rollout (8) and "
@@ -848,8 +941,8 @@ def main(argv=None):
     p.add_argument("--student-lora", action="store_true", help="--arch with the student as a LoRA adapter")
     p.add_argument("--grad-ckpt", action="store_true", help="--arch with gradient checkpointing")
     p.add_argument("--model", default="runs/toy/backbone", help="backbone folder for --step")
-    p.add_argument("--batch", type=int, default=16, help="B")
-    p.add_argument("--tokens", type=int, help="T (default 512; for --rollout, new tokens per reply: 48)")
+    p.add_argument("--batch", type=int, help="B (default 16; for --decode, conversations: 4)")
+    p.add_argument("--tokens", type=int, help="T (default 512; for --rollout, new tokens per reply: 48; --decode: 64)")
     p.add_argument("--vocab", type=int, default=523, help="V (default: the toy tokenizer's size)")
     p.add_argument("--top-m", type=int, default=20, help="M")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the minimum is reported")
@@ -872,15 +965,17 @@ def main(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(a, flag)}")
     if a.rollout:
         bench_rollout(a.rollouts or 8, a.tokens or 48, steps=3)
+    if a.decode:
+        bench_decode(a.batch or 4, a.tokens or 64, a.repeats)
     if a.engines:
         bench_engines(a.rollouts or 16, a.tokens or 128, steps=3)
     rollouts, tokens = a.rollouts or 32, a.tokens or 512
     if a.loss and a.fused:
         bench_fused_loss(a.rows, a.hidden, a.vocab, a.top_m, a.loss_chunk or 1024, a.repeats)
     elif a.loss:
-        bench_loss(a.batch, tokens, a.vocab, a.top_m, a.repeats)
+        bench_loss(a.batch or 16, tokens, a.vocab, a.top_m, a.repeats)
     if a.step:
-        bench_step(a.model, a.batch, a.repeats)
+        bench_step(a.model, a.batch or 16, a.repeats)
     if a.memory:
         print_headline_plans()
         print()
@@ -903,7 +998,7 @@ def main(argv=None):
     if a.gpu_check:
         raise SystemExit(0 if gpu_check(a.gpu_check) else 1)
     if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout or a.dist_step
-            or a.check_plan or a.engines):
+            or a.check_plan or a.engines or a.decode):
         p.print_help()
 
 

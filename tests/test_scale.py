@@ -58,7 +58,7 @@ def test_every_eos_id_of_the_generation_config_ends_a_reply():
     script = torch.tensor([[1, 7, 2, 5], [1, 2, 3, 4], [5, 1, 1, 1]])            # (B, N) the argmax each step
     conv = engine.Conversations.__new__(engine.Conversations)
     conv.device, conv.pad, conv.fed = torch.device("cpu"), 0, [[], [], []]
-    conv.mask = torch.ones(3, 2, dtype=torch.long)
+    conv.mask, conv.model, conv.cache = torch.ones(3, 2, dtype=torch.long), None, engine.DynamicCache()
     steps = iter(range(1, 4))
     conv.forward = lambda ids=None, embeds=None: torch.nn.functional.one_hot(script[:, next(steps)], 9).float()
     greedy = engine.SampleConfig(temperature=0.0, max_new_tokens=4)
