@@ -1,9 +1,10 @@
 """The LOPD pipeline, from a backbone to a trained student, top to bottom (paper §4.1, A.2, B.2, Algorithm 1).
 
     python train.py                              # toy world, toy backbone, CPU: minutes on a laptop
-    python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
+    python train.py --model Qwen/Qwen3-4B        # the paper's experiment: EnvScaler (B.2-B.3), on CUDA
     python train.py --method grpo                # a baseline on the same loop (rft | grpo | opsd | sdpo)
     python train.py --env code                   # the toy code world; --env FILE.py:CLASS for a world of yours
+                                                 # (--model takes any HF causal LM id or folder; --env tools: toy)
     torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-8B   # data parallel on 8 GPUs, one node
 
 The file reads in the order a run does: `Args` (every setting, grouped), `main`, then the stages, each cached in
@@ -67,9 +68,12 @@ class Args:
     (`resolve_defaults`); a default written as a config's field (lopd.LOPDConfig.margin) is that config's."""
     # -- the run: which backbone, world, method and folder
     model: str = arg("", "HF causal-LM id or local folder; empty = the offline toy backbone (worlds/toy_backbone.py)")
-    env: str = arg("tools", "the world (worlds/): tools (toy) | code (toy, or --tasks TACO/LiveCodeBench/EvalPlus) | "
-                            "bfcl | envscaler (--tasks DIR or hf) | FILE.py:CLASS (docs/adding-an-environment.md)")
-    tasks: str = arg("", "folder with train.jsonl and test.jsonl in the world's format; empty = its generated splits")
+    env: str = arg("", "the world (worlds/): tools (toy) | code (toy, or --tasks TACO/LiveCodeBench/EvalPlus) | "
+                       "bfcl | envscaler (--tasks DIR or hf) | FILE.py:CLASS (docs/adding-an-environment.md). "
+                       "Empty: tools for the toy backbone, envscaler for any other --model (the paper's "
+                       "experiment, B.2-B.3; preflight.default_world)")
+    tasks: str = arg("", "folder with train.jsonl and test.jsonl in the world's format; empty = its generated splits "
+                         "(envscaler: its release's folder, or hf, the default: the Hugging Face Hub)")
     out: str = arg("runs/toy", "run folder: every stage's output, checkpoints, metrics.jsonl")
     quick: bool = arg(False, "a first look in about a minute: every stage on fewer tasks and steps (QUICK), not a result")
     seed: int = arg(0, "seeds random, numpy and torch (and the toy world's tasks)")
@@ -225,6 +229,7 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     if not record:
         runtime.replan(args)
     runtime.seed_everything(args.seed)
+    train_tasks, test_tasks = load_splits(args, record)    # data before the model: a missing release costs no load
     device, dtype = runtime.pick_device(args.device, args.dtype)
     log = runtime.Log(args.out, args.tensorboard)
     model, tok = load_backbone(args, device, dtype)
@@ -234,7 +239,6 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
         runtime.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
         runtime.write_json(os.path.join(args.out, "memory_plan.json"), dataclasses.asdict(plan))
     source = None if args.student_lora else runtime.student_source(model)   # θ̄'s weights, before the composer's LoRA
-    train_tasks, test_tasks = load_splits(args, record)
     episodes = base_rollouts(args, model, tok, train_tasks, log)
     retriever = build_retriever(args, model, tok, episodes, train_tasks, test_tasks, log)
     composer = cold_start(args, model, tok, retriever, episodes, train_tasks, log)
@@ -620,9 +624,12 @@ def parse_args(argv=None) -> Args:
 
 
 def resolve_defaults(args: Args) -> Args:
-    """Every field left at None, from the flags alone: TOY_DEFAULTS for the toy backbone, PAPER_DEFAULTS for a real
-    model, and the world's own over them (`Environment.toy_defaults`, `paper_defaults`). What depends on the
-    backbone is resolved once it is loaded, in `fit_to_model`; nothing else changes a setting."""
+    """Every field left at None, from the flags alone: the world and its tasks where --env is empty
+    (`preflight.default_world`), TOY_DEFAULTS for the toy backbone, PAPER_DEFAULTS for a real model, and the world's
+    own over them (`Environment.toy_defaults`, `paper_defaults`). What depends on the backbone is resolved once it
+    is loaded, in `fit_to_model`; nothing else changes a setting."""
+    env, tasks = preflight.default_world(args.model, args.env, args.tasks)    # the paper's world for a real model
+    args = dataclasses.replace(args, env=env, tasks=tasks)
     try:
         cls = environment(args)
     except ValueError as err:                              # one line, without argparse's usage (runtime.UserError)
@@ -632,8 +639,8 @@ def resolve_defaults(args: Args) -> Args:
 
 
 def is_toy(args: Args) -> bool:
-    """The toy backbone: no --model, or a folder that worlds/toy_backbone.py wrote (it holds toy_backbone.json)."""
-    return not args.model or os.path.isfile(os.path.join(args.model, "toy_backbone.json"))
+    """The toy backbone: no --model, or a folder that worlds/toy_backbone.py wrote (`preflight.is_toy_model`)."""
+    return preflight.is_toy_model(args.model)
 
 
 # The flags that take one of a few values, and those that must be positive (the others at least 0)
