@@ -4,7 +4,6 @@
     python train.py --model Qwen/Qwen3-4B        # the paper's experiment: EnvScaler (B.2-B.3), on CUDA
     python train.py --method grpo                # a baseline on the same loop (rft | grpo | opsd | sdpo)
     python train.py --env code                   # the toy code world; --env FILE.py:CLASS for a world of yours
-                                                 # (--model takes any HF causal LM id or folder; --env tools: toy)
     torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-8B   # data parallel on 8 GPUs, one node
 
 The file reads in the order a run does: `Args` (every setting, grouped), `main`, then the stages, each cached in
@@ -15,8 +14,9 @@ The file reads in the order a run does: `Args` (every setting, grouped), `main`,
   4. cold start    composer φ0 by eq. (14) on the bank's own trajectories (composer.py)
   5. joint         --steps iterations of --method: Algorithm 1 (lopd.py) or a baseline (baselines.py)
   6. evaluation    vanilla / base + composer / student on held-out tasks (`evaluate`, Table 3; worlds/results.py)
-and last the command line (`parse_args`, `resolve_defaults`). Devices, seeds, torchrun, checkpoints, the memory
-plan and the student's construction are engineering: runtime.py, called by name. eval.py and
+and last the command line (`parse_args`, `resolve_defaults`). After the first batch of stages 2, 4, 5 and 6 one line
+says how long each stage left takes at the rates measured so far (runtime.Clock). Devices, seeds, torchrun,
+checkpoints, the memory plan and the student's construction are engineering: runtime.py, called by name. eval.py and
 scripts/experiments.py load runs through `load_args` and `load_run` here (they import train.py, never the reverse).
 
 Defaults follow B.2 and the official code except where the toy needs its own (`TOY_DEFAULTS`, each with its
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -68,10 +69,9 @@ class Args:
     (`resolve_defaults`); a default written as a config's field (lopd.LOPDConfig.margin) is that config's."""
     # -- the run: which backbone, world, method and folder
     model: str = arg("", "HF causal-LM id or local folder; empty = the offline toy backbone (worlds/toy_backbone.py)")
-    env: str = arg("", "the world (worlds/): tools (toy) | code (toy, or --tasks TACO/LiveCodeBench/EvalPlus) | "
-                       "bfcl | envscaler (--tasks DIR or hf) | FILE.py:CLASS (docs/adding-an-environment.md). "
-                       "Empty: tools for the toy backbone, envscaler for any other --model (the paper's "
-                       "experiment, B.2-B.3; preflight.default_world)")
+    env: str = arg("", "the world (worlds/): tools (toy) | code (toy, or --tasks TACO/LiveCodeBench/EvalPlus) | bfcl "
+                       "| envscaler (--tasks DIR or hf) | FILE.py:CLASS (docs/adding-an-environment.md). Empty: tools "
+                       "for the toy backbone, envscaler for any other --model (B.2-B.3; preflight.default_world)")
     tasks: str = arg("", "folder with train.jsonl and test.jsonl in the world's format; empty = its generated splits "
                          "(envscaler: its release's folder, or hf, the default: the Hugging Face Hub)")
     out: str = arg("runs/toy", "run folder: every stage's output, checkpoints, metrics.jsonl")
@@ -209,6 +209,7 @@ def _main(argv=None):
     runtime.check_world(args, world, rollouts_per_task(args))
     run = prepare(args)
     student = joint_training(run) if args.steps > 0 else None
+    run.log.clock.enter("evaluation")
     rows = evaluate(args, run, student, run.test, cache=True)    # rows a killed evaluation finished: read back
     if runtime.rank() == 0:
         table = environment(args).results
@@ -231,7 +232,9 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     runtime.seed_everything(args.seed)
     train_tasks, test_tasks = load_splits(args, record)    # data before the model: a missing release costs no load
     device, dtype = runtime.pick_device(args.device, args.dtype)
-    log = runtime.Log(args.out, args.tensorboard)
+    stages = functools.partial(runtime.stages_left, args, len(train_tasks), len(test_tasks),   # the clock's plan
+                               drift_rows=2 if METHODS[args.method].trains_composer else 1)       # as `drift_eval`
+    log = runtime.Log(args.out, args.tensorboard, stages)
     model, tok = load_backbone(args, device, dtype)
     plan = fit_to_model(args, model, tok, device)
     runtime.start_engine(args, model, args.model or toy_backbone(args), plan.free)
@@ -369,7 +372,8 @@ def base_rollouts(args, model, tok, train, log):
         return [engine.Episode.from_record(r, by_id[r["task_id"]]) for r in map(json.loads, open(path))]
     t0 = time.time()
     tasks = runtime.shard([t for t in train for _ in range(args.bank_rollouts)])    # this rank's slice (all: 1 process)
-    with tqdm(total=len(tasks), desc="base rollouts", leave=False, disable=runtime.rank() != 0) as bar:
+    log.clock.enter("bank")                        # its first batch says how long the run has left
+    with log.bar(len(tasks), "base rollouts") as bar:
         eps = engine.rollout(model, chat_of(args, tok), tasks, sample_config(args), progress=bar)
     if runtime.world() > 1:                                      # every rank's slice, in order, on every rank
         eps = [engine.Episode.from_record(r, by_id[r["task_id"]]) for r in runtime.gather([e.record() for e in eps])]
@@ -450,6 +454,7 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
     tasks_by_id, chat, task_rng = {t.task_id: t for t in train}, chat_of(args, tok), random.Random(args.seed)
     draw = schema_balanced_sampler(retriever.bank, task_rng)
     t0, start = time.time(), runtime.resume_cold_start(resumed, composer, opts, task_rng) if resumed else 0
+    log.clock.enter("cold start", start)
     for step in tqdm(range(start, args.cold_steps), desc="cold start", initial=start, total=args.cold_steps,
                      leave=False, disable=runtime.rank() != 0):
         # every rank draws the same batch (the sampler is seeded alike) and computes its slice's share of the loss
@@ -461,6 +466,8 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
         for (params, clip), opt in zip(groups, opts):
             torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
+        if step == start:
+            log.clock.first("cold step", time.time() - t0, 1)      # the time left, from this first step
         if step % 50 == 0 or step == args.cold_steps - 1:
             log("cold_start", step=step, **{"loss/init": loss})
         runtime.cold_checkpoint(args, composer, opts, step + 1, task_rng)     # every --cold-save-every steps
@@ -514,11 +521,13 @@ def joint_training(run: engine.Run):
     if ckpt:
         start, gens = runtime.load_checkpoint(ckpt, student, composer, opts, state, run.task_rng)   # says so
     runtime.serve(student)                   # --engine vllm: the student's weights, on every rank at once
+    run.log.clock.enter("joint", start)
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
                      leave=False, disable=runtime.rank() != 0):
         t0 = time.time()
         with runtime.precision(composer.peft):
             m, spent = method.step(run, state, student, opts, step)
+        run.log.clock.first("step", time.time() - t0, 1)      # the first step's says how long the run has left
         gens += spent
         if runtime.GENERATOR is not None:        # --engine vllm: the engine's weights follow the student's, checked
             m["engine/gap"] = runtime.GENERATOR.sync(student)
@@ -547,28 +556,23 @@ def drift_eval(args, student, run) -> dict:
 #   vanilla          θ̄ on the task alone (the composer's LoRA off, A.4)
 #   base + composer  θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own
 #   LOPD student     θ alone: no retrieval, no composer, no latent context
-def _bar(n, desc):
-    return tqdm(total=n, desc=desc, leave=False, disable=runtime.rank() != 0)   # torchrun: rank 0's bar only
+def eval_vanilla(composer, chat, tasks, cfg, progress=None):
+    """θ̄ on the task alone. The composer's LoRA lives in the same backbone, so it is switched off (A.4). `progress`:
+    the bar `evaluate` times (runtime.Log.bar), as for the other rows."""
+    with composer.adapter_disabled():
+        return engine.rollout(composer.peft, chat, tasks, cfg, progress=progress)
 
 
-def eval_vanilla(composer, chat, tasks, cfg):
-    """θ̄ on the task alone. The composer's LoRA lives in the same backbone, so it is switched off (A.4)."""
-    with composer.adapter_disabled(), _bar(len(tasks), "eval vanilla") as bar:
-        return engine.rollout(composer.peft, chat, tasks, cfg, progress=bar)
-
-
-def eval_teacher(composer, retriever, chat, tasks, cfg, n_ret, mode="same"):
+def eval_teacher(composer, retriever, chat, tasks, cfg, n_ret, mode="same", *, progress=None):
     """θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own. mode: lopd.retrieve's (same | other | none)."""
     with torch.no_grad():
         latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, n_ret, mode))    # (B, J·K, d)
-    with _bar(len(tasks), "eval base + composer") as bar:
-        return lopd.teacher_rollout(composer, chat, tasks, latents, cfg, progress=bar)
+    return lopd.teacher_rollout(composer, chat, tasks, latents, cfg, progress=progress)
 
 
-def eval_student(student, chat, tasks, cfg):
+def eval_student(student, chat, tasks, cfg, progress=None):
     """θ alone, from the task (the deployed policy)."""
-    with _bar(len(tasks), "eval student") as bar:
-        return engine.rollout(student, chat, tasks, cfg, progress=bar)
+    return engine.rollout(student, chat, tasks, cfg, progress=progress)
 
 
 ROWS = ("vanilla", "base + composer", "student")     # `evaluate`'s rows; the student's is named by its method
@@ -586,10 +590,10 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
     keys = runtime.row_keys(args, run, cfg, tasks, student) if cache and keep is None and runtime.world() == 1 else {}
     tasks = runtime.shard(tasks)
     saved = runtime.rng_state(random.Random())
-    for name, go in (("vanilla", lambda: eval_vanilla(composer, chat, tasks, cfg)),
-                     ("base + composer", lambda: eval_teacher(composer, run.retriever, chat, tasks, cfg,
-                                                              args.n_ret, mode=args.retrieval)),
-                     ("student", lambda: eval_student(student, chat, tasks, cfg))):
+    for name, go in (("vanilla", lambda bar: eval_vanilla(composer, chat, tasks, cfg, bar)),
+                     ("base + composer", lambda bar: eval_teacher(composer, run.retriever, chat, tasks, cfg,
+                                                                  args.n_ret, mode=args.retrieval, progress=bar)),
+                     ("student", lambda bar: eval_student(student, chat, tasks, cfg, bar))):
         if name not in which or (name == "student" and student is None):
             continue
         label = student_row(args) if name == "student" else name
@@ -600,8 +604,8 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
         if name == "student":
             runtime.serve(student)                   # --engine vllm: every rank, even one with no task here
         whole = runtime.gathered(student) if name == "student" else contextlib.nullcontext()   # FSDP2: weights
-        with runtime.precision(composer.peft), whole:
-            eps = go() if tasks else []       # torchrun: a rank may get no held-out task
+        with runtime.precision(composer.peft), whole, run.log.bar(len(tasks), f"eval {name}") as bar:
+            eps = go(bar) if tasks else []       # torchrun: a rank may get no held-out task
         rows[label] = engine.summarize_all(eps)
         runtime.write_row(args.out, keys.get(name), rows[label])
         if keep is not None:
@@ -624,10 +628,9 @@ def parse_args(argv=None) -> Args:
 
 
 def resolve_defaults(args: Args) -> Args:
-    """Every field left at None, from the flags alone: the world and its tasks where --env is empty
-    (`preflight.default_world`), TOY_DEFAULTS for the toy backbone, PAPER_DEFAULTS for a real model, and the world's
-    own over them (`Environment.toy_defaults`, `paper_defaults`). What depends on the backbone is resolved once it
-    is loaded, in `fit_to_model`; nothing else changes a setting."""
+    """Every field left at None, from the flags alone: --env and --tasks (`preflight.default_world`), TOY_DEFAULTS for
+    the toy backbone, PAPER_DEFAULTS for a real model, the world's own over them (`Environment.toy_defaults`,
+    `paper_defaults`); what depends on the backbone once it is loaded, in `fit_to_model`, and nowhere else."""
     env, tasks = preflight.default_world(args.model, args.env, args.tasks)    # the paper's world for a real model
     args = dataclasses.replace(args, env=env, tasks=tasks)
     try:
