@@ -146,7 +146,6 @@ class Log:
                 self.writer.add_scalar(f"{stage}/{k}", v, step)
         self.writer.flush()
 
-
     def bar(self, total: int, desc: str) -> tqdm:
         """A progress bar of rollouts (rank 0's shown) whose first update, a first batch, the clock times."""
         return TimedBar(total=total, desc=desc, leave=False, disable=rank() != 0,
@@ -225,7 +224,8 @@ class Clock:
         self.stage, self.done = stage, done
 
     def first(self, unit: str, seconds: float, n: int):
-        """n units took `seconds`: their rate kept, and the line said if the stage under way has not said it."""
+        """n units took `seconds`: the unit's rate (the latest measured), and the line if the stage under way has not
+        said it."""
         self.rates[unit] = seconds / max(1, n)
         if self.plan is None or self.stage is None or self.stage in self.said:
             return
