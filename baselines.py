@@ -70,6 +70,7 @@ import torch
 
 import engine
 import losses
+import preflight
 import runtime
 from engine import Method
 from losses import bucket_reverse_kl, fp32, supervised_logprobs, topm_tail
@@ -477,9 +478,8 @@ def base_skills(composer, tokenizer, groups, batch: int = 8) -> list:
 
 def skill_writer(run: engine.Run):
     """(family, attempts) list -> skills: `toy_skill` on the toy backbone (no --model, or a folder toy_backbone.py
-    wrote, as train.is_toy), the frozen base's `base_skills` on a real model."""
-    model = run.args.model
-    if not model or os.path.isfile(os.path.join(model, "toy_backbone.json")):
+    wrote: preflight.is_toy_model), the frozen base's `base_skills` on a real model."""
+    if preflight.is_toy_model(run.args.model):
         return lambda groups: [toy_skill(a) for _, a in groups]
     return lambda groups: base_skills(run.composer, run.tok, groups)
 

@@ -36,7 +36,8 @@ then one row of Table 1's columns on its 0-100 scale (`eval_table1`). Each bench
 (`B3_BY_BENCHMARK`).
 
 Deviation: the paper evaluates on EnvScaler's 200 held-out tasks, BFCL-v3 and ACEBench; a run's own Table 3 rows
-(no --tasks) are on its world's held-out split, the toy world's standing in for EnvScaler's.
+(no --tasks) are on its world's held-out split: EnvScaler's for a real backbone trained without --env, the toy
+world's standing in for it on the toy backbone (preflight.default_world).
 """
 from __future__ import annotations
 

@@ -14,13 +14,14 @@ One list of flags: train.py's `Args` (with CHOICES, POSITIVE and NON_NEGATIVE) a
 eval.py's `main` are read here from their source with `ast`, a name such as `lopd.LOPDConfig.margin` followed into
 the file that assigns it (`value_of`); nothing is copied, and train.py's parser is built by the same `parser_of`.
 Checked here: unknown flags (the closest one named), ints and floats, the choices and the positive settings, --env
-(a registered world, or a FILE.py that is there), the paths that must exist (--model where it is a folder,
---chat-template, --tasks of a shipped world, eval.py's --run and --tasks files), each with the closest name in the
-same folder. Left to the scripts: whatever needs a world's code, a model or torch (a user's FILE.py world is not
+(a registered world, or a FILE.py that is there; left out, `default_world`'s), the paths that must exist (--model
+where it is a folder, --chat-template, --tasks of a shipped world, eval.py's --run and --tasks files), each with the
+closest name in the same folder. Left to the scripts: whatever needs a world's code, a model or torch (a user's FILE.py world is not
 imported here, nor a hub id looked up), and any value that the source alone does not give (`Unknown`).
 
 Also here, because they import no torch: the settings' pieces that train.py and eval.py build their command lines
-from (`arg`, `OneLineParser`, `did_you_mean`, `parser_of`, `parse_with_preset`, `check_values`).
+from (`default_world`, the world a run takes when --env is left out; `arg`, `OneLineParser`, `did_you_mean`,
+`parser_of`, `parse_with_preset`, `check_values`).
 """
 from __future__ import annotations
 
@@ -125,6 +126,23 @@ def check_paths(p, a, task_files=None):
                 f"{close_path(a.chat_template)}")
     if a.tasks and task_files and not all(os.path.isfile(os.path.join(a.tasks, f)) for f in task_files):
         p.error(f"--tasks {a.tasks!r}: expected a folder holding {' and '.join(task_files)}{close_path(a.tasks)}")
+
+
+TOY_MARKER = "toy_backbone.json"      # what worlds/toy_backbone.py writes into a toy backbone's folder
+
+
+def is_toy_model(model: str) -> bool:
+    """The toy backbone: no --model, or a folder that worlds/toy_backbone.py wrote (it holds TOY_MARKER)."""
+    return not model or os.path.isfile(os.path.join(model, TOY_MARKER))
+
+
+def default_world(model: str, env: str, tasks: str) -> tuple[str, str]:
+    """--env and --tasks where the command line leaves them empty, the one rule train.py, eval.py and the early
+    check read: the toy backbone trains on the toy tool world (tools, its generated tasks); any other backbone on
+    the paper's experiment, EnvScaler (B.2-B.3), whose data is --tasks DIR or else the Hub's datasets (hf:
+    huggingface_hub's cache first, fetched when online)."""
+    env = env or ("tools" if is_toy_model(model) else "envscaler")
+    return env, tasks or ("hf" if env == "envscaler" else "")
 
 
 def expected_worlds(envs) -> str:
@@ -354,6 +372,7 @@ def check_train(argv: list):
     if given.pop("help"):
         return
     a = cls(**given)
+    a.env, a.tasks = default_world(a.model, a.env, a.tasks)
     if problem := env_error(a.env, registered_worlds()):
         print(f"error: {problem}", file=sys.stderr)          # as runtime.one_line_errors prints train.py's
         raise SystemExit(2)

@@ -10,7 +10,7 @@ data-parallel helper is the identity, so the single-process path is exactly the 
     torchrun --nproc-per-node 2 train.py --steps 2       # two processes (gloo on CPU, nccl on CUDA)
     python -m pytest tests/test_distributed.py tests/test_real_path.py -q
 
-Sections, in order: user errors; device, seed, precision, log; data parallel; the student (full, LoRA,
+Sections, in order: user errors; device, seed, precision, log; the time left; data parallel; the student (full, LoRA,
 checkpointed); the memory plan (made before any weight is fetched, and again beside the loaded backbone); FSDP2
 and full state dicts; checkpoints and resume (the joint stage's, the cold start's) and the evaluation's rows read
 back after a kill.
@@ -32,6 +32,7 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 import types
 from contextlib import contextmanager
 import dataclasses
@@ -150,10 +151,12 @@ class Log:
     """One line per event on stdout (behaviour counts left out), the full record appended to OUT/metrics.jsonl, the
     source of truth. With `tensorboard` (a folder; train.py --tensorboard) every number of a record is also a scalar
     `stage/name` at the record's step, in a sub-folder named after OUT, so that the runs of scripts/experiments.py sit
-    in one TensorBoard. Under torchrun only rank 0 logs (the metrics it gets are already summed or gathered)."""
+    in one TensorBoard. Under torchrun only rank 0 logs (the metrics it gets are already summed or gathered).
+    `plan` (`stages_left`) lets its `clock` say how long the run has left; progress bars come from `bar`."""
 
-    def __init__(self, out: str, tensorboard: str = ""):
+    def __init__(self, out: str, tensorboard: str = "", plan=None):
         self.path, self.writer, self.events = os.path.join(out, "metrics.jsonl"), None, {}
+        self.clock = Clock(plan)
         if tensorboard and rank() == 0:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -181,6 +184,115 @@ class Log:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                 self.writer.add_scalar(f"{stage}/{k}", v, step)
         self.writer.flush()
+
+    def bar(self, total: int, desc: str) -> tqdm:
+        """A progress bar of rollouts (rank 0's shown) whose first update, a first batch, the clock times."""
+        return TimedBar(total=total, desc=desc, leave=False, disable=rank() != 0,
+                        first=lambda seconds, n: self.clock.first("rollout", seconds, n))
+
+
+class TimedBar(tqdm):
+    """A tqdm bar that tells `first(seconds, n)` how long its first update (n items) took from its start, once."""
+
+    def __init__(self, *args, first=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.first, self.started = first, time.time()
+
+    def update(self, n=1):
+        shown = super().update(n)
+        if self.first is not None:
+            first, self.first = self.first, None
+            first(time.time() - self.started, n)
+        return shown
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# How long the run has left: each stage's first batch gives a rate, one line adds up what is left
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class Stage:
+    """What a stage has left, in the units the clock times ("rollout", "cold step", "step"); `floor`: what the
+    work holds at least in timed units while one of its own is not timed yet (a joint step: its rollouts)."""
+    name: str
+    work: dict
+    floor: dict | None = None
+
+
+def time_left(stages: list, rates: dict) -> list[tuple]:
+    """Each stage's seconds left from measured `rates` (unit -> seconds each) -> [(name, seconds, lower)]: its work
+    at those rates; else its floor's, a lower bound (lower True); else None (not timed yet)."""
+    out = []
+    for stage in stages:
+        work = {unit: n for unit, n in stage.work.items() if n}
+        if all(unit in rates for unit in work):
+            out.append((stage.name, sum(n * rates[unit] for unit, n in work.items()), False))
+        elif stage.floor and all(unit in rates for unit in stage.floor):
+            out.append((stage.name, sum(n * rates[unit] for unit, n in stage.floor.items()), True))
+        else:
+            out.append((stage.name, None, False))
+    return out
+
+
+def duration(seconds: float) -> str:
+    """'40 s', '12 min', '3 h 10 min'."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+def time_line(estimates: list) -> str:
+    """`time_left`'s estimates as one line: the stage under way first ("left"), then the rest and their sum."""
+    parts = [f"{name} not timed yet" if s is None else f"{name} {'≥' if low else '~'}{duration(s)}" +
+             (" left" if i == 0 else "") for i, (name, s, low) in enumerate(estimates)]
+    bound = "≥" if any(s is None or low for _, s, low in estimates) else "~"
+    total = sum(s for _, s, _ in estimates if s is not None)
+    return f"time: {', '.join(parts)}; in all {bound}{duration(total)} (estimates from the first batch)"
+
+
+class Clock:
+    """How long the run has left, said once a stage (rank 0): the stage under way (`enter`) times its first batch
+    (`first`: seconds per rollout, per cold-start step, per joint step), and one line adds up what every stage from
+    it on has left at the rates measured so far. `plan(stage, done)` lists those stages (`stages_left`)."""
+
+    def __init__(self, plan=None):
+        self.plan, self.rates, self.said, self.stage, self.done = plan, {}, set(), None, 0
+
+    def enter(self, stage: str, done: int = 0):
+        """`stage` is under way, `done` of its units finished before (a resumed one's)."""
+        self.stage, self.done = stage, done
+
+    def first(self, unit: str, seconds: float, n: int):
+        """n units took `seconds`: the unit's rate (the latest measured), and the line if the stage under way has not
+        said it."""
+        self.rates[unit] = seconds / max(1, n)
+        if self.plan is None or self.stage is None or self.stage in self.said:
+            return
+        self.said.add(self.stage)
+        if rank() == 0:
+            tqdm.write(time_line(time_left(self.plan(self.stage, self.done + n), self.rates)))
+
+
+STAGES = ("bank", "cold start", "joint", "evaluation")     # the stages of train.py whose time the clock adds up
+
+
+def stages_left(args, n_train: int, n_test: int, stage: str, done: int, *, drift_rows: int = 1) -> list[Stage]:
+    """What a run of `args` (train.Args) has left from `stage` on (`done` of that stage's units finished), this rank's
+    share, in the units the clock times: the bank's base rollouts, the cold start's steps, the joint steps with
+    the rollouts of their --eval-every evaluations (`drift_rows` rows each), at least each step's own rollouts until a
+    step is timed, and the final evaluation's rows (no student row without steps)."""
+    w, at = world(), lambda name, n: max(0, n - done) if name == stage else n      # noqa: E731
+    steps = at("joint", args.steps)
+    evals = (args.steps // args.eval_every - (args.steps - steps) // args.eval_every) if args.eval_every else 0
+    drift = evals * min(args.eval_tasks, n_test) * drift_rows / w
+    per_step = 0 if args.method == "rft" else args.rollouts_per_step / w      # RFT trains on the bank: no rollouts
+    rows = 3 if args.steps else 2                                             # vanilla, base + composer, student
+    plan = {"bank": Stage("bank", {"rollout": at("bank", n_train * args.bank_rollouts / w)}),
+            "cold start": Stage("cold start", {"cold step": at("cold start", args.cold_steps)}),
+            "joint": Stage(f"{steps} step{'s' * (steps != 1)}", {"step": steps, "rollout": drift},
+                           {"rollout": steps * per_step + drift} if per_step else None),
+            "evaluation": Stage("evaluation", {"rollout": at("evaluation", rows * n_test / w)})}
+    return [plan[name] for name in STAGES[STAGES.index(stage):] if any(plan[name].work.values())]
 
 
 def cached(path: str) -> bool:

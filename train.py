@@ -1,7 +1,7 @@
 """The LOPD pipeline, from a backbone to a trained student, top to bottom (paper §4.1, A.2, B.2, Algorithm 1).
 
     python train.py                              # toy world, toy backbone, CPU: minutes on a laptop
-    python train.py --model Qwen/Qwen3-4B        # any HF causal LM id or local folder, on CUDA
+    python train.py --model Qwen/Qwen3-4B        # the paper's experiment: EnvScaler (B.2-B.3), on CUDA
     python train.py --method grpo                # a baseline on the same loop (rft | grpo | opsd | sdpo)
     python train.py --env code                   # the toy code world; --env FILE.py:CLASS for a world of yours
     torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-8B   # data parallel on 8 GPUs, one node
@@ -14,9 +14,9 @@ The file reads in the order a run does: `Args` (every setting, grouped), `main`,
   4. cold start    composer φ0 by eq. (14) on the bank's own trajectories (composer.py)
   5. joint         --steps iterations of --method: Algorithm 1 (lopd.py) or a baseline (baselines.py)
   6. evaluation    vanilla / base + composer / student on held-out tasks (`evaluate`, Table 3; worlds/results.py)
-and last the command line (`parse_args`, `resolve_defaults`). Devices, seeds, torchrun, checkpoints, the memory
-plan and the student's construction are engineering: runtime.py, called by name. eval.py and
-scripts/experiments.py load runs through `load_args` and `load_run` here (they import train.py, never the reverse).
+and last the command line (`parse_args`, `resolve_defaults`); stages 2, 4-6 say the time left (runtime.Clock).
+Devices, seeds, torchrun, checkpoints, the memory plan and the student's construction are engineering: runtime.py.
+eval.py and scripts/experiments.py load runs through `load_args` and `load_run` (they import train.py, not reverse).
 
 Defaults follow B.2 and the official code except where the toy needs its own (`TOY_DEFAULTS`, each with its
 reason; a world may add its own). The one that changes the method: on the toy world the composer encodes the
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -67,9 +68,11 @@ class Args:
     (`resolve_defaults`); a default written as a config's field (lopd.LOPDConfig.margin) is that config's."""
     # -- the run: which backbone, world, method and folder
     model: str = arg("", "HF causal-LM id or local folder; empty = the offline toy backbone (worlds/toy_backbone.py)")
-    env: str = arg("tools", "the world (worlds/): tools (toy) | code (toy, or --tasks TACO/LiveCodeBench/EvalPlus) | "
-                            "bfcl | envscaler (--tasks DIR or hf) | FILE.py:CLASS (docs/adding-an-environment.md)")
-    tasks: str = arg("", "folder with train.jsonl and test.jsonl in the world's format; empty = its generated splits")
+    env: str = arg("", "the world (worlds/): tools (toy) | code (toy, or --tasks TACO/LiveCodeBench/EvalPlus) | bfcl "
+                       "| envscaler (--tasks DIR or hf) | FILE.py:CLASS (docs/adding-an-environment.md). Empty: tools "
+                       "for the toy backbone, envscaler for any other --model (B.2-B.3; preflight.default_world)")
+    tasks: str = arg("", "folder with train.jsonl and test.jsonl in the world's format; empty = its generated splits "
+                         "(envscaler: its release's folder, or hf, the default: the Hugging Face Hub)")
     out: str = arg("runs/toy", "run folder: every stage's output, checkpoints, metrics.jsonl")
     quick: bool = arg(False, "a first look in about a minute: every stage on fewer tasks and steps (QUICK), not a result")
     seed: int = arg(0, "seeds random, numpy and torch (and the toy world's tasks)")
@@ -98,13 +101,11 @@ class Args:
     top_k: int = arg(engine.SampleConfig.top_k, "top-k sampling (B.2: 20)")
     max_new_tokens: int = arg(None, "token budget of one reply")
     max_env_steps: int = arg(None, "environment steps per episode (paper 30)")
-    max_len: int = arg(None, "the conversation's token budget: an episode ends when its next reply might not fit "
-                             "(paper 40,960, B.2; at most the model's context)")
+    max_len: int = arg(None, "a conversation's token budget (B.2: 40,960; at most the model's context)")
     # -- the pipeline's stages: bank, retrieval, cold start, evaluation, controls
     bank_rollouts: int = arg(2, "base-model rollouts per training task when building the experience bank")
     bank_threshold: float = arg(1.0, "reward a rollout needs to enter the bank (A.3: successful rollouts only)")
-    embedder: str = arg("minilm", "retrieval encoder f_ret: minilm (offline, from PyPI) | backbone | any HF encoder "
-                                  "(paper: Qwen3-Embedding-8B)")
+    embedder: str = arg("minilm", "f_ret: minilm (offline, PyPI) | backbone | an HF encoder (paper: Qwen3-Embedding-8B)")
     retrieval: str = arg(lopd.LOPDConfig.retrieval, "what the composer reads: same (Ret(x), never the task's own) | self (its own "
                                         "allowed: the official code) | controls: other (other variants only), shop "
                                         "(its own variant only: an oracle), none (no reference)")
@@ -113,11 +114,9 @@ class Args:
     cold_batch: int = arg(8, "cold-start batch size (A.2: 8)")
     cold_clip: float = arg(3.0, "cold-start gradient clipping (A.2: 3.0): of ψ and χ, or of ψ with --cold-optim split")
     freeze_composer: bool = arg(lopd.LOPDConfig.freeze_composer, "keep the composer at φ0 in joint training (Figure 3)")
-    eval_every: int = arg(None, "every N iterations, the student and the teacher (base + composer, to watch it "
-                                "drift) on --eval-tasks held-out tasks (0 = only at the end)")
+    eval_every: int = arg(None, "every N steps, student and teacher on --eval-tasks held-out tasks (0: at the end)")
     eval_tasks: int = arg(50, "held-out tasks of each --eval-every evaluation (the final one uses all)")
-    thinking: bool | None = arg(None, "Qwen3's thinking mode. Default: on where the template has the switch (B.2), "
-                                      "off for the toy backbone")
+    thinking: bool | None = arg(None, "Qwen3's thinking mode (default: on where the template has the switch, B.3)")
     chat_template: str = arg("", "a Jinja chat-template file for a tokenizer that has none (a base checkpoint)")
     # -- baselines (baselines.py)
     group: int = arg(baselines.BaselineConfig.group, "G, rollouts per task for grpo, sdpo and skillsd (B.1: 4)")
@@ -136,10 +135,8 @@ class Args:
                                    "ψ clipped at --cold-clip, χ at --cold-qformer-clip)")
     cold_qformer_clip: float = arg(30.0, "the QFormer's cold-start clip with --cold-optim split (official: 30)")
     # -- engineering (runtime.py): device, precision, memory, checkpoints
-    engine: str = arg("hf", "what generates every rollout: hf (engine.Conversations) | vllm (runtime.py, in its own "
-                            "virtualenv: docs/real-models.md)")
-    compile_decode: bool = arg(False, "--engine hf: the one-token decode steps through torch.compile (engine.compiled; "
-                                      "a GPU speed option, compiling costs minutes; off: the eager, readable path)")
+    engine: str = arg("hf", "what generates rollouts: hf (engine.Conversations) | vllm (own virtualenv: real-models.md)")
+    compile_decode: bool = arg(False, "--engine hf: decode steps through torch.compile (a GPU option; off: readable)")
     device: str = arg("auto", "auto | cpu | cuda | mps")
     dtype: str = arg("auto", "auto (bf16 on CUDA, else fp32) | float32 | bfloat16 | float16")
     memory: float = arg(0, "GB the run may fill on its device in total, the backbone included (0 = what is free "
@@ -159,9 +156,8 @@ class Args:
     save_every: int = arg(10, "write a checkpoint every N iterations")
     cold_save_every: int = arg(50, "write a cold-start checkpoint every N steps (OUT/cold_ckpt, until φ0 is written)")
     resume: bool = arg(False, "continue the cold start and the joint stage from their checkpoints, if present")
-    unsafe_no_sandbox: bool = arg(False, "run the world's untrusted code (programs, environments, BFCL's calls) "
-                                         "WITHOUT the kernel's confinement, process limits only (worlds/sandbox.py): "
-                                         "for a machine without bubblewrap or seccomp that the code may wreck")
+    unsafe_no_sandbox: bool = arg(False, "run the world's untrusted code (programs, environments, checkers) WITHOUT "
+                                         "the kernel's confinement (worlds/sandbox.py), limits only: it may wreck it")
     tensorboard: str = arg("", "also write every metric as TensorBoard scalars here (pip install tensorboard)")
 
 
@@ -207,6 +203,7 @@ def _main(argv=None):
     runtime.check_world(args, world, rollouts_per_task(args))
     run = prepare(args)
     student = joint_training(run) if args.steps > 0 else None
+    run.log.clock.enter("evaluation")
     rows = evaluate(args, run, student, run.test, cache=True)    # rows a killed evaluation finished: read back
     if runtime.rank() == 0:
         table = environment(args).results
@@ -227,9 +224,10 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     if not record:
         runtime.replan(args)
     runtime.seed_everything(args.seed)
+    train_tasks, test_tasks = load_splits(args, record)  # a missing release costs no load; the plan reads prompts
     device, dtype = runtime.pick_device(args.device, args.dtype)
-    log = runtime.Log(args.out, args.tensorboard)
-    train_tasks, test_tasks = load_splits(args, record)      # first: the plan prices the world's first prompts
+    log = runtime.Log(args.out, args.tensorboard, functools.partial(runtime.stages_left, args, len(train_tasks),
+                      len(test_tasks), drift_rows=2 if METHODS[args.method].trains_composer else 1))   # as drift_eval
     planned = plan_before_loading(args, device, dtype, train_tasks)    # a run that cannot fit stops here
     model, tok = load_backbone(args, device, dtype)
     plan = fit_to_model(args, model, tok, device, planned)
@@ -252,9 +250,8 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
 # Stage 1: the backbone θ̄ (and its tokenizer)
 # ----------------------------------------------------------------------------------------------------------------
 def plan_before_loading(args: Args, device, dtype, tasks) -> runtime.Planning:
-    """The memory plan on θ̄ built on the meta device from --model's config alone, before any weight is fetched or
-    read (runtime.memory_plan): a run that cannot fit stops here, in one line naming what fits. -> what it planned
-    from (the prompt: the world's first, with --model's template), which `fit_to_model` plans again once loaded."""
+    """runtime.memory_plan on θ̄ built on the meta device from --model's config, before any weight is read: a run
+    that cannot fit stops here, in one line naming what fits. -> its inputs, which `fit_to_model` plans again."""
     path = args.model or toy_backbone(args)
     model = runtime.meta_backbone(runtime.check_causal_lm(path), dtype)
     n_ctx = getattr(model.config, "max_position_embeddings", None)
@@ -298,10 +295,8 @@ def load_backbone(args: Args, device, dtype):
 
 
 def fit_to_model(args: Args, model, tok, device, planned: runtime.Planning) -> runtime.MemoryPlan:
-    """The settings that depend on the backbone, resolved here and in `plan_before_loading` (--max-len within its
-    context, `runtime.fit_context`), each change said in one line, all written to args.json, the plan to
-    memory_plan.json: the thinking mode, and the memory plan's token budget, generation batch and gradient
-    checkpointing where the command line gave none (`runtime.fit_memory`: `planned` again, beside the backbone)."""
+    """What depends on the backbone (and `plan_before_loading`'s --max-len), said in one line each, in args.json:
+    the plan's budgets where the command line gave none (`runtime.fit_memory`: `planned` again, beside θ̄)."""
     if args.thinking is None:
         args.thinking = thinks_by_default(args, tok)
         if args.thinking:
@@ -378,7 +373,8 @@ def base_rollouts(args, model, tok, train, log):
         return [engine.Episode.from_record(r, by_id[r["task_id"]]) for r in map(json.loads, open(path))]
     t0 = time.time()
     tasks = runtime.shard([t for t in train for _ in range(args.bank_rollouts)])    # this rank's slice (all: 1 process)
-    with tqdm(total=len(tasks), desc="base rollouts", leave=False, disable=runtime.rank() != 0) as bar:
+    log.clock.enter("bank")                        # its first batch says how long the run has left
+    with log.bar(len(tasks), "base rollouts") as bar:
         eps = engine.rollout(model, chat_of(args, tok), tasks, sample_config(args), progress=bar)
     if runtime.world() > 1:                                      # every rank's slice, in order, on every rank
         eps = [engine.Episode.from_record(r, by_id[r["task_id"]]) for r in runtime.gather([e.record() for e in eps])]
@@ -459,6 +455,7 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
     tasks_by_id, chat, task_rng = {t.task_id: t for t in train}, chat_of(args, tok), random.Random(args.seed)
     draw = schema_balanced_sampler(retriever.bank, task_rng)
     t0, start = time.time(), runtime.resume_cold_start(resumed, composer, opts, task_rng) if resumed else 0
+    log.clock.enter("cold start", start)
     for step in tqdm(range(start, args.cold_steps), desc="cold start", initial=start, total=args.cold_steps,
                      leave=False, disable=runtime.rank() != 0):
         # every rank draws the same batch (the sampler is seeded alike) and computes its slice's share of the loss
@@ -470,6 +467,8 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
         for (params, clip), opt in zip(groups, opts):
             torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
+        if step == start:
+            log.clock.first("cold step", time.time() - t0, 1)      # the time left, from this first step
         if step % 50 == 0 or step == args.cold_steps - 1:
             log("cold_start", step=step, **{"loss/init": loss})
         runtime.cold_checkpoint(args, composer, opts, step + 1, task_rng)     # every --cold-save-every steps
@@ -523,11 +522,13 @@ def joint_training(run: engine.Run):
     if ckpt:
         start, gens = runtime.load_checkpoint(ckpt, student, composer, opts, state, run.task_rng)   # says so
     runtime.serve(student)                   # --engine vllm: the student's weights, on every rank at once
+    run.log.clock.enter("joint", start)
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
                      leave=False, disable=runtime.rank() != 0):
         t0 = time.time()
         with runtime.precision(composer.peft):
             m, spent = method.step(run, state, student, opts, step)
+        run.log.clock.first("step", time.time() - t0, 1)      # the first step's says how long the run has left
         gens += spent
         if runtime.GENERATOR is not None:        # --engine vllm: the engine's weights follow the student's, checked
             m["engine/gap"] = runtime.GENERATOR.sync(student)
@@ -556,28 +557,22 @@ def drift_eval(args, student, run) -> dict:
 #   vanilla          θ̄ on the task alone (the composer's LoRA off, A.4)
 #   base + composer  θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own
 #   LOPD student     θ alone: no retrieval, no composer, no latent context
-def _bar(n, desc):
-    return tqdm(total=n, desc=desc, leave=False, disable=runtime.rank() != 0)   # torchrun: rank 0's bar only
+def eval_vanilla(composer, chat, tasks, cfg, progress=None):
+    """θ̄ on the task alone: the composer's LoRA, in the same backbone, switched off (A.4). `progress`: a bar."""
+    with composer.adapter_disabled():
+        return engine.rollout(composer.peft, chat, tasks, cfg, progress=progress)
 
 
-def eval_vanilla(composer, chat, tasks, cfg):
-    """θ̄ on the task alone. The composer's LoRA lives in the same backbone, so it is switched off (A.4)."""
-    with composer.adapter_disabled(), _bar(len(tasks), "eval vanilla") as bar:
-        return engine.rollout(composer.peft, chat, tasks, cfg, progress=bar)
-
-
-def eval_teacher(composer, retriever, chat, tasks, cfg, n_ret, mode="same"):
+def eval_teacher(composer, retriever, chat, tasks, cfg, n_ret, mode="same", *, progress=None):
     """θ̄ behind c_φ(x, Ret(x)): what the teacher would do on its own. mode: lopd.retrieve's (same | other | none)."""
     with torch.no_grad():
         latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, n_ret, mode))    # (B, J·K, d)
-    with _bar(len(tasks), "eval base + composer") as bar:
-        return lopd.teacher_rollout(composer, chat, tasks, latents, cfg, progress=bar)
+    return lopd.teacher_rollout(composer, chat, tasks, latents, cfg, progress=progress)
 
 
-def eval_student(student, chat, tasks, cfg):
+def eval_student(student, chat, tasks, cfg, progress=None):
     """θ alone, from the task (the deployed policy)."""
-    with _bar(len(tasks), "eval student") as bar:
-        return engine.rollout(student, chat, tasks, cfg, progress=bar)
+    return engine.rollout(student, chat, tasks, cfg, progress=progress)
 
 
 ROWS = ("vanilla", "base + composer", "student")     # `evaluate`'s rows; the student's is named by its method
@@ -595,10 +590,10 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
     keys = runtime.row_keys(args, run, cfg, tasks, student) if cache and keep is None and runtime.world() == 1 else {}
     tasks = runtime.shard(tasks)
     saved = runtime.rng_state(random.Random())
-    for name, go in (("vanilla", lambda: eval_vanilla(composer, chat, tasks, cfg)),
-                     ("base + composer", lambda: eval_teacher(composer, run.retriever, chat, tasks, cfg,
-                                                              args.n_ret, mode=args.retrieval)),
-                     ("student", lambda: eval_student(student, chat, tasks, cfg))):
+    for name, go in (("vanilla", lambda bar: eval_vanilla(composer, chat, tasks, cfg, bar)),
+                     ("base + composer", lambda bar: eval_teacher(composer, run.retriever, chat, tasks, cfg,
+                                                                  args.n_ret, mode=args.retrieval, progress=bar)),
+                     ("student", lambda bar: eval_student(student, chat, tasks, cfg, bar))):
         if name not in which or (name == "student" and student is None):
             continue
         label = student_row(args) if name == "student" else name
@@ -609,8 +604,8 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
         if name == "student":
             runtime.serve(student)                   # --engine vllm: every rank, even one with no task here
         whole = runtime.gathered(student) if name == "student" else contextlib.nullcontext()   # FSDP2: weights
-        with runtime.precision(composer.peft), whole:
-            eps = go() if tasks else []       # torchrun: a rank may get no held-out task
+        with runtime.precision(composer.peft), whole, run.log.bar(len(tasks), f"eval {name}") as bar:
+            eps = go(bar) if tasks else []       # torchrun: a rank may get no held-out task
         rows[label] = engine.summarize_all(eps)
         runtime.write_row(args.out, keys.get(name), rows[label])
         if keep is not None:
@@ -633,9 +628,11 @@ def parse_args(argv=None) -> Args:
 
 
 def resolve_defaults(args: Args) -> Args:
-    """Every field left at None, from the flags alone: TOY_DEFAULTS for the toy backbone, PAPER_DEFAULTS for a real
-    model, and the world's own over them (`Environment.toy_defaults`, `paper_defaults`). What depends on the
-    backbone is resolved once it is loaded, in `fit_to_model`; nothing else changes a setting."""
+    """Every field left at None, from the flags alone: --env and --tasks (`preflight.default_world`), TOY_DEFAULTS for
+    the toy backbone, PAPER_DEFAULTS for a real model, the world's own over them (`Environment.toy_defaults`,
+    `paper_defaults`); what depends on the backbone once it is loaded, in `fit_to_model`, and nowhere else."""
+    env, tasks = preflight.default_world(args.model, args.env, args.tasks)    # the paper's world for a real model
+    args = dataclasses.replace(args, env=env, tasks=tasks)
     try:
         cls = environment(args)
     except ValueError as err:                              # one line, without argparse's usage (runtime.UserError)
@@ -645,8 +642,8 @@ def resolve_defaults(args: Args) -> Args:
 
 
 def is_toy(args: Args) -> bool:
-    """The toy backbone: no --model, or a folder that worlds/toy_backbone.py wrote (it holds toy_backbone.json)."""
-    return not args.model or os.path.isfile(os.path.join(args.model, "toy_backbone.json"))
+    """The toy backbone: no --model, or a folder that worlds/toy_backbone.py wrote (`preflight.is_toy_model`)."""
+    return preflight.is_toy_model(args.model)
 
 
 # The flags that take one of a few values, and those that must be positive (the others at least 0)

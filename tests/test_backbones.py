@@ -5,7 +5,7 @@ Run: python -m pytest tests/test_backbones.py -q
 The "real" models are tiny random-weight Qwen3, Llama and Olmo3 models saved with `save_pretrained`, each with a
 tokenizer whose chat template lists tools the way Qwen3's does (toy.TOOLS_CHAT_TEMPLATE). They hold no
 toy_backbone.json, so train.py treats them as real models: A.5 system prompt and framing, the paper's defaults
-(overridden to tiny sizes by flags).
+(overridden to tiny sizes by flags), on the toy tool world by --env tools (a real model's default is EnvScaler).
 """
 import json
 import os
@@ -35,8 +35,8 @@ ARCHS = {"qwen3": lambda v: Qwen3Config(vocab_size=v, head_dim=16, **SMALL),
 
 
 def tiny_args(model, out, *extra):
-    return ["--model", str(model), "--out", str(out), "--n-train", "12", "--n-test", "3", "--bank-threshold", "0",
-            "--cold-steps", "1", "--steps", "2", "--rollouts-per-step", "2", "--micro-batch", "1", "--latents", "2",
+    return ["--model", str(model), "--env", "tools", "--out", str(out), "--n-train", "12", "--n-test", "3",
+            "--bank-threshold", "0", "--cold-steps", "1", "--steps", "2", "--rollouts-per-step", "2", "--micro-batch", "1", "--latents", "2",
             "--max-new-tokens", "12", "--max-env-steps", "2", "--save-every", "1", "--embedder", "backbone", *extra]
 
 

@@ -11,13 +11,16 @@ the ROLL graft's, the Hugging Face datasets'), as JSON documents and as JSON Lin
 the held-out 200 are the split rule's (computed here by hand), the same from either format, file order or --seed,
 disjoint from training and covering the release, and recorded in OUT. `--tasks hf` with the download simulated
 (monkeypatched) and offline (HF_HUB_OFFLINE=1, an empty cache, its own process): nothing is downloaded. Bad folders
-and files are one line each.
+and files are one line each. The default world: a real backbone (the toy backbone's folder without its marker)
+without --env trains here, on --tasks DIR or the Hub's cache (written here in its layout); offline with neither,
+`python train.py --model DIR` is one line and exit status 2 before the model loads.
 
 Run: python -m pytest tests/test_envscaler.py -q
 """
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -356,9 +359,83 @@ def test_tasks_hf_offline_is_one_line(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf")}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = out.stdout.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("UserError: --tasks hf: cannot fetch"), out.stdout + out.stderr
-    assert all(repo in lines[0] for repo in es.HF_DATASETS) and "--repo-type dataset" in lines[0]
-    assert "give --tasks DIR" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("UserError: --tasks hf ("), out.stdout + out.stderr
+    assert "cannot fetch" in lines[0] and all(repo in lines[0] for repo in es.HF_DATASETS)
+    assert "--repo-type dataset" in lines[0] and "give --tasks DIR" in lines[0] and "--env tools" in lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The default world (preflight.default_world): a real backbone without --env trains on EnvScaler, B.2-B.3
+# ----------------------------------------------------------------------------------------------------------------
+def real_model(tmp_path) -> str:
+    """The shipped toy backbone without its toy_backbone.json: a real model to train.py, and a small one."""
+    from worlds import toy_backbone as toy
+    folder = tmp_path / "model"
+    shutil.copytree(toy.SHIPPED, folder)
+    os.remove(folder / "toy_backbone.json")
+    return str(folder)
+
+
+def test_a_real_backbone_without_env_trains_on_envscaler(tmp_path):
+    """--tasks DIR alone names the release: a real model's world is EnvScaler, so its data is what --tasks points
+    at; without --tasks, the Hub's (hf). The toy backbone keeps the toy world, and --env tools takes a real model
+    there."""
+    import train
+    from worlds import toy_backbone as toy
+    model, folder, out = real_model(tmp_path), write_release(tmp_path / "release", "hf"), str(tmp_path / "run")
+    args = train.parse_args(["--model", model, "--tasks", folder, "--out", out])
+    assert (args.env, args.tasks) == ("envscaler", folder)
+    tr, te = train.load_splits(args)
+    assert len(te) == 200 and set(ids(te)) == split_by_hand(ids(tr + te)) and len(tr) == N_RELEASE - 200
+    hub = train.parse_args(["--model", model, "--out", out])            # nothing fetched until the tasks are read
+    assert (hub.env, hub.tasks, hub.max_len) == ("envscaler", "hf", 40960)
+    toy_world = [train.parse_args(argv + ["--out", out]) for argv in ([], ["--model", toy.SHIPPED],
+                                                                       ["--model", model, "--env", "tools"])]
+    assert [(a.env, a.tasks) for a in toy_world] == [("tools", "")] * 3
+
+
+def write_hub_cache(root) -> str:
+    """The two datasets as huggingface_hub's cache holds them (datasets--OWNER--NAME/refs/main naming a snapshot
+    folder), under the Hugging Face copy's file names."""
+    meta, scenarios = release_records()
+    for repo, (name, rows) in zip(es.HF_DATASETS, [("191_env_metadata_processed.json", [meta]),
+                                                    ("envscaler_rl_scenario_metadata.json", scenarios)]):
+        folder, revision = root / ("datasets--" + repo.replace("/", "--")), "0" * 40
+        os.makedirs(folder / "refs")
+        (folder / "refs" / "main").write_text(revision)
+        os.makedirs(folder / "snapshots" / revision)
+        (folder / "snapshots" / revision / name).write_text(json.dumps(rows))
+    return str(root)
+
+
+def offline(tmp_path, cache) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": cache}
+
+
+def test_the_default_release_comes_from_the_hub_cache(tmp_path):
+    """Offline, its own process: `python train.py --model DIR` with the datasets in huggingface_hub's cache reads
+    them (`hub_snapshots`, as after a download) and splits them by B.3's rule."""
+    model, cache = real_model(tmp_path), write_hub_cache(tmp_path / "cache")
+    code = (f"import train\nargs = train.parse_args(['--model', {model!r}, '--out', {str(tmp_path / 'run')!r}])\n"
+            "tr, te = train.load_splits(args)\nprint(args.env, args.tasks, len(tr), len(te))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=offline(tmp_path, cache), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["envscaler", "hf", str(N_RELEASE - 200), "200"], out.stderr[-2000:]
+
+
+def test_no_release_offline_is_one_line_before_the_model_loads(tmp_path):
+    """`python train.py --model DIR`, offline with an empty cache: exit status 2 and one line saying what to
+    download or to give --env tools, before the model loads (no memory plan said, no args.json written)."""
+    model, run = real_model(tmp_path), tmp_path / "run"
+    res = subprocess.run([sys.executable, "train.py", "--model", model, "--out", str(run)], cwd=ROOT,
+                         env=offline(tmp_path, str(tmp_path / "empty-cache")), capture_output=True, text=True,
+                         timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert lines[0].startswith("error: --tasks hf (EnvScaler's data, the default world of a real --model)")
+    assert f"hf download {es.HF_DATASETS[0]} --repo-type dataset --local-dir DIR" in lines[0]
+    assert "give --tasks DIR" in lines[0] and "--env tools for the toy world" in lines[0]
+    assert "memory plan" not in res.stdout and not (run / "args.json").exists()
 
 
 def one_line(call, match):

@@ -12,7 +12,7 @@ import engine
 import train
 from worlds import toy_backbone as toy
 
-FAST = ["--n-train", "2", "--n-test", "1", "--bank-rollouts", "1", "--device", "cpu"]
+FAST = ["--env", "tools", "--n-train", "2", "--n-test", "1", "--bank-rollouts", "1", "--device", "cpu"]
 
 
 def one_line_exit(capsys, argv) -> str:

@@ -108,7 +108,8 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
     folder = tmp_path / "model"
     shutil.copytree(toy.SHIPPED, folder)
     os.remove(folder / "toy_backbone.json")                              # now a "real" model to train.py
-    args = train.parse_args(["--model", str(folder), "--out", str(tmp_path / "run"), "--max-env-steps", "3"])
+    args = train.parse_args(["--model", str(folder), "--env", "tools", "--out", str(tmp_path / "run"),
+                             "--max-env-steps", "3"])
     assert not train.is_toy(args) and (args.max_new_tokens, args.max_len) == (10000, 40960)   # PAPER_DEFAULTS
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     n_ctx = model.config.max_position_embeddings                         # 40,960 > the model's 2,048 positions

@@ -139,7 +139,7 @@ def test_records_read_back_on_a_real_template(smollm2):
     import train
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2)
-    chat = train.chat_of(train.parse_args(["--model", smollm2]), tok)
+    chat = train.chat_of(train.parse_args(["--model", smollm2, "--env", "tools"]), tok)
     tasks = tool_world.make_splits(seed=0, n_train=4, n_test=1)[0]
     eps = [engine.scripted_episode(chat, t, tool_world.oracle_replies(t)) for t in tasks]
     for ep, (rchat, task, back) in zip(eps, records_read_back(tok, chat, eps)):

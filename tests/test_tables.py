@@ -260,7 +260,7 @@ def test_table1_on_smollm2_through_the_command(smollm2, tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "row_cells", row_cells_then_drop)
     bfcl = importlib.util.find_spec("bfcl_eval") is not None
     out = str(tmp_path / "t1")
-    argv = ["table1", "--seeds", "1", "--model", smollm2, "--out", out, "--benchmarks", "heldout",
+    argv = ["table1", "--seeds", "1", "--model", smollm2, "--env", "tools", "--out", out, "--benchmarks", "heldout",
             *(["bfcl-v3:base"] if bfcl else []), "--bench-tasks", "1", "--n-train", "2", "--n-test", "1",
             "--bank-rollouts", "1", "--bank-threshold", "0", "--max-new-tokens", "8", "--max-env-steps", "1",
             "--latents", "2", "--n-ret", "1", "--cold-steps", "1", "--cold-batch", "1", "--steps", "1",

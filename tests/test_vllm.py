@@ -167,7 +167,7 @@ def test_two_lopd_steps_of_the_toy_generate_with_the_engine(tmp_path):
 
 
 def test_two_lopd_steps_of_smollm2_generate_with_the_engine(smollm2, tmp_path):
-    steps = lopd_run(["--model", smollm2, "--max-len", "2048"], tmp_path / "smollm2")
+    steps = lopd_run(["--model", smollm2, "--env", "tools", "--max-len", "2048"], tmp_path / "smollm2")
     assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
     assert all(0 <= s["engine/gap"] < runtime.VLLM_TOLERANCE for s in steps)
 

@@ -2,8 +2,8 @@
 from their published files, split into the paper's training tasks and 200 held-out ones (B.2, B.3), and run by the
 official episode rules, each environment's code in a sandboxed worker process.
 
-    python train.py --model Qwen/Qwen3-4B --env envscaler --tasks DIR    # DIR: the release's files (below)
-    python train.py --model Qwen/Qwen3-4B --env envscaler --tasks hf     # the Hugging Face datasets, fetched
+    python train.py --model Qwen/Qwen3-4B                # a real --model's default world: --tasks hf, below
+    python train.py --model Qwen/Qwen3-4B --tasks DIR    # DIR: the release's files (below)
     python -m pytest tests/test_envscaler.py -q
 
 What --tasks reads (`find_release`), each file one JSON document or JSON Lines (one record a line), with the
@@ -20,7 +20,9 @@ fields the official LOPD code reads (bingreeky/LOPD envs/envscaler/data.py):
                     [{check_item, check_func}]}
     --tasks hf      the datasets XXHStudyHard/EnvScaler-191-Env and XXHStudyHard/EnvScaler-RL-Scenario through
                     huggingface_hub (snapshot_download into its cache); offline and not cached, one line names what
-                    to download and where to put it. A folder named hf is ./hf.
+                    to download and where to put it. A folder named hf is ./hf. The default: a real --model
+                    without --env trains here, on hf unless --tasks DIR (preflight.default_world), and the data
+                    is read before the model loads.
 
 The split (`split_ids`), when --tasks gives the release's one scenario file: every task id ranked by
 sha256(f"{SPLIT_SEED}:{task_id}") with SPLIT_SEED = 0, the first 200 held out (B.3's test split), the rest trained
@@ -71,6 +73,7 @@ import json
 import math
 import os
 import secrets
+import textwrap
 from dataclasses import dataclass, field
 
 import inject
@@ -308,10 +311,12 @@ def hub_snapshots() -> list[str]:
         return [snapshot_download(repo, repo_type="dataset", allow_patterns=["*.json", "*.jsonl"])
                 for repo in HF_DATASETS]
     except (OSError, HfHubHTTPError) as err:
-        why = " ".join(f"{type(err).__name__}: {err}".split())[:160].split(". ")[0].rstrip(" .")
-        raise UserError(f"--tasks hf: cannot fetch the datasets {' and '.join(HF_DATASETS)} ({why}); where the "
-                        f"Hub is reachable run `hf download {HF_DATASETS[0]} --repo-type dataset --local-dir DIR` "
-                        f"and the same for {HF_DATASETS[1]}, copy DIR here and give --tasks DIR") from None
+        why = textwrap.shorten(f"{type(err).__name__}: {err}", 160, placeholder=" ...").split(". ")[0].rstrip(" .")
+        raise UserError(f"--tasks hf (EnvScaler's data, the default world of a real --model): cannot fetch the "
+                        f"datasets {' and '.join(HF_DATASETS)} ({why}); where the Hub is reachable run `hf download "
+                        f"{HF_DATASETS[0]} --repo-type dataset --local-dir DIR` and the same for {HF_DATASETS[1]}, "
+                        f"copy DIR here (it holds {META_FILES[1]} and {SCENARIO_FILES[1]}) and give --tasks DIR; "
+                        "or give --env tools for the toy world") from None
 
 
 def find_release(spec: str) -> Release:
