@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 import runtime
 import train
+from test_envscaler import write_release
+from test_errors import one_line_exit
 from worlds import toy_backbone as toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,34 +28,31 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS
 QWEN3_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=9728, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True)
 # docs/real-models.md, "Memory at the paper's budgets" (its real run): the real-model tier's command, less --model, --out
-DOCS_COMMAND = ["--n-train", "16", "--n-test", "4", "--cold-steps", "2", "--steps", "2", "--rollouts-per-step", "4",
+DOCS_COMMAND = ["--env", "tools", "--n-train", "16", "--n-test", "4", "--cold-steps", "2", "--steps", "2", "--rollouts-per-step", "4",
                 "--micro-batch", "2", "--latents", "2", "--max-new-tokens", "48", "--max-env-steps", "2",
                 "--bank-threshold", "0"]
 
 
+RELEASE = []        # EnvScaler's release as the tests write it: the card's world, offline (`config_only` fills it)
+
+
 @pytest.fixture(scope="module")
 def config_only(tmp_path_factory):
-    """A --model folder with Qwen3-4B's config.json and nothing else."""
+    """A --model folder with Qwen3-4B's config.json and nothing else (and, beside it, an EnvScaler release)."""
     folder = tmp_path_factory.mktemp("qwen3-4b-config")
     Qwen3Config(architectures=["Qwen3ForCausalLM"], **QWEN3_4B).save_pretrained(folder)
     assert os.listdir(folder) == ["config.json"]
+    RELEASE[:] = [write_release(tmp_path_factory.mktemp("envscaler") / "release", "roll", "jsonl")]
     return str(folder)
 
 
 def card(folder, out, *flags) -> list:
-    """The card's command (python train.py --model Qwen/Qwen3-4B) on `folder`, bf16 as on CUDA, with `flags`."""
-    return ["--model", folder, "--out", str(out), "--dtype", "bfloat16", *flags]
+    """The card's command (python train.py --model Qwen/Qwen3-4B: EnvScaler, B.2-B.3) on `folder`, bf16 as on CUDA,
+    its release from the folder the tests wrote, with `flags`."""
+    return ["--model", folder, "--out", str(out), "--dtype", "bfloat16", "--tasks", RELEASE[0], *flags]
 
 
-def refusal(capsys, argv) -> str:
-    """train.main(argv) must exit 2 with one error line on stderr and no traceback; -> that line."""
-    with pytest.raises(SystemExit) as err:
-        train.main(argv)
-    assert err.value.code == 2
-    stderr = capsys.readouterr().err
-    lines = [x for x in stderr.splitlines() if "error" in x.lower()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in stderr, stderr
-    return lines[0]
+refusal = one_line_exit      # train.main(argv) exits 2 with one error line on stderr, no traceback; -> that line
 
 
 @pytest.fixture
