@@ -1,21 +1,25 @@
 """The escape suite: every way out of the sandbox (worlds/sandbox.py) we know of, tried for real against every world that
 runs untrusted code, through the world's own episode path.
 
-    python -m pytest tests/test_escape.py -q                              # about a minute
+    python -m pytest tests/test_escape.py -q                              # about a minute and a half
     LOPD_UNSAFE_NO_SANDBOX=1 python -m pytest tests/test_escape.py -q     # the confinement off: most of it fails
 
 Each attempt is a piece of Python that prints (code world) or returns (EnvScaler) the word ESCAPED only if it got
-out: a file written outside its scratch directory, a file read from /etc or from this project, a process started,
-a connection made, a signal delivered to its parent. The code world runs it as a model's program (CodeWorld.step,
+out: a file written outside its scratch directory, a file read, stat'ed or watched outside it, a file's mode, owner
+or times changed, a process started, a connection made, a signal that could reach its parent, memory or disk held
+past its limits. The code world runs it as a model's program (CodeWorld.step,
 verified against a test that expects ESCAPED: reward 1 means it escaped); EnvScaler as a tool of a dataset's
 environment class (EnvScalerWorld.step: the tool's answer is the observation). Both run inside a "trainer": a
 subprocess that plays the attempt's episode, then a normal episode, and reports. An attempt passes when
   - it was refused or cut (no ESCAPED, no reward for it),
-  - nothing landed outside (the target file does not exist, the canary file is intact, no connection arrived),
-  - no process of it is left, and the trainer lived (it killed nobody: `os.kill(os.getppid(), 9)` is one attempt),
+  - nothing landed outside (the target file does not exist, the canaries keep contents, mode, owner and times, no
+    connection arrived),
+  - no process, System V object or temporary folder of it is left, and the trainer lived (it killed nobody: `os.kill(os.getppid(), 9)` is one attempt),
   - the next, normal episode scored what it always scores.
 BFCL's model-text attacks (argument names that are code, calls of helpers, values that cost hours) are in
-tests/test_bfcl.py; the call parsers' linear time in tests/test_envs.py.
+tests/test_bfcl.py; the call parsers' linear time in tests/test_envs.py; replies and answers that must never raise
+in tests/test_total.py; verdicts a program must not fake in tests/test_verdicts.py. The last test runs train.py itself
+on a hostile EnvScaler release.
 """
 import json
 import os
