@@ -70,8 +70,8 @@ import torch
 
 import engine
 import losses
-import preflight
-import runtime
+from runtime import preflight
+from runtime import checkpoints, models, parallel
 from engine import Method
 from losses import bucket_reverse_kl, fp32, supervised_logprobs, topm_tail
 
@@ -152,7 +152,7 @@ def grpo_step(student, chat: engine.Chat, tasks, opt, cfg: BaselineConfig):
     One update per batch (as LOPD), so π_old is the policy that sampled: ρ = 1 at the update, the clip never
     binds, and π_old's log-probs need no extra forward (they are the detached current ones)."""
     group_tasks = [t for t in tasks for _ in range(cfg.group)]                               # rows of a group adjacent
-    with runtime.gathered(student):
+    with parallel.gathered(student):
         eps = engine.rollout(student, chat, group_tasks, cfg.sample)
     rewards = torch.tensor([e.reward for e in eps])                                         # (B,)
     adv = group_advantages(rewards, cfg.group)                                       # (B,) groups never split
@@ -166,7 +166,7 @@ def grpo_step(student, chat: engine.Chat, tasks, opt, cfg: BaselineConfig):
         # the clipped fraction of the batch's ω tokens: each part's share adds up
         return loss, {"loss/grpo": loss.item(), "grpo/clip_frac": clipped * float(omega.sum()) / n_tokens}
     m, ok = engine.update(student, (opt, None), eps, part_loss, cfg)
-    zero = runtime.all_sum(int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()))
+    zero = parallel.all_sum(int((adv.reshape(-1, cfg.group).abs().sum(1) == 0).sum()))
     return {"reward/student": engine.summarize_all(eps)["reward"], **m, "grpo/zero_adv_groups": zero,
             "skipped": int(not ok), "tokens": n_tokens}, eps
 
@@ -212,10 +212,10 @@ def _distill_loss(student, teacher: TextTeacher, chat, eps, texts, *, cfg, n_tok
         return teacher.loss_fn(ls, lt, omega, n_tokens)
     model = teacher.model
     t_model = model if isinstance(model, torch.nn.Module) else model.__self__.peft         # OPSD: base_forward
-    with runtime.lm_head_bypassed(student, t_model):
+    with models.lm_head_bypassed(student, t_model):
         ht = _text_teacher_logits(teacher, chat, eps, texts, cfg.context, device)           # (b, Tc, d)
         hs, _, omega = engine.student_logits(student, chat.tokenizer, eps, device)            # (b, Tc, d)
-    return losses.rowwise_from_hidden(teacher.loss_fn, hs, ht, runtime.lm_head(student), runtime.lm_head(t_model),
+    return losses.rowwise_from_hidden(teacher.loss_fn, hs, ht, models.lm_head(student), models.lm_head(t_model),
                                       omega, n_tokens=n_tokens, chunk=cfg.loss_chunk)
 
 
@@ -229,7 +229,7 @@ def _distill_step(student, teacher: TextTeacher, chat, eps, texts, *, opt, cfg):
                              n_tokens=n_tokens)
         return loss, {"loss/distill": loss.item()}
     m, ok = engine.update(student, (opt, None), eps, part_loss, cfg, rows=rows)
-    return {**m, "context/rows": runtime.all_sum(len(rows)), "skipped": int(not ok), "tokens": n_tokens}
+    return {**m, "context/rows": parallel.all_sum(len(rows)), "skipped": int(not ok), "tokens": n_tokens}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def opsd_pool(bank, tasks, make_env, success: float = 1.0) -> dict:
 def opsd_step(student, base, chat: engine.Chat, tasks, *, pool, opt, cfg: BaselineConfig):
     """OPSD: the frozen base θ̄ sees a successful trajectory of the SAME task as text; forward KL, full vocabulary.
     pool: task_id -> trace text (`opsd_pool`); a task missing from it gives no teacher signal."""
-    with runtime.gathered(student):
+    with parallel.gathered(student):
         eps = engine.rollout(student, chat, tasks, cfg.sample)
     texts = [pool.get(t.task_id) for t in tasks]
     m = _distill_step(student, TextTeacher(base, OPSD_CONTEXT, forward_kl_full), chat, eps, texts, opt=opt, cfg=cfg)
@@ -307,7 +307,7 @@ def sdpo_step(student, ema_teacher, chat: engine.Chat, tasks, opt, cfg: Baseline
     its own); reverse KL over the student's top-K + tail; then θ̄_ema ← (1 − rate)θ̄_ema + rate·θ.
     A rollout with no successful sibling gets no teacher signal."""
     group_tasks = [t for t in tasks for _ in range(cfg.group)]
-    with runtime.gathered(student):
+    with parallel.gathered(student):
         eps = engine.rollout(student, chat, group_tasks, cfg.sample)
     texts = sibling_contexts(eps, cfg.group, cfg.success)
 
@@ -336,7 +336,7 @@ def sdft_step(student, ema_teacher, chat: engine.Chat, tasks, *, pool, opt, cfg:
     (`opsd_pool`) appended to its first user message; forward KL over the full vocabulary; then
     θ̄_ema ← (1 − α)·θ̄_ema + α·θ with α = cfg.sdft_ema_rate, after every step. A task missing from the pool gives no
     teacher signal."""
-    with runtime.gathered(student):
+    with parallel.gathered(student):
         eps = engine.rollout(student, chat, tasks, cfg.sample)
     texts = [pool.get(t.task_id) for t in tasks]
     teacher = TextTeacher(ema_teacher, SDFT_CONTEXT, forward_kl_full)
@@ -516,7 +516,7 @@ class SkillBank:
         """Apply one event and append it to the log."""
         event = {**event, "id": len(self.skills)} if event["event"] == "skill" else event
         self.apply(event)
-        if self.path and runtime.rank() == 0:
+        if self.path and parallel.rank() == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(event) + "\n")
 
@@ -528,8 +528,8 @@ class SkillBank:
         for e in kept:
             bank.apply(e)
         bank.path = path
-        if runtime.rank() == 0:
-            runtime.write_jsonl(path, kept)
+        if parallel.rank() == 0:
+            checkpoints.write_jsonl(path, kept)
         return bank
 
 
@@ -548,9 +548,9 @@ def _teacher_token_logprobs(model, chat: engine.Chat, eps, texts, *, where: str,
         if not loss_chunk:
             logits, ids, omega = engine.continuation_logits(model, chat.tokenizer, prefixes, eps, device)  # (B, Tc, V)
             return losses.token_logprobs(logits, ids, omega)
-        with runtime.lm_head_bypassed(model):
+        with models.lm_head_bypassed(model):
             h, ids, omega = engine.continuation_logits(model, chat.tokenizer, prefixes, eps, device)       # (B, Tc, d)
-        return losses.token_logprobs_from_hidden(h, runtime.lm_head(model), ids, omega, loss_chunk)
+        return losses.token_logprobs_from_hidden(h, models.lm_head(model), ids, omega, loss_chunk)
 
 
 def skillsd_step(student, chat: engine.Chat, tasks, bank: SkillBank, *, opt, cfg: BaselineConfig):
@@ -560,7 +560,7 @@ def skillsd_step(student, chat: engine.Chat, tasks, bank: SkillBank, *, opt, cfg
     (`skillsd_loss`). -> (metrics, episodes, each task's skill index); the bank's update is `grow_skill_bank`'s."""
     G, where = cfg.group, user_or_span(cfg)
     group_tasks = [t for t in tasks for _ in range(G)]                                     # rows of a group adjacent
-    with runtime.gathered(student):
+    with parallel.gathered(student):
         eps = engine.rollout(student, chat, group_tasks, cfg.sample)
     adv = group_advantages(torch.tensor([e.reward for e in eps]), G)                      # (B,)
     chosen = [bank.select(t, cfg.ucb_c) for t in tasks]                                   # one skill per task
@@ -586,9 +586,9 @@ def grow_skill_bank(bank: SkillBank, write, tasks, eps, chosen, *, step: int, cf
     gathered in rank order, so that every rank holds the same bank. -> metrics."""
     G = cfg.group
     pulls = [[k, sum(e.reward for e in eps[i * G:(i + 1) * G]) / G] for i, k in enumerate(chosen)]
-    bank.add({"step": step, "event": "pulls", "pulls": runtime.gather(pulls)})
+    bank.add({"step": step, "event": "pulls", "pulls": parallel.gather(pulls)})
     groups = [g for i in range(len(tasks)) for g in family_attempts(eps[i * G:(i + 1) * G], cfg.success)]
-    new = runtime.gather([{"family": f, **s} for (f, _), s in zip(groups, write(groups) if groups else [])])
+    new = parallel.gather([{"family": f, **s} for (f, _), s in zip(groups, write(groups) if groups else [])])
     for skill in new:
         bank.add({"step": step, "event": "skill", "source": f"step {step}", **skill})
     return {"skillsd/new_skills": len(new), "skillsd/skills": len(bank.skills)}
@@ -613,7 +613,7 @@ def rft_setup(run: engine.Run) -> dict:
 
 def rft_train_step(run: engine.Run, state: dict, student, opts, step: int):
     """The control: the same optimizer and step count, no teacher, no new rollouts."""
-    batch = runtime.shard(run.task_rng.choices(state["successes"], k=run.args.rollouts_per_step))
+    batch = parallel.shard(run.task_rng.choices(state["successes"], k=run.args.rollouts_per_step))
     return rft_step(student, run.tok, batch, opts[0], baseline_config(run.args)), 0
 
 
@@ -638,9 +638,9 @@ def opsd_train_step(run: engine.Run, state: dict, student, opts, step: int):
 def sdpo_setup(run: engine.Run) -> dict:
     """SDPO's EMA teacher starts at θ̄: a frozen full copy, built as the student is (sharded under torchrun)."""
     if run.source is not None:
-        return {"ema": runtime.full_student(run.args, run.source, frozen=True).eval()}
+        return {"ema": models.full_student(run.args, run.source, frozen=True).eval()}
     ema = copy.deepcopy(run.student).requires_grad_(False).eval()        # a caller that brings its own student
-    return {"ema": runtime.shard_student(ema, frozen=True) if runtime.world() > 1 else ema}
+    return {"ema": parallel.shard_student(ema, frozen=True) if parallel.world() > 1 else ema}
 
 
 def sdpo_train_step(run: engine.Run, state: dict, student, opts, step: int):
@@ -668,10 +668,10 @@ def skillsd_setup(run: engine.Run) -> dict:
     path = os.path.join(run.args.out, "skill_bank.jsonl")
     if run.args.resume and os.path.isfile(path):
         return {"skills": SkillBank(path), "replay": [json.loads(line) for line in open(path)]}
-    if runtime.rank() == 0:
+    if parallel.rank() == 0:
         open(path, "w").close()
-    bank, groups = SkillBank(path), runtime.shard(family_attempts(run.episodes, run.args.bank_threshold))
-    written = runtime.gather([{"family": f, **s} for (f, _), s in zip(groups, skill_writer(run)(groups))])
+    bank, groups = SkillBank(path), parallel.shard(family_attempts(run.episodes, run.args.bank_threshold))
+    written = parallel.gather([{"family": f, **s} for (f, _), s in zip(groups, skill_writer(run)(groups))])
     for skill in written:
         bank.add({"step": -1, "event": "skill", "source": "base rollouts", **skill})
     run.log("skill_bank", skills=len(written), families=len({s["family"] for s in written}), path=path)

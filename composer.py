@@ -51,7 +51,7 @@ Deviations from the paper and the official code
 4. The composer runs with autocast switched off, whatever its caller's: the encoder in the backbone's own dtype
    (bf16 weights, the LoRA in fp32 as PEFT keeps it), the QFormer in fp32 (encoder states are upcast); latents
    are cast to the backbone's dtype at the end. So the cold start (no autocast), the anchor's cached c_φ0 and
-   c_φ in joint training (under runtime.precision's bf16 autocast on CUDA) are one function: at step 0 the anchor
+   c_φ in joint training (under devices.precision's bf16 autocast on CUDA) are one function: at step 0 the anchor
    ||c_φ − sg c_φ0||² is exactly zero, not bf16 rounding noise.
 5. Optional, and the toy world's default (train.py --composer-input reference): `task_conditional=False` drops
    the current task from the encoder input, so the encoder reads "Reference past trajectory: \n{m_j}" alone.
@@ -83,7 +83,7 @@ from safetensors.torch import load_file, save_file
 
 import inject
 import losses
-import runtime
+from runtime import models
 
 ENCODER_TEMPLATE = "Task to solve: \n{task}\n\nReference past trajectory: \n{experience}"   # A.5
 REFERENCE_TEMPLATE = "Reference past trajectory: \n{experience}"   # task_conditional=False (deviation, see above)
@@ -243,7 +243,7 @@ class Composer(nn.Module):
         """Run θ̄ alone: the composer's LoRA is off inside (teacher forwards, generation behind latents; A.4)."""
         self._disabled += 1
         try:
-            with runtime.keep_grad_flags(self.peft), self.peft.disable_adapter():
+            with models.keep_grad_flags(self.peft), self.peft.disable_adapter():
                 yield
         finally:
             self._disabled -= 1
@@ -275,7 +275,7 @@ class Composer(nn.Module):
         if self._disabled:
             raise RuntimeError("Composer.encode called inside adapter_disabled(): the encoder needs its LoRA")
         # another adapter (a LoRA student) may be active
-        with runtime.active_adapter(self.peft, self.cfg.adapter_name):
+        with models.active_adapter(self.peft, self.cfg.adapter_name):
             return self._encode(texts)
 
     def _encode(self, texts: list[str]):
@@ -291,7 +291,7 @@ class Composer(nn.Module):
         """E_j for each text (eqs. 5-6): -> (N, K, d) fp32.
 
         Autocast is off inside, whatever the caller's (deviation 4): the anchor's c_φ0 is cached without it and
-        c_φ computed under runtime.precision's bf16 autocast on CUDA, and they must be one function."""
+        c_φ computed under devices.precision's bf16 autocast on CUDA, and they must be one function."""
         step = self.cfg.encode_batch_size or len(texts)
         # chunks of similar length pad less (right padding never changes a real token's state); order restored below
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -367,7 +367,7 @@ def cold_start_loss(composer: Composer, batch, latents, n_tokens=None, head=None
     starts (B,) span starts; latents (B, J·K, d) = composer(...).
     n_tokens: the divisor when this batch is one slice of a larger one (train.py under torchrun; default Σ ω).
     The base runs with the LoRA disabled; gradients reach ψ and χ through the latents only.
-    head (weight, bias): the caller has bypassed the LM head (runtime.lm_head_bypassed, train.py --loss-chunk), so
+    head (weight, bias): the caller has bypassed the LM head (models.lm_head_bypassed, train.py --loss-chunk), so
     the forward returns hidden states and the NLL applies the head `chunk` rows at a time (memory bounded by tokens).
     """
     ids, attention_mask, omega, starts = (x.to(latents.device) for x in batch)

@@ -51,7 +51,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import inject
 import losses
-import runtime
+from runtime import models, parallel
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def _mean_rows(rows) -> dict:
 
 def summarize_all(episodes) -> dict:
     """`summarize` over every rank's episodes (under torchrun; this is `summarize` in one process)."""
-    return _mean_rows(runtime.gather([e.metrics() for e in episodes]))
+    return _mean_rows(parallel.gather([e.metrics() for e in episodes]))
 
 
 def _record_step(ep: Episode, env, reply: str, n_new: int):
@@ -646,7 +646,7 @@ def cache_argument(model) -> str:
 def inner_model(model):
     """The transformers model that `model` runs (itself, or the one inside a PEFT wrapper or a LoRA student)."""
     from transformers import PreTrainedModel
-    wrapped = getattr(model, "peft", model)             # runtime.LoraStudent keeps its backbone off its modules
+    wrapped = getattr(model, "peft", model)             # models.LoraStudent keeps its backbone off its modules
     return next((m for m in wrapped.modules() if isinstance(m, PreTrainedModel)), wrapped)
 
 
@@ -710,8 +710,8 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, *, prompt_fn=None, embe
     order = sorted(range(len(tasks)), key=lambda i: len(tasks[i].text)) if cfg.sort_by_length else range(len(tasks))
     was_training = model.training
     model.eval()
-    # a fp32 student under bf16 autocast generates from a bf16 copy, made once here (runtime.decoding_copy)
-    decoder = model if cfg.generator is not None else runtime.decoding_copy(model)
+    # a fp32 student under bf16 autocast generates from a bf16 copy, made once here (models.decoding_copy)
+    decoder = model if cfg.generator is not None else models.decoding_copy(model)
     for start in range(0, len(tasks), cfg.batch_size):
         which = order[start:start + cfg.batch_size]                          # indices into tasks
         chunk = [tasks[j] for j in which]
@@ -803,13 +803,13 @@ def student_logits(student, tokenizer, eps, device):
 def student_logprobs(student, tokenizer, eps, device, loss_chunk: int = 0):
     """log π_θ(a_t) of each episode's own sampled ids behind the student's prompt: (B, Tc) fp32, zeros off ω, with
     ids and ω (B, Tc); the NLL of RFT and GRPO's log π. loss_chunk > 0: from hidden states, the LM head applied that
-    many rows at a time (memory bounded by tokens, `runtime.lm_head_bypassed`); 0: from full logits."""
+    many rows at a time (memory bounded by tokens, `models.lm_head_bypassed`); 0: from full logits."""
     if not loss_chunk:
         ls, ids, omega = student_logits(student, tokenizer, eps, device)                  # (B, Tc, V)
         return losses.token_logprobs(ls, ids, omega), ids, omega
-    with runtime.lm_head_bypassed(student):
+    with models.lm_head_bypassed(student):
         h, ids, omega = student_logits(student, tokenizer, eps, device)                   # (B, Tc, d)
-    return losses.token_logprobs_from_hidden(h, runtime.lm_head(student), ids, omega, loss_chunk), ids, omega
+    return losses.token_logprobs_from_hidden(h, models.lm_head(student), ids, omega, loss_chunk), ids, omega
 
 
 def micro_batches(eps, size: int, token_budget: int = 0) -> list[slice]:
@@ -828,7 +828,7 @@ def micro_batches(eps, size: int, token_budget: int = 0) -> list[slice]:
                 out.append(slice(start, i))
                 start, longest = i, len(e.ids)
         out.append(slice(start, len(eps)))
-    busiest = int(runtime.all_max(float(len(out))))
+    busiest = int(parallel.all_max(float(len(out))))
     return out + [slice(0, 0)] * (busiest - len(out))
 
 
@@ -855,8 +855,8 @@ def accumulate(eps, part_loss, micro_batch: int, token_budget: int = 0, *, rows=
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + weight * v
     keys = list(totals)                     # the same order on every rank (the same parts): one all-reduce
-    sums = runtime.all_sum(*(totals[k] for k in keys)) if keys else ()
-    return dict(zip(keys, sums if len(keys) > 1 else [sums])), runtime.all_true(finite)
+    sums = parallel.all_sum(*(totals[k] for k in keys)) if keys else ()
+    return dict(zip(keys, sums if len(keys) > 1 else [sums])), parallel.all_true(finite)
 
 
 def pick(items, idx) -> list:
@@ -866,7 +866,7 @@ def pick(items, idx) -> list:
 
 def supervised_tokens(eps) -> int:
     """Σ ω of the episodes, over every rank's (the whole batch's count a loss is normalised by)."""
-    return runtime.all_sum(sum(sum(e.mask) for e in eps))
+    return parallel.all_sum(sum(sum(e.mask) for e in eps))
 
 
 def update(student, opts, eps, part_loss, cfg, *, composer=None, rows=None) -> tuple[dict, bool]:
@@ -886,9 +886,9 @@ def optimizer_step(opts, student, composer, clip: float, ok: bool = True) -> boo
     groups = [(opts[0], list(student.parameters()))]
     if opts[1] is not None:
         groups.append((opts[1], composer.trainable_parameters()))
-    ok = runtime.all_true(ok)
+    ok = parallel.all_true(ok)
     for _, params in groups:           # replicated parameters: gradients summed over ranks (no-op in one process)
-        runtime.sync_grads(params)
+        parallel.sync_grads(params)
     norms = [torch.nn.utils.clip_grad_norm_(params, clip) for _, params in groups]   # global norms under FSDP2
     ok = ok and all(bool(torch.isfinite(n)) for n in norms)
     for opt, _ in groups:
@@ -914,9 +914,9 @@ class Run:
     train: list                 # the training tasks
     test: list                  # the held-out tasks
     episodes: list              # the base rollouts (stage 2): the bank's source, RFT's data
-    log: object                 # runtime.Log: log(stage, **metrics)
+    log: object                 # devices.Log: log(stage, **metrics)
     student: object = None      # a LoRA student made with the composer, or None (train.py builds a full copy)
-    source: object = None       # θ̄'s weights, for a full student or SDPO's EMA teacher (runtime.student_source)
+    source: object = None       # θ̄'s weights, for a full student or SDPO's EMA teacher (models.student_source)
     task_rng: random.Random = field(default_factory=random.Random)   # the training tasks' draws (checkpointed)
 
     def tasks(self, step: int, per_task: int = 1) -> list:
@@ -945,11 +945,11 @@ def draw_tasks(tasks, n: int, rng: random.Random, *, order: str = "fresh", seed:
     walks through shuffled epochs (the official code), so every task comes once before any comes twice. Epoch e's
     order is a function of the seed and e alone, so a resumed run continues it."""
     if order == "fresh":
-        return runtime.shard(rng.sample(tasks, n))
+        return parallel.shard(rng.sample(tasks, n))
     first = step * n                                                   # positions first .. first + n − 1
     epochs = range(first // len(tasks), (first + n - 1) // len(tasks) + 1)      # the one or two it reaches into
     orders = {e: epoch_order(tasks, seed, e) for e in epochs}
-    return runtime.shard([orders[i // len(tasks)][i % len(tasks)] for i in range(first, first + n)])
+    return parallel.shard([orders[i // len(tasks)][i % len(tasks)] for i in range(first, first + n)])
 
 
 def epoch_order(tasks, seed: int, epoch: int) -> list:

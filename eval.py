@@ -47,7 +47,7 @@ import html
 import json
 import os
 
-import preflight    # first: as the script being run, it checks the command line before torch loads
+from runtime import preflight    # first: as the script being run, it checks the command line before torch loads
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -56,7 +56,7 @@ import engine
 import inject
 import lopd
 import losses
-import runtime
+from runtime import checkpoints, devices, memory, models, parallel, serving
 import train
 from worlds import code_benchmarks, code_world, results, sandbox
 
@@ -125,8 +125,8 @@ class Scored:
 
 def write_result(stem: str, result: dict, records: list[dict]) -> Scored:
     """STEM.json (the rows) and STEM.records.jsonl (a line per task), each written atomically."""
-    runtime.write_json(stem + ".json", result)
-    with runtime.atomic_open(stem + ".records.jsonl") as f:
+    checkpoints.write_json(stem + ".json", result)
+    with checkpoints.atomic_open(stem + ".records.jsonl") as f:
         f.writelines(json.dumps(r, default=str) + "\n" for r in records)   # a verdict may hold non-JSON values
     print(f"written to {stem}.json and {stem}.records.jsonl")
     return Scored(stem + ".json", result)
@@ -199,7 +199,7 @@ def inspect_latents(args: train.Args, run, tasks, n_tasks: int = 50):
     teacher episode (base + composer with same-variant references)."""
     composer, ret, chat = run.composer, run.retriever, train.chat_of(args, run.tok)
     part = tasks[:n_tasks]
-    with torch.no_grad(), runtime.precision(composer.peft):
+    with torch.no_grad(), devices.precision(composer.peft):
         latents = {mode: lopd.compose(composer, part, lopd.retrieve(ret, part, args.n_ret, mode))   # (N, J·K, d)
                    for mode in ("same", "other")}
         greedy = dataclasses.replace(train.sample_config(args), temperature=0.0)
@@ -219,8 +219,8 @@ def show_episodes(args: train.Args, n: int, path: str) -> str:
     other shops'. Writes a self-contained HTML page to `path`; -> path."""
     run = trained_run(args)
     chat = train.chat_of(args, run.tok)
-    runtime.seed_everything(args.seed + 1)                                  # the evaluation rows' sampling seed
-    with torch.no_grad(), runtime.precision(run.composer.peft), runtime.gathered(run.student):
+    devices.seed_everything(args.seed + 1)                                  # the evaluation rows' sampling seed
+    with torch.no_grad(), devices.precision(run.composer.peft), parallel.gathered(run.student):
         eps = engine.rollout(run.student, chat, run.test[:n], train.sample_config(args))
     return token_page(args, run, chat, eps, path)
 
@@ -229,7 +229,7 @@ def trained_run(args: train.Args):
     """The run rebuilt from OUT (`train.load_run`), a UserError where it has no student yet."""
     run = train.load_run(args)
     if run.student is None:
-        raise runtime.UserError(f"--run {args.out!r} has no checkpoint yet: train it first (python train.py --out "
+        raise devices.UserError(f"--run {args.out!r} has no checkpoint yet: train it first (python train.py --out "
                                 f"{args.out})")
     return run
 
@@ -238,7 +238,7 @@ def token_page(args: train.Args, run, chat, eps, path: str) -> str:
     """The token view of episodes `eps` (the student's) written to `path`: each reply token's term of eq. (10)
     against the teacher behind the retrieved references, then the world check token by token. -> path."""
     composer, tok, ret, student, tasks = run.composer, run.tok, run.retriever, run.student, [e.task for e in eps]
-    with torch.no_grad(), runtime.precision(composer.peft), runtime.gathered(student):
+    with torch.no_grad(), devices.precision(composer.peft), parallel.gathered(student):
         exps = {m: lopd.retrieve(ret, tasks, args.n_ret, m) for m in ("same", "other")}
         lat = {m: lopd.compose(composer, tasks, e) for m, e in exps.items()}         # (N, J·K, d) each
         terms = episode_terms(student, composer, chat, eps, lat["same"], args.top_m)
@@ -298,7 +298,7 @@ class RecordChat:
         if prompt.startswith(self.first):
             return len(self.first)
         if self.user not in prompt:
-            raise runtime.UserError("the record's prompt has no user message this tokenizer's template would open")
+            raise devices.UserError("the record's prompt has no user message this tokenizer's template would open")
         return prompt.index(self.user) + len(self.user)
 
     def task_text(self, prompt: str) -> str:
@@ -340,11 +340,11 @@ def show_record(args: train.Args, path: str, index: int) -> str:
     tokens scored again by the run's student and its teacher on the token view (`token_page`), written beside FILE
     as <stem>.show<K>.html. -> that page's path."""
     if not os.path.isfile(path):
-        raise runtime.UserError(f"--show {path!r}: no such file (give N, or an evaluation's .records.jsonl)")
+        raise devices.UserError(f"--show {path!r}: no such file (give N, or an evaluation's .records.jsonl)")
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     if not 0 <= index < len(records):
-        raise runtime.UserError(f"--index {index}: {path!r} holds records 0 to {len(records) - 1}")
+        raise devices.UserError(f"--index {index}: {path!r} holds records 0 to {len(records) - 1}")
     run = trained_run(args)
     chat, rec = RecordChat(train.chat_of(args, run.tok)), records[index]
     known = {t.task_id: t for t in run.train + run.test}
@@ -395,14 +395,14 @@ def load_eval_student(args):
     """The run's student for a benchmark: the backbone with the latest checkpoint's student (a full HF folder, or a
     LoRA adapter with --student-lora), or the backbone itself if the run has no checkpoint yet.
     -> (model, tokenizer, row name)."""
-    device, dtype = runtime.pick_device(args.device, args.dtype)
+    device, dtype = devices.pick_device(args.device, args.dtype)
     model, tok = train.load_backbone(args, device, dtype)
-    runtime.start_engine(args, model, args.model or train.toy_backbone(args), runtime.free_memory(device))
-    ckpt = runtime.latest_checkpoint(args.out)
+    serving.start_engine(args, model, args.model or train.toy_backbone(args), memory.free_memory(device))
+    ckpt = checkpoints.latest_checkpoint(args.out)
     if ckpt is None:                     # eval.py --model, or a run not trained yet: the backbone as it is
         plain = not os.path.isfile(os.path.join(args.out, "args.json"))
         return model, tok, f"{args.model} (as released)" if plain else "vanilla (the run has no checkpoint)"
-    saved = runtime.saved_student(os.path.join(ckpt, "student"), dtype, model if args.student_lora else None)
+    saved = models.saved_student(os.path.join(ckpt, "student"), dtype, model if args.student_lora else None)
     return saved.to(device).eval(), tok, f"{train.student_row(args)} ({os.path.basename(ckpt)})"
 
 
@@ -418,8 +418,8 @@ def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> Scored:
         problems = problems[:n_test] if n_test else problems
         log = {}
         chat = engine.Chat(tok, functools.partial(code_world.CodeWorld, log=log), thinking)   # log: per problem
-        runtime.seed_everything(args.seed + 1)
-        with runtime.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}",
+        devices.seed_everything(args.seed + 1)
+        with devices.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}",
                                             leave=False) as bar:
             eps = engine.rollout(model, chat, problems, cfg, progress=bar)
         rows += results.benchmark_rows(problems, log, os.path.basename(path))
@@ -444,8 +444,8 @@ def eval_envscaler(args, where: str, n_test: int = 0, temperature=None) -> Score
     tasks = test[:n_test] if n_test else test
     model, tok, name = load_eval_student(args)
     world = functools.partial(envscaler.EnvScalerWorld, max_steps=args.max_env_steps)
-    runtime.seed_everything(args.seed + 1)
-    with runtime.precision(model), tqdm(total=len(tasks), desc="eval envscaler", leave=False) as bar:
+    devices.seed_everything(args.seed + 1)
+    with devices.precision(model), tqdm(total=len(tasks), desc="eval envscaler", leave=False) as bar:
         eps = engine.rollout(model, engine.Chat(tok, world, bool(args.thinking)), tasks,
                              train.sample_config(args, temperature), progress=bar)
     rows = [{"split": "test", "tasks": len(tasks), **engine.summarize(eps)}]
@@ -471,8 +471,8 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> Scored:
         steps = {} if single else {"max_steps": args.max_env_steps or bfcl.MAX_STEPS_PER_TURN}   # B.3: 30
         world = functools.partial(bfcl.BFCLSingleWorld if single else bfcl.BFCLWorld, log=log, **steps)
         chat = engine.Chat(tok, world, bool(args.thinking))
-        runtime.seed_everything(args.seed + 1)
-        with runtime.precision(model), tqdm(total=len(tasks), desc=f"eval bfcl {cat}", leave=False) as bar:
+        devices.seed_everything(args.seed + 1)
+        with devices.precision(model), tqdm(total=len(tasks), desc=f"eval bfcl {cat}", leave=False) as bar:
             eps = engine.rollout(model, chat, tasks, cfg, progress=bar)
         records += task_records(tok, f"bfcl-v3:{cat}", eps, log)
         passed = sum(v["passed"] for v in log.values())                      # BFCL's verdict per task
@@ -498,8 +498,8 @@ def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, use
     for regime, part in tasks.items():
         log = {}
         chat = engine.Chat(tok, functools.partial(acebench.AceBenchWorld, user=user, log=log), bool(args.thinking))
-        runtime.seed_everything(args.seed + 1)
-        with runtime.precision(model), tqdm(total=len(part), desc=f"eval acebench {regime}", leave=False) as bar:
+        devices.seed_everything(args.seed + 1)
+        with devices.precision(model), tqdm(total=len(part), desc=f"eval acebench {regime}", leave=False) as bar:
             eps = engine.rollout(model, chat, part, cfg, progress=bar)
         records += task_records(tok, f"acebench:{regime}", eps, log)
         verdict = acebench.score(part, [log[t.task_id]["record"] for t in part])    # ACEBench's, over the regime
@@ -516,16 +516,16 @@ def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, use
 def acebench_user(args, student, tok, spec: str):
     """--user-model: the model that plays ACEBench's user -> (model, tokenizer). "" = the run's backbone: the model
     under evaluation itself where there is no checkpoint, else the backbone loaded again; or an HF id or folder."""
-    if not spec and runtime.latest_checkpoint(args.out) is None:
+    if not spec and checkpoints.latest_checkpoint(args.out) is None:
         return student, tok
-    device, dtype = runtime.pick_device(args.device, args.dtype)
+    device, dtype = devices.pick_device(args.device, args.dtype)
     if not spec:
         return train.load_backbone(args, device, dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
-        runtime.check_causal_lm(spec)
-    except runtime.UserError as err:
-        raise runtime.UserError(str(err).replace("--model", "--user-model", 1)) from None
+        models.check_causal_lm(spec)
+    except devices.UserError as err:
+        raise devices.UserError(str(err).replace("--model", "--user-model", 1)) from None
     user_tok = AutoTokenizer.from_pretrained(spec)
     user_tok.pad_token = user_tok.pad_token or user_tok.eos_token        # one row at a time, but the cache pads
     return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).to(device).eval(), user_tok
@@ -556,9 +556,9 @@ def parse_tasks(specs) -> list[Benchmark]:
     kinds = [b.kind for b in benches]
     twice = next((k for k in kinds if kinds.count(k) > 1), None)
     if twice:
-        raise runtime.UserError(f"--tasks names {twice} twice: give each benchmark once")
+        raise devices.UserError(f"--tasks names {twice} twice: give each benchmark once")
     if files and len(benches) > 1:
-        raise runtime.UserError("--tasks: code benchmark files (Table 2) and bfcl-v3, envscaler=, acebench= (Table 1) "
+        raise devices.UserError("--tasks: code benchmark files (Table 2) and bfcl-v3, envscaler=, acebench= (Table 1) "
                                 "go in separate commands")
     return benches
 
@@ -580,7 +580,7 @@ def tool_use_benchmark(spec: str) -> Benchmark:
     from worlds import bfcl
     categories = bfcl_categories(spec)
     if categories is None:
-        raise runtime.UserError(f"--tasks {spec!r}: no such benchmark; expected {', '.join(BENCHMARK_NAMES)}, or "
+        raise devices.UserError(f"--tasks {spec!r}: no such benchmark; expected {', '.join(BENCHMARK_NAMES)}, or "
                                 "bfcl-v3:CATEGORY")
     bfcl.package_dir()                                     # installed, or one line naming the install
     return Benchmark("bfcl-v3", bfcl_what(categories), categories)
@@ -620,8 +620,8 @@ def eval_table1(args, benches, a, given=()) -> dict:
              "files": {k: os.path.basename(scored[k].path) for k in order}}
     stem = result_stem(args.out, "table1_" + "-".join(b.what for k in order for b in benches if b.kind == k),
                        a.n_test, a.temperature)
-    runtime.write_json(stem + ".json", table)
-    with runtime.atomic_open(stem + ".md") as f:
+    checkpoints.write_json(stem + ".json", table)
+    with checkpoints.atomic_open(stem + ".md") as f:
         f.write(results.table1_markdown(student, cells) + "\n")
     print("\n" + results.table1_markdown(student, cells))
     print(f"written to {stem}.md and {stem}.json")
@@ -651,7 +651,7 @@ def bfcl_categories(spec: str) -> list[str] | None:
     cats = list(bfcl.SINGLE_TURN) if cats == "single" else cats.split(",") if cats else list(bfcl.CATEGORIES)
     unknown = [c for c in cats if c not in bfcl.CATEGORIES + bfcl.SINGLE_TURN]
     if unknown:
-        raise runtime.UserError(f"--tasks {spec}: no BFCL-v3 category {unknown[0]!r}; expected one of "
+        raise devices.UserError(f"--tasks {spec}: no BFCL-v3 category {unknown[0]!r}; expected one of "
                                 f"{', '.join(bfcl.CATEGORIES + bfcl.SINGLE_TURN)}, or single")
     return cats
 
@@ -860,39 +860,39 @@ def main(argv=None):
     p.add_argument("--index", type=int, default=0, metavar="K",
                    help="with --show FILE.records.jsonl: which record, counted from 0 (default 0)")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                   help="what generates the rollouts (train.py --engine): hf, or vllm (runtime.py)")
+                   help="what generates the rollouts (train.py --engine): hf, or vllm (runtime/serving.py)")
     p.add_argument("--unsafe-no-sandbox", action="store_true",
                    help="run untrusted code (programs, environments, BFCL's calls) even where the kernel cannot "
                         "confine it (train.py --unsafe-no-sandbox); asked again here, whatever the run was "
                         "trained with")
     a, rest = p.parse_known_args(argv)         # with --model, train.py's flags set the model's settings
     preflight.check_eval(p, a, rest, BENCHMARK_NAMES, TOOL_USE)     # before the run is read: one line at once
-    with runtime.one_line_errors():                 # a category, regime, clone or release that is not there
+    with devices.one_line_errors():                 # a category, regime, clone or release that is not there
         benches = parse_tasks(a.tasks) if a.tasks else []
     args = plain_model_args(a, rest) if a.model else train.load_args(a.run)
     # the folder given, wherever it was trained; the engine this command asks for, whichever trained it
     args = dataclasses.replace(args, out=a.run or args.out, engine=a.engine,
                                unsafe_no_sandbox=a.unsafe_no_sandbox)
     os.makedirs(args.out, exist_ok=True)
-    with runtime.one_line_errors():            # programs, environments and BFCL's calls run confined, or not at all
+    with devices.one_line_errors():            # programs, environments and BFCL's calls run confined, or not at all
         sandbox.require_for(train.environment(args), args.unsafe_no_sandbox, f"--env {args.env}")
         if a.tasks:
             sandbox.check_confinement(f"--tasks {' '.join(a.tasks)}")
     if benches:                                      # B.3's sampling per benchmark, where the command set none
-        with runtime.one_line_errors():
+        with devices.one_line_errors():
             if len(benches) > 1:
                 return eval_table1(args, benches, a, given_flags(rest))
             return evaluate_benchmark(b3_args(args, benches[0].kind, given_flags(rest)), benches[0], a).result["rows"]
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     if a.show:
-        with runtime.one_line_errors():
+        with devices.one_line_errors():
             path = (show_episodes(args, int(a.show), os.path.join(a.run, "show.html")) if a.show.isdigit() else
                     show_record(args, a.show, a.index))
         print(f"wrote {path}")
         return
     keep = {} if a.conventions else None
-    with runtime.one_line_errors():
+    with devices.one_line_errors():
         rows, run, tasks = final_eval(args, a.n_test, a.temperature, a.world_check, keep)
     print(results.markdown_table(rows, table=train.environment(args).results))
     print(f"written to {os.path.join(a.run, eval_name(len(tasks), a.temperature, a.world_check))}.md and .json")

@@ -13,8 +13,8 @@
 
 The machinery every method shares (the run's `engine.Chat`, which renders every prompt; episodes, generation and
 rollouts, scoring, the micro-batch loop, the optimizer step) is engine.py; the baselines (RFT, GRPO, OPSD, SDPO,
-SDFT, Skill-SD) are baselines.py. The calls `runtime.all_sum`, `runtime.gathered` and their kind are data parallel
-under torchrun and the identity in one process: a first read can skip them (runtime.py).
+SDFT, Skill-SD) are baselines.py. The calls `parallel.all_sum`, `parallel.gathered` and their kind are data parallel
+under torchrun and the identity in one process: a first read can skip them (runtime/parallel.py).
 
     python train.py --steps 5                   # runs lopd_step in the full pipeline
     python -m pytest tests/test_lopd.py -q
@@ -34,7 +34,7 @@ import engine
 import inject
 import losses
 import retrieval
-import runtime
+from runtime import models, parallel
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -154,13 +154,13 @@ def lopd_step(student, composer, chat: engine.Chat, tasks, retriever, *, c0_cach
     """One iteration of Algorithm 1 on `tasks`. opts = (student optimizer, composer optimizer or None).
     Returns (β, metrics, episodes); a non-finite loss skips the update and β, and says so in the metrics."""
     # 1-2. on-policy student rollouts from the task alone (eq. 1); r_i from the verifier, A_i = 2 r_i − 1 later
-    with runtime.gathered(student):
+    with parallel.gathered(student):
         eps = engine.rollout(student, chat, tasks, cfg.sample)
     rewards = torch.tensor([e.reward for e in eps])                                       # (B,)
     # 3. retrieve J experiences per task (eq. 16)
     exps = retrieve(retriever, tasks, cfg.n_ret, cfg.retrieval)
     # whole-batch normalisers (summed over ranks under torchrun: the loss is then this rank's share of the total)
-    n_tokens, n_traj = engine.supervised_tokens(eps), runtime.all_sum(len(eps))
+    n_tokens, n_traj = engine.supervised_tokens(eps), parallel.all_sum(len(eps))
     eq = cfg.eq13(beta, n_tokens, n_traj)
 
     def part_loss(idx):
@@ -190,10 +190,10 @@ def micro_batch_objective(student, composer, chat: engine.Chat, eps, latents, re
     at fixed β, whose one backward gives ∇θ (through p_S) and ∇φ (through p_T and the anchor). latents = (c_φ, c_φ0),
     (b, J·K, d) each; eq: β, this micro-batch's share of m, λ, M and the whole batch's counts. -> (loss, metrics).
     cfg.loss_chunk > 0: the forwards return hidden states and the loss applies the LM heads a chunk of rows at a
-    time (memory bounded by the chunk, not by the conversation; `runtime.lm_head_bypassed`). 0: full logits and
+    time (memory bounded by the chunk, not by the conversation; `models.lm_head_bypassed`). 0: full logits and
     the readable `losses.lopd_objective`; the two agree in value and gradient (tests/test_losses.py)."""
     c, c0 = latents
-    chunked = runtime.lm_head_bypassed(student, composer.peft) if cfg.loss_chunk else contextlib.nullcontext()
+    chunked = models.lm_head_bypassed(student, composer.peft) if cfg.loss_chunk else contextlib.nullcontext()
     with chunked:
         # 4. the teacher re-scores exactly the student's ids behind c_φ; the student behind its own prompt
         ls, lt, ids, omega = student_teacher_logits(student, composer, chat, eps, c)   # (b, Tc, V), or (b, Tc, d)
@@ -206,7 +206,7 @@ def micro_batch_objective(student, composer, chat: engine.Chat, eps, latents, re
     rewards = rewards.to(ls.device)
     if not cfg.loss_chunk:
         return losses.lopd_objective(ls, lt, ids, omega, rewards, eq=eq, latents=anchor, ref_logits=ref)
-    heads = (runtime.lm_head(student), runtime.lm_head(composer.peft), runtime.lm_head(composer.peft))
+    heads = (models.lm_head(student), models.lm_head(composer.peft), models.lm_head(composer.peft))
     return losses.lopd_objective_from_hidden(ls, lt, heads, ids, omega, rewards, eq=eq, latents=anchor, h_ref=ref,
                                              chunk=cfg.loss_chunk)
 
@@ -223,8 +223,8 @@ def lopd_config(args, sample: engine.SampleConfig) -> LOPDConfig:
 
 def lopd_setup(run: engine.Run) -> dict:
     """Algorithm 1: "cache c_φ0 per task" (each rank a slice of the tasks, gathered), and β₀ = 0."""
-    part = anchor_cache(run.composer, run.retriever, runtime.shard(run.train), run.args.n_ret, run.args.retrieval)
-    c0 = part if runtime.world() == 1 else {k: v for d in runtime.gather([part]) for k, v in d.items()}
+    part = anchor_cache(run.composer, run.retriever, parallel.shard(run.train), run.args.n_ret, run.args.retrieval)
+    c0 = part if parallel.world() == 1 else {k: v for d in parallel.gather([part]) for k, v in d.items()}
     return {"c0": c0, "beta": 0.0}
 
 
@@ -233,7 +233,7 @@ def lopd_train_step(run: engine.Run, state: dict, student, opts, step: int):
     cfg = lopd_config(run.args, run.sample)
     state["beta"], m, _ = lopd_step(student, run.composer, run.chat, run.tasks(step), run.retriever,
                                     c0_cache=state["c0"], beta=state["beta"], opts=opts, cfg=cfg)
-    runtime.assert_same(state["beta"], "β")      # Δ was summed over ranks, so the dual step agrees everywhere
+    parallel.assert_same(state["beta"], "β")      # Δ was summed over ranks, so the dual step agrees everywhere
     return m, run.args.rollouts_per_step
 
 

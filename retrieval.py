@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-import runtime
+from runtime import checkpoints, devices
 
 DEFAULT_INSTRUCTION = "Given a task, retrieve a solved trajectory of a similar task"
 ENTRY_FIELDS = {"task_id": str, "task": str, "trace": str, "reward": (int, float)}
@@ -119,7 +119,7 @@ def build_bank(candidates: Sequence[dict], threshold: float) -> list:
 
 
 def check_bank(bank, episodes, n_ret: int, threshold: float):
-    """A runtime.UserError unless every training task can retrieve n_ret entries of OTHER tasks (its own are
+    """A devices.UserError unless every training task can retrieve n_ret entries of OTHER tasks (its own are
     excluded): the bank train.py built from the base model's `episodes` with reward >= threshold. Its message names
     train.py's flags that would fill it."""
     per_task = collections.Counter(e["task_id"] for e in bank)
@@ -129,7 +129,7 @@ def check_bank(bank, episodes, n_ret: int, threshold: float):
     head = f"{len(bank)} of {len(episodes)} base rollouts reached reward ≥ {threshold} (mean reward {mean:.2f})"
     why = ("so the experience bank is empty" if not bank else
            f"too few for --n-ret {n_ret} entries of other tasks per training task")
-    raise runtime.UserError(f"{head}, {why}. Raise --bank-rollouts, lower --bank-threshold" +
+    raise devices.UserError(f"{head}, {why}. Raise --bank-rollouts, lower --bank-threshold" +
                             (", lower --n-ret" if bank else "") + ", use a stronger --model, or give easier --tasks")
 
 
@@ -139,7 +139,7 @@ def save_bank(path: str, bank: Sequence[dict]) -> None:
         reason = check_entry(entry)
         if reason:
             raise ValueError(f"bank entry {i}: {reason}")
-    with runtime.atomic_open(path) as f:
+    with checkpoints.atomic_open(path) as f:
         f.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in bank)
 
 
@@ -404,13 +404,13 @@ class Retriever:
         faiss = _faiss()
         os.makedirs(folder, exist_ok=True)
         save_bank(os.path.join(folder, "bank.jsonl"), self.bank)
-        with runtime.atomic_open(os.path.join(folder, "index.faiss"), "wb") as f:
+        with checkpoints.atomic_open(os.path.join(folder, "index.faiss"), "wb") as f:
             f.write(faiss.serialize_index(self.index))
         ids = list(self.query_cache)
         vecs = np.stack([self.query_cache[t] for t in ids]) if ids else np.zeros((0, self.dim), np.float32)
-        with runtime.atomic_open(os.path.join(folder, "query_cache.npz"), "wb") as f:
+        with checkpoints.atomic_open(os.path.join(folder, "query_cache.npz"), "wb") as f:
             np.savez(f, task_ids=np.array(ids, dtype=str), vectors=vecs)
-        with runtime.atomic_open(os.path.join(folder, "meta.json")) as f:
+        with checkpoints.atomic_open(os.path.join(folder, "meta.json")) as f:
             json.dump(self.meta, f, indent=2)
 
     @classmethod

@@ -14,8 +14,8 @@ The file reads in the order a run does: `Args` (every setting, grouped), `main`,
   4. cold start    composer φ0 by eq. (14) on the bank's own trajectories (composer.py)
   5. joint         --steps iterations of --method: Algorithm 1 (lopd.py) or a baseline (baselines.py)
   6. evaluation    vanilla / base + composer / student on held-out tasks (`evaluate`, Table 3; worlds/results.py)
-and last the command line (`parse_args`, `resolve_defaults`); stages 2, 4-6 say the time left (runtime.Clock).
-Devices, seeds, torchrun, checkpoints, the memory plan and the student's construction are engineering: runtime.py.
+and last the command line (`parse_args`, `resolve_defaults`); stages 2, 4-6 say the time left (devices.Clock).
+Devices, seeds, torchrun, checkpoints, the memory plan and the student's construction are engineering: runtime/.
 eval.py and scripts/experiments.py load runs through `load_args` and `load_run` (they import train.py, not reverse).
 
 Defaults follow B.2 and the official code except where the toy needs its own (`TOY_DEFAULTS`, each with its
@@ -26,10 +26,10 @@ reference without the task (`--composer-input reference`; composer.py, deviation
 --qformer-dtype bfloat16; L_distill over the whole batch's tokens is the official code's (--kl-per trajectory: eq.
 10 as written). Controls: --method rft, --retrieval other | none | shop; the dial: --conventions K.
 
-Real backbones: bf16 weights with the trained ones in fp32 under autocast (`runtime.precision`), a memory plan made
+Real backbones: bf16 weights with the trained ones in fp32 under autocast (`devices.precision`), a memory plan made
 before any weight is read (`plan_before_loading`), --student-lora for θ as a second adapter. User errors end the
 run with one line and exit status 2. Under torchrun each rank rolls out a slice of each batch, normalisers and Δ are
-summed over ranks, the full student is sharded with FSDP2, rank 0 alone logs and writes (runtime.py).
+summed over ranks, the full student is sharded with FSDP2, rank 0 alone logs and writes (runtime/parallel.py).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import random
 import time
 from dataclasses import dataclass
 
-import preflight    # first: as the script being run, it checks the command line before torch loads
+from runtime import preflight    # first: as the script being run, it checks the command line before torch loads
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -51,11 +51,11 @@ import baselines
 import engine
 import lopd
 import retrieval
-import runtime
+from runtime import checkpoints, devices, memory, models, parallel, serving
 from worlds import common, results, sandbox, tool_world
 from worlds import toy_backbone as toy
 from composer import Composer, ComposerConfig, QFormer, cold_start_batch, cold_start_loss, schema_balanced_sampler
-from runtime import UserError, say
+from runtime.devices import UserError, say
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
@@ -134,7 +134,7 @@ class Args:
     cold_optim: str = arg("joint", "joint (one AdamW for ψ and χ, one clip) | split (the official code: an AdamW each, "
                                    "ψ clipped at --cold-clip, χ at --cold-qformer-clip)")
     cold_qformer_clip: float = arg(30.0, "the QFormer's cold-start clip with --cold-optim split (official: 30)")
-    # -- engineering (runtime.py): device, precision, memory, checkpoints
+    # -- engineering (runtime/): device, precision, memory, checkpoints
     engine: str = arg("hf", "what generates rollouts: hf (engine.Conversations) | vllm (own virtualenv: real-models.md)")
     compile_decode: bool = arg(False, "--engine hf: decode steps through torch.compile (a GPU option; off: readable)")
     device: str = arg("auto", "auto | cpu | cuda | mps")
@@ -191,27 +191,27 @@ QUICK = {"n_train": 200, "n_test": 50, "cold_steps": 100, "steps": 10, "rollouts
 
 def main(argv=None):
     """Under torchrun, torch's @record makes a rank's exception the job's reported root cause. A UserError is one
-    line and exit status 2 (`runtime.one_line_errors`)."""
-    with runtime.one_line_errors():
+    line and exit status 2 (`devices.one_line_errors`)."""
+    with devices.one_line_errors():
         return (record(_main) if "RANK" in os.environ else _main)(argv)
 
 
 def _main(argv=None):
     t0 = time.time()
     args = parse_args(argv)
-    _, world, backend = runtime.dist_setup(args.device, args.dist_timeout)
-    runtime.check_world(args, world, rollouts_per_task(args))
+    _, world, backend = parallel.dist_setup(args.device, args.dist_timeout)
+    parallel.check_world(args, world, rollouts_per_task(args))
     run = prepare(args)
     student = joint_training(run) if args.steps > 0 else None
     run.log.clock.enter("evaluation")
     rows = evaluate(args, run, student, run.test, cache=True)    # rows a killed evaluation finished: read back
-    if runtime.rank() == 0:
+    if parallel.rank() == 0:
         table = environment(args).results
         results.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, table=table)
         print("\n" + results.markdown_table(rows, table=table))
         results.plot_curves(args.out)              # OUT/curves.png, from OUT/metrics.jsonl
         print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
-    runtime.close_engine()                  # --engine vllm: ends the process group too (torchrun's, under torchrun)
+    serving.close_engine()                  # --engine vllm: ends the process group too (torchrun's, under torchrun)
     if backend != "none" and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -220,27 +220,27 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     """Stages 1-4 (each cached in OUT) -> the run the joint stage and evaluation read. `record`: write args.json once
     every setting is resolved; a finished run read back (`load_run`) writes nothing and plans memory anew."""
     os.makedirs(args.out, exist_ok=True)
-    runtime.check_same_world(args.out, env=args.env, conventions=args.conventions)
+    checkpoints.check_same_world(args.out, env=args.env, conventions=args.conventions)
     if not record:
-        runtime.replan(args)
-    runtime.seed_everything(args.seed)
+        memory.replan(args)
+    devices.seed_everything(args.seed)
     train_tasks, test_tasks = load_splits(args, record)  # a missing release costs no load; the plan reads prompts
-    device, dtype = runtime.pick_device(args.device, args.dtype)
-    log = runtime.Log(args.out, args.tensorboard, functools.partial(runtime.stages_left, args, len(train_tasks),
+    device, dtype = devices.pick_device(args.device, args.dtype)
+    log = devices.Log(args.out, args.tensorboard, functools.partial(devices.stages_left, args, len(train_tasks),
                       len(test_tasks), drift_rows=2 if METHODS[args.method].trains_composer else 1))   # as drift_eval
     planned = plan_before_loading(args, device, dtype, train_tasks)    # a run that cannot fit stops here
     model, tok = load_backbone(args, device, dtype)
     plan = fit_to_model(args, model, tok, device, planned)
-    runtime.start_engine(args, model, args.model or toy_backbone(args), plan.free)
-    if record and runtime.rank() == 0:   # atomically: another rank may be reading it in check_same_world
-        runtime.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
-        runtime.write_json(os.path.join(args.out, "memory_plan.json"), dataclasses.asdict(plan))
-    source = None if args.student_lora else runtime.student_source(model)   # θ̄'s weights, before the composer's LoRA
+    serving.start_engine(args, model, args.model or toy_backbone(args), plan.free)
+    if record and parallel.rank() == 0:   # atomically: another rank may be reading it in check_same_world
+        checkpoints.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
+        checkpoints.write_json(os.path.join(args.out, "memory_plan.json"), dataclasses.asdict(plan))
+    source = None if args.student_lora else models.student_source(model)   # θ̄'s weights, before the composer's LoRA
     episodes = base_rollouts(args, model, tok, train_tasks, log)
     retriever = build_retriever(args, model, tok, episodes, train_tasks, test_tasks, log)
     composer = cold_start(args, model, tok, retriever, episodes, train_tasks, log)
-    # a full student is made when the joint stage needs it (runtime.full_student); a LoRA one now, in the backbone
-    student = runtime.lora_student(composer.peft, args.student_lora_r) if args.student_lora else None
+    # a full student is made when the joint stage needs it (models.full_student); a LoRA one now, in the backbone
+    student = models.lora_student(composer.peft, args.student_lora_r) if args.student_lora else None
     return engine.Run(args=args, tok=tok, chat=chat_of(args, tok), sample=sample_config(args), composer=composer,
                       retriever=retriever, train=train_tasks, test=test_tasks, episodes=episodes, log=log,
                       student=student, source=source)
@@ -249,29 +249,29 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
 # ----------------------------------------------------------------------------------------------------------------
 # Stage 1: the backbone θ̄ (and its tokenizer)
 # ----------------------------------------------------------------------------------------------------------------
-def plan_before_loading(args: Args, device, dtype, tasks) -> runtime.Planning:
-    """runtime.memory_plan on θ̄ built on the meta device from --model's config, before any weight is read: a run
+def plan_before_loading(args: Args, device, dtype, tasks) -> memory.Planning:
+    """memory.memory_plan on θ̄ built on the meta device from --model's config, before any weight is read: a run
     that cannot fit stops here, in one line naming what fits. -> its inputs, which `fit_to_model` plans again."""
     path = args.model or toy_backbone(args)
-    model = runtime.meta_backbone(runtime.check_causal_lm(path), dtype)
+    model = models.meta_backbone(models.check_causal_lm(path), dtype)
     n_ctx = getattr(model.config, "max_position_embeddings", None)
-    args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
+    args.max_len, args.max_new_tokens = memory.fit_context(args.max_len, args.max_new_tokens, n_ctx)
     try:
-        chat = chat_of(args, runtime.load_tokenizer(path, args.chat_template))   # thinking off: the longer prompt
+        chat = chat_of(args, models.load_tokenizer(path, args.chat_template))   # thinking off: the longer prompt
     except (OSError, ValueError, TypeError):                # a folder with only config.json, a hub id not cached
         chat = None
-    prompt = runtime.prompt_tokens(chat, tasks, args.n_ret * args.latents)
-    planning = runtime.Planning(args, model, runtime.machine(args, device), trains(args, model.config), prompt)
-    runtime.memory_plan(planning)
+    prompt = memory.prompt_tokens(chat, tasks, args.n_ret * args.latents)
+    planning = memory.Planning(args, model, memory.machine(args, device), trains(args, model.config), prompt)
+    memory.memory_plan(planning)
     return planning
 
 
-def trains(args: Args, config) -> runtime.Trains:
-    """What the joint stage trains beside θ (runtime.footprint): the composer's LoRA and QFormer, an EMA teacher."""
+def trains(args: Args, config) -> memory.Trains:
+    """What the joint stage trains beside θ (memory.footprint): the composer's LoRA and QFormer, an EMA teacher."""
     cc, d, heads = ComposerConfig(n_latents=args.latents), config.hidden_size, config.num_attention_heads
     with torch.device("meta"):
         qformer = QFormer(d, heads, cc.n_latents, cc.n_layers, cc.ffn_mult, 1.0)
-    return runtime.Trains(tuple(cc.lora_targets), cc.lora_r, sum(p.numel() for p in qformer.parameters()),
+    return memory.Trains(tuple(cc.lora_targets), cc.lora_r, sum(p.numel() for p in qformer.parameters()),
                           METHODS[args.method].keeps_ema, rollouts_per_task(args))
 
 
@@ -279,10 +279,10 @@ def load_backbone(args: Args, device, dtype):
     """The base model θ̄ and its tokenizer: --model, or the toy backbone built (once) into OUT/backbone."""
     from transformers import AutoModelForCausalLM
     path = args.model or toy_backbone(args)
-    runtime.check_causal_lm(path)
+    models.check_causal_lm(path)
     if environment(args).toy_world == "tools" and not args.tasks:      # a toy backbone knows its world's tools
         toy.check_conventions(path, args.conventions)
-    tok = runtime.load_tokenizer(path, args.chat_template)
+    tok = models.load_tokenizer(path, args.chat_template)
     if not tok.chat_template:
         raise UserError(f"--model {path!r}: its tokenizer has no chat template (a base checkpoint?); give one with "
                         "--chat-template FILE (a Jinja file), or use an instruct model")
@@ -294,15 +294,15 @@ def load_backbone(args: Args, device, dtype):
     return model, tok
 
 
-def fit_to_model(args: Args, model, tok, device, planned: runtime.Planning) -> runtime.MemoryPlan:
+def fit_to_model(args: Args, model, tok, device, planned: memory.Planning) -> memory.MemoryPlan:
     """What depends on the backbone (and `plan_before_loading`'s --max-len), said in one line each, in args.json:
-    the plan's budgets where the command line gave none (`runtime.fit_memory`: `planned` again, beside θ̄)."""
+    the plan's budgets where the command line gave none (`memory.fit_memory`: `planned` again, beside θ̄)."""
     if args.thinking is None:
         args.thinking = thinks_by_default(args, tok)
         if args.thinking:
             say("thinking mode on (B.2; the template has enable_thinking): --no-thinking turns it off")
-    machine = runtime.machine(args, device, loaded=runtime.backbone_bytes(model))
-    return runtime.fit_memory(dataclasses.replace(planned, args=args, model=model, machine=machine))
+    machine = memory.machine(args, device, loaded=memory.backbone_bytes(model))
+    return memory.fit_memory(dataclasses.replace(planned, args=args, model=model, machine=machine))
 
 
 def thinks_by_default(args: Args, tok) -> bool:
@@ -344,7 +344,7 @@ def sample_config(args: Args, temperature=None) -> engine.SampleConfig:
     return engine.SampleConfig(temperature=args.temperature if temperature is None else temperature,
                                top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                                max_len=args.max_len, batch_size=args.gen_batch or engine.SampleConfig.batch_size,
-                               sort_by_length=not is_toy(args), generator=runtime.GENERATOR,
+                               sort_by_length=not is_toy(args), generator=serving.GENERATOR,
                                compile_decode=args.compile_decode)
 
 
@@ -358,7 +358,7 @@ def load_splits(args: Args, record: bool = True):
         train, test = cls.make_splits(args)                # the same on every rank (seeded)
     except NotImplementedError as err:                     # a world without a task source of that kind
         raise UserError(f"--env {args.env!r}: {err}") from None
-    if record and runtime.rank() == 0:
+    if record and parallel.rank() == 0:
         os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
         for name, tasks in (("train", train), ("test", test)):
             cls.save_tasks(tasks, os.path.join(args.out, "tasks", name + ".jsonl"))
@@ -366,20 +366,20 @@ def load_splits(args: Args, record: bool = True):
 
 
 def base_rollouts(args, model, tok, train, log):
-    """Stage 2: args.bank_rollouts rollouts of the base model per training task (runtime.cached)."""
+    """Stage 2: args.bank_rollouts rollouts of the base model per training task (checkpoints.cached)."""
     path = os.path.join(args.out, "base_rollouts.jsonl")
     by_id = {t.task_id: t for t in train}
-    if runtime.cached(path):
+    if checkpoints.cached(path):
         return [engine.Episode.from_record(r, by_id[r["task_id"]]) for r in map(json.loads, open(path))]
     t0 = time.time()
-    tasks = runtime.shard([t for t in train for _ in range(args.bank_rollouts)])    # this rank's slice (all: 1 process)
+    tasks = parallel.shard([t for t in train for _ in range(args.bank_rollouts)])   # this rank's slice (1 process: all)
     log.clock.enter("bank")                        # its first batch says how long the run has left
     with log.bar(len(tasks), "base rollouts") as bar:
         eps = engine.rollout(model, chat_of(args, tok), tasks, sample_config(args), progress=bar)
-    if runtime.world() > 1:                                      # every rank's slice, in order, on every rank
-        eps = [engine.Episode.from_record(r, by_id[r["task_id"]]) for r in runtime.gather([e.record() for e in eps])]
-    if runtime.rank() == 0:
-        runtime.write_jsonl(path, [e.record() for e in eps])
+    if parallel.world() > 1:                                      # every rank's slice, in order, on every rank
+        eps = [engine.Episode.from_record(r, by_id[r["task_id"]]) for r in parallel.gather([e.record() for e in eps])]
+    if parallel.rank() == 0:
+        checkpoints.write_jsonl(path, [e.record() for e in eps])
     log("base_rollouts", n=len(eps), seconds=round(time.time() - t0, 1), **engine.summarize(eps))
     return eps
 
@@ -390,7 +390,7 @@ def base_rollouts(args, model, tok, train, log):
 def build_retriever(args, model, tok, episodes, train, test, log):
     """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
     path = os.path.join(args.out, "bank")
-    if runtime.cached(os.path.join(path, "meta.json")):
+    if checkpoints.cached(os.path.join(path, "meta.json")):
         return retrieval.Retriever.load(path)
     cands = [retrieval.make_entry(e.task.task_id, e.task.text, e.trace, e.reward,
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
@@ -398,14 +398,14 @@ def build_retriever(args, model, tok, episodes, train, test, log):
     bank = retrieval.build_bank(cands, args.bank_threshold)
     retrieval.check_bank(bank, episodes, args.n_ret, args.bank_threshold)   # a UserError: too few to retrieve
     embedder = retrieval.make_embedder(args.embedder, model, tok, env_factory(args)().retrieval_instruction)
-    if runtime.world() == 1:
+    if parallel.world() == 1:
         ret = retrieval.Retriever(bank, embedder)
         ret.cache_queries([t.task_id for t in train + test], [t.text for t in train + test])
     else:   # each rank embeds a slice of the documents and of the queries; all ranks build the same index
-        ret = retrieval.Retriever(bank, embedder, doc_vectors=runtime.split_over_ranks(embedder.embed_docs, bank))
+        ret = retrieval.Retriever(bank, embedder, doc_vectors=parallel.split_over_ranks(embedder.embed_docs, bank))
         ret.query_cache.update(zip([t.task_id for t in train + test],
-                                   runtime.split_over_ranks(embedder.embed_queries, [t.text for t in train + test])))
-    if runtime.rank() == 0:
+                                   parallel.split_over_ranks(embedder.embed_queries, [t.text for t in train + test])))
+    if parallel.rank() == 0:
         ret.save(path)
     log("bank", entries=len(bank), tasks_covered=len({e["task_id"] for e in bank}), **retrieval.bank_recall(ret, test))
     return ret
@@ -420,13 +420,13 @@ def cold_start_step(args, composer, chat, retriever, episodes, tasks_by_id, entr
     normalised by the whole batch's ω count (summed over ranks under torchrun). -> the loss, summed over ranks."""
     eps = [episodes[e["meta"]["episode"]] for e in entries]
     n_tokens = engine.supervised_tokens(eps)
-    head = (runtime.lm_head(composer.peft), args.loss_chunk) if args.loss_chunk else ()   # the NLL applies the head
+    head = (models.lm_head(composer.peft), args.loss_chunk) if args.loss_chunk else ()   # the NLL applies the head
 
     def part_loss(idx):
         tasks = [tasks_by_id[e["task_id"]] for e in engine.pick(entries, idx)]
         latents = lopd.compose(composer, tasks, lopd.retrieve(retriever, tasks, args.n_ret, args.retrieval))
         batch = cold_start_batch(chat, engine.pick(eps, idx), latents.shape[1])   # ids, mask, ω (b, T), starts (b,)
-        with runtime.lm_head_bypassed(composer.peft) if head else contextlib.nullcontext():
+        with models.lm_head_bypassed(composer.peft) if head else contextlib.nullcontext():
             loss = cold_start_loss(composer, batch, latents, n_tokens, *head)
         return loss, {"loss/init": loss.item()}
     m, _ = engine.accumulate(eps, part_loss, max(1, len(eps)), args.token_budget or 0)   # one part, or the budget's
@@ -438,32 +438,32 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
     checkpoint every --cold-save-every steps, which --resume goes on from). A given `composer` (an ablation variant
     with its own --retrieval; the caller resets it to composer_init first) is trained in place, or set to φ0."""
     path = os.path.join(args.out, "composer0")
-    if runtime.cached(os.path.join(path, "composer.json")):
+    if checkpoints.cached(os.path.join(path, "composer.json")):
         if composer is None:
             return Composer.load(path, model, tok)
-        runtime.reset_composer(composer, path)
+        checkpoints.reset_composer(composer, path)
         return composer
-    resumed = runtime.latest_checkpoint(args.out, runtime.COLD_CKPT) if args.resume else None   # a killed run's
+    resumed = checkpoints.latest_checkpoint(args.out, checkpoints.COLD_CKPT) if args.resume else None   # a killed run's
     if composer is None:
         composer = Composer(model, tok, ComposerConfig(n_latents=args.latents,
                                                        task_conditional=args.composer_input == "task+reference"))
-        runtime.broadcast_params(composer.trainable_parameters())  # torchrun: every rank starts from rank 0's φ
-        if runtime.rank() == 0 and resumed is None:       # φ before training, for the ablations' variants
+        parallel.broadcast_params(composer.trainable_parameters())  # torchrun: every rank starts from rank 0's φ
+        if parallel.rank() == 0 and resumed is None:       # φ before training, for the ablations' variants
             composer.save(os.path.join(args.out, "composer_init"))
     groups = cold_start_groups(args, composer)              # [(parameters, clip)]: one group, or ψ and χ
     opts = [torch.optim.AdamW(params, lr=args.cold_lr) for params, _ in groups]
     tasks_by_id, chat, task_rng = {t.task_id: t for t in train}, chat_of(args, tok), random.Random(args.seed)
     draw = schema_balanced_sampler(retriever.bank, task_rng)
-    t0, start = time.time(), runtime.resume_cold_start(resumed, composer, opts, task_rng) if resumed else 0
+    t0, start = time.time(), checkpoints.resume_cold_start(resumed, composer, opts, task_rng) if resumed else 0
     log.clock.enter("cold start", start)
     for step in tqdm(range(start, args.cold_steps), desc="cold start", initial=start, total=args.cold_steps,
-                     leave=False, disable=runtime.rank() != 0):
+                     leave=False, disable=parallel.rank() != 0):
         # every rank draws the same batch (the sampler is seeded alike) and computes its slice's share of the loss
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         loss = cold_start_step(args, composer, chat, retriever, episodes, tasks_by_id,
-                               runtime.shard(draw(args.cold_batch)))                 # back-propagated
-        runtime.sync_grads(composer.trainable_parameters())     # summed over ranks (no-op in one process)
+                               parallel.shard(draw(args.cold_batch)))                 # back-propagated
+        parallel.sync_grads(composer.trainable_parameters())     # summed over ranks (no-op in one process)
         for (params, clip), opt in zip(groups, opts):
             torch.nn.utils.clip_grad_norm_(params, clip)
             opt.step()
@@ -471,12 +471,12 @@ def cold_start(args, model, tok, retriever, episodes, train, log, composer=None)
             log.clock.first("cold step", time.time() - t0, 1)      # the time left, from this first step
         if step % 50 == 0 or step == args.cold_steps - 1:
             log("cold_start", step=step, **{"loss/init": loss})
-        runtime.cold_checkpoint(args, composer, opts, step + 1, task_rng)     # every --cold-save-every steps
+        checkpoints.cold_checkpoint(args, composer, opts, step + 1, task_rng)     # every --cold-save-every steps
     for opt in opts:
         opt.zero_grad(set_to_none=True)   # the last step's gradients must not leak into the joint stage's first one
-    if runtime.rank() == 0:
+    if parallel.rank() == 0:
         composer.save(path)
-        runtime.drop_cold_checkpoints(args.out)
+        checkpoints.drop_cold_checkpoints(args.out)
     log("cold_start_done", seconds=round(time.time() - t0, 1))
     return composer
 
@@ -510,33 +510,33 @@ def joint_training(run: engine.Run):
     state = method.setup(run)
     student = run.student
     if student is None:         # θ = θ̄ in fp32, made now (under torchrun, sharded before it is materialised)
-        student = runtime.full_student(args, run.source)
-    elif runtime.world() > 1 and not isinstance(student, runtime.LoraStudent):   # a caller's own full student
-        student = runtime.shard_student(student)
+        student = models.full_student(args, run.source)
+    elif parallel.world() > 1 and not isinstance(student, models.LoraStudent):   # a caller's own full student
+        student = parallel.shard_student(student)
     composer.qformer.to(getattr(torch, args.qformer_dtype))     # --qformer-dtype (float32 unless asked)
     opts = make_optimizers(args, student, composer)
     run.task_rng, start = random.Random(args.seed + 2), 0
     gens = len(run.episodes) if method.uses_bank else 0     # honest budgets: the bank's rollouts count
-    runtime.seed_everything(args.seed + 3)   # the joint stage's randomness does not depend on which stages were cached
-    ckpt = runtime.latest_checkpoint(args.out) if args.resume else None
+    devices.seed_everything(args.seed + 3)   # the joint stage's randomness does not depend on which stages were cached
+    ckpt = checkpoints.latest_checkpoint(args.out) if args.resume else None
     if ckpt:
-        start, gens = runtime.load_checkpoint(ckpt, student, composer, opts, state, run.task_rng)   # says so
-    runtime.serve(student)                   # --engine vllm: the student's weights, on every rank at once
+        start, gens = checkpoints.load_checkpoint(ckpt, student, composer, opts, state, run.task_rng)   # says so
+    serving.serve(student)                   # --engine vllm: the student's weights, on every rank at once
     run.log.clock.enter("joint", start)
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,
-                     leave=False, disable=runtime.rank() != 0):
+                     leave=False, disable=parallel.rank() != 0):
         t0 = time.time()
-        with runtime.precision(composer.peft):
+        with devices.precision(composer.peft):
             m, spent = method.step(run, state, student, opts, step)
         run.log.clock.first("step", time.time() - t0, 1)      # the first step's says how long the run has left
         gens += spent
-        if runtime.GENERATOR is not None:        # --engine vllm: the engine's weights follow the student's, checked
-            m["engine/gap"] = runtime.GENERATOR.sync(student)
+        if serving.GENERATOR is not None:        # --engine vllm: the engine's weights follow the student's, checked
+            m["engine/gap"] = serving.GENERATOR.sync(student)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             m.update(drift_eval(args, student, run))
         run.log(args.method, step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            runtime.save_checkpoint(args.out, student, composer, opts, state, step=step + 1, generations=gens,
+            checkpoints.save_checkpoint(args.out, student, composer, opts, state, step=step + 1, generations=gens,
                                     task_rng=run.task_rng)
     return student
 
@@ -587,9 +587,9 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
     streams are restored. `keep`, if given, receives each row's episodes (this rank's under torchrun). `cache`: the
     student is OUT's latest checkpoint; each row is written once finished, and read back by a rerun after a kill."""
     composer, cfg, chat, rows = run.composer, sample_config(args, temperature), chat_of(args, run.tok), {}
-    keys = runtime.row_keys(args, run, cfg, tasks, student) if cache and keep is None and runtime.world() == 1 else {}
-    tasks = runtime.shard(tasks)
-    saved = runtime.rng_state(random.Random())
+    keys = checkpoints.row_keys(args, run, cfg, tasks, student) if cache and keep is None and parallel.world() == 1 else {}
+    tasks = parallel.shard(tasks)
+    saved = checkpoints.rng_state(random.Random())
     for name, go in (("vanilla", lambda bar: eval_vanilla(composer, chat, tasks, cfg, bar)),
                      ("base + composer", lambda bar: eval_teacher(composer, run.retriever, chat, tasks, cfg,
                                                                   args.n_ret, mode=args.retrieval, progress=bar)),
@@ -597,20 +597,20 @@ def evaluate(args, run, student, tasks, temperature=None, which=ROWS, keep: dict
         if name not in which or (name == "student" and student is None):
             continue
         label = student_row(args) if name == "student" else name
-        if (row := runtime.read_row(args.out, keys.get(name))) is not None:    # finished before a kill
+        if (row := checkpoints.read_row(args.out, keys.get(name))) is not None:    # finished before a kill
             rows[label] = row
             continue
-        runtime.seed_everything(args.seed + 1)
+        devices.seed_everything(args.seed + 1)
         if name == "student":
-            runtime.serve(student)                   # --engine vllm: every rank, even one with no task here
-        whole = runtime.gathered(student) if name == "student" else contextlib.nullcontext()   # FSDP2: weights
-        with runtime.precision(composer.peft), whole, run.log.bar(len(tasks), f"eval {name}") as bar:
+            serving.serve(student)                   # --engine vllm: every rank, even one with no task here
+        whole = parallel.gathered(student) if name == "student" else contextlib.nullcontext()   # FSDP2: weights
+        with devices.precision(composer.peft), whole, run.log.bar(len(tasks), f"eval {name}") as bar:
             eps = go(bar) if tasks else []       # torchrun: a rank may get no held-out task
         rows[label] = engine.summarize_all(eps)
-        runtime.write_row(args.out, keys.get(name), rows[label])
+        checkpoints.write_row(args.out, keys.get(name), rows[label])
         if keep is not None:
             keep[label] = eps
-    runtime.set_rng_state(saved, random.Random())
+    checkpoints.set_rng_state(saved, random.Random())
     return rows
 
 
@@ -624,7 +624,7 @@ def parse_args(argv=None) -> Args:
     p = preflight.parser_of(Args, __doc__.split("\n")[0], registered)
     args = resolve_defaults(Args(**preflight.parse_with_preset(p, argv, QUICK, "quick")))
     _check(p, args)
-    return runtime.absolute_paths(args)
+    return checkpoints.absolute_paths(args)
 
 
 def resolve_defaults(args: Args) -> Args:
@@ -635,7 +635,7 @@ def resolve_defaults(args: Args) -> Args:
     args = dataclasses.replace(args, env=env, tasks=tasks)
     try:
         cls = environment(args)
-    except ValueError as err:                              # one line, without argparse's usage (runtime.UserError)
+    except ValueError as err:                              # one line, without argparse's usage (devices.UserError)
         raise UserError(str(err)) from None
     defaults = {**TOY_DEFAULTS, **cls.toy_defaults} if is_toy(args) else {**PAPER_DEFAULTS, **cls.paper_defaults}
     return dataclasses.replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
@@ -678,21 +678,21 @@ def rollouts_per_task(args: Args) -> int:
 
 
 def load_args(out: str) -> Args:
-    """The settings a run was started with (OUT/args.json; runtime.read_settings)."""
-    return runtime.read_settings(out, Args)
+    """The settings a run was started with (OUT/args.json; checkpoints.read_settings)."""
+    return checkpoints.read_settings(out, Args)
 
 
 def load_run(args: Args) -> engine.Run:
     """A run rebuilt from OUT (eval.py, scripts/experiments.py): stages 1-4 from their caches (`prepare`), then the
     latest checkpoint's student and composer. run.student is None when the run has no checkpoint."""
     run = prepare(args, record=False)
-    ckpt = runtime.latest_checkpoint(args.out)
+    ckpt = checkpoints.latest_checkpoint(args.out)
     if ckpt is None:
         return dataclasses.replace(run, student=None)
     if run.student is None:
-        run.student = runtime.full_student(args, run.source)
-    runtime.load_student_weights(run.student, os.path.join(ckpt, "student"))
-    runtime.reset_composer(run.composer, os.path.join(ckpt, "composer"))
+        run.student = models.full_student(args, run.source)
+    models.load_student_weights(run.student, os.path.join(ckpt, "student"))
+    checkpoints.reset_composer(run.composer, os.path.join(ckpt, "composer"))
     return run
 
 

@@ -42,7 +42,7 @@ import engine
 import lopd
 import losses
 import retrieval
-import runtime
+from runtime import devices, memory, models, parallel, serving
 from worlds import code_benchmarks
 from worlds import sandbox
 from worlds import tool_world
@@ -210,7 +210,7 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import retrieval
     from composer import Composer, ComposerConfig
-    runtime.dist_setup("cpu")
+    parallel.dist_setup("cpu")
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
@@ -225,8 +225,8 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     torch.manual_seed(0)
     composer = Composer(base, tok, ComposerConfig(n_latents=8))
     c0 = lopd.anchor_cache(composer, ret, tasks, 3)
-    if runtime.world() > 1:
-        student = runtime.shard_student(student)
+    if parallel.world() > 1:
+        student = parallel.shard_student(student)
     opts = (torch.optim.AdamW(student.parameters(), lr=1e-5),
             torch.optim.AdamW(composer.trainable_parameters(), lr=1e-5))
     spent, stack = {}, []
@@ -251,16 +251,16 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
             yield model
         finally:
             timed("collectives", lambda: cm.__exit__(None, None, None))()
-    original = runtime.gathered
+    original = parallel.gathered
     for module, name, phase in ((engine, "rollout", "rollout"), (lopd, "compose", "compose"),
                                 (lopd, "retrieve", "retrieve"), (lopd, "student_teacher_logits", "forward"),
                                 (engine, "optimizer_step", "optimizer"), (engine, "summarize_all", "collectives"),
-                                (runtime, "all_sum", "collectives"), (runtime, "all_true", "collectives"),
-                                (runtime, "sync_grads", "collectives"), (losses, "lopd_objective", "loss")):
+                                (parallel, "all_sum", "collectives"), (parallel, "all_true", "collectives"),
+                                (parallel, "sync_grads", "collectives"), (losses, "lopd_objective", "loss")):
         setattr(module, name, timed(phase, getattr(module, name)))    # the module each is called through
-    runtime.gathered = gathered
+    parallel.gathered = gathered
     cfg = lopd.LOPDConfig(micro_batch=4, sample=engine.SampleConfig(temperature=0.0))
-    mine = runtime.shard(tasks)
+    mine = parallel.shard(tasks)
     step = lambda: lopd.lopd_step(student, composer, chat, mine, ret, c0_cache=c0, beta=0.1, opts=opts, cfg=cfg)   # noqa: E731
     step()
     spent.clear()
@@ -268,11 +268,11 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
     for _ in range(repeats):
         step()
     total, cpu = (time.perf_counter() - t0) / repeats, (time.process_time() - cpu0) / repeats
-    cpus = runtime.gather([cpu])
+    cpus = parallel.gather([cpu])
     phases = {k: v / repeats for k, v in spent.items()}
     phases["backward (incl. FSDP2 reduce-scatter)"] = total - sum(phases.values())
-    if runtime.rank() == 0:
-        print(f"one toy LOPD iteration, {rollouts} rollouts over {runtime.world()} process(es), 1 thread each, "
+    if parallel.rank() == 0:
+        print(f"one toy LOPD iteration, {rollouts} rollouts over {parallel.world()} process(es), 1 thread each, "
               f"mean of {repeats}: {total:.3f} s wall; CPU time per rank " + ", ".join(f"{c:.3f}" for c in cpus)
               + " s (wall above CPU: the rank waited, or shared its core)")
         for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
@@ -335,21 +335,21 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
     the latents) and the composer's encoder (J experiences per rollout). The loss: with --loss-chunk C, ~6 fp32 (C, V)
     tensors (both sides' logits and log-probs, a gradient) whatever the tokens; with full logits, bf16 logits and
     fp32 log-probs of every token, both sides. Rolling out `gen_batch` conversations adds their KV cache (gradients
-    are freed by then) and, for a full student, its bf16 decoding copy (runtime.decoding_copy). What is not counted: SDPA's causal mask, allocator fragmentation, CUDA's own context."""
+    are freed by then) and, for a full student, its bf16 decoding copy (models.decoding_copy). What is not counted: SDPA's causal mask, allocator fragmentation, CUDA's own context."""
     n = param_counts(config)
     P, V = n["backbone"], config.vocab_size
     student = n["lora"] // 8 * student_r if student_lora else P                     # train.py --student-lora-r
     trained = n["lora"] + n["qformer"] + student                                    # composer φ + student θ
     weights = 2 * P + 4 * trained                                                   # θ̄ bf16, trained fp32
-    per_tok = runtime.activation_bytes_per_token(config, checkpointing)
+    per_tok = memory.activation_bytes_per_token(config, checkpointing)
     act_tokens = rollouts * tokens * 2 + rollouts * n_ret * exp_tokens             # student + teacher, encoder
-    loss = runtime.loss_bytes_per_row(config) * loss_chunk if loss_chunk else 2 * rollouts * tokens * V * (2 + 4)
+    loss = memory.loss_bytes_per_row(config) * loss_chunk if loss_chunk else 2 * rollouts * tokens * V * (2 + 4)
     out = {"weights": weights / GB, "gradients": 4 * trained / GB, "optimizer": 8 * trained / GB,
            "activations": per_tok * act_tokens / GB, "loss": loss / GB,
-           "kv cache": gen_batch * tokens * runtime.kv_bytes_per_token(config) / GB}
+           "kv cache": gen_batch * tokens * memory.kv_bytes_per_token(config) / GB}
     out["training"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "loss"))
     embed = 0 if config.tie_word_embeddings else V * config.hidden_size             # kept fp32, shared
-    copy = 0 if student_lora else 2 * (P - embed)                                  # runtime.decoding_copy
+    copy = 0 if student_lora else 2 * (P - embed)                                  # models.decoding_copy
     out["rollout"] = out["weights"] + out["optimizer"] + out["kv cache"] + copy / GB
     out["peak"] = max(out["training"], out["rollout"])
     return out
@@ -371,15 +371,15 @@ def check_plan(tokens: int = 512, chunk: int = 256) -> dict:
     out = {}
     for ckpt in (False, True):
         if ckpt:
-            runtime.checkpointing(model)
+            models.checkpointing(model)
         slope = (_saved_bytes(model, 2 * tokens) - _saved_bytes(model, tokens)) / tokens
-        saved = runtime.activation_bytes_per_token(cfg, ckpt) - (runtime.layer_activation_bytes(cfg) if ckpt else 0)
+        saved = memory.activation_bytes_per_token(cfg, ckpt) - (memory.layer_activation_bytes(cfg) if ckpt else 0)
         out["activations, checkpointing (kept inputs)" if ckpt else "activations"] = (slope, saved)
     with torch.no_grad():
         cache = model.eval()(torch.zeros(1, tokens, dtype=torch.long), use_cache=True).past_key_values
     kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    out["KV cache"] = (kv / tokens, runtime.kv_bytes_per_token(cfg))
-    out["loss, per row of a chunk"] = (_loss_peak(cfg, chunk) / chunk, runtime.loss_bytes_per_row(cfg))
+    out["KV cache"] = (kv / tokens, memory.kv_bytes_per_token(cfg))
+    out["loss, per row of a chunk"] = (_loss_peak(cfg, chunk) / chunk, memory.loss_bytes_per_row(cfg))
     return out
 
 
@@ -428,34 +428,34 @@ def print_plan_check(tokens: int = 512, chunk: int = 256):
 
 
 def headline_plans(gpus: int = 1) -> list:
-    """What train.py's memory plan says (runtime.memory_plan, on the backbone built on the meta device, as train.py
+    """What train.py's memory plan says (memory.memory_plan, on the backbone built on the meta device, as train.py
     plans before loading) for the card's command on one H100 (80 GB) and one H200, and for SmolLM2-135M on a 24 GB
     CPU machine (the real-model tier's command); with `gpus` > 1, each rank's under torchrun (the GPUs' cases): a
     refusal's line, or the plan's. -> [(command, where, line)]"""
     import train
     cases = [("python train.py --model Qwen/Qwen3-4B", "qwen3-4b", torch.bfloat16, "one H100 (80 GB)",
-              runtime.Machine("cuda", H100_BYTES, H100_BYTES - CUDA_CONTEXT, H100_BYTES - CUDA_CONTEXT, False,
+              memory.Machine("cuda", H100_BYTES, H100_BYTES - CUDA_CONTEXT, H100_BYTES - CUDA_CONTEXT, False,
                               DISK_BYTES), []),
              ("python train.py --model Qwen/Qwen3-4B", "qwen3-4b", torch.bfloat16, "one H200",
-              runtime.Machine("cuda", H200_BYTES, H200_BYTES - CUDA_CONTEXT, H200_BYTES - CUDA_CONTEXT, False,
+              memory.Machine("cuda", H200_BYTES, H200_BYTES - CUDA_CONTEXT, H200_BYTES - CUDA_CONTEXT, False,
                               DISK_BYTES), []),
              ("python train.py --model SMOLLM2 --micro-batch 2 --latents 2", "smollm2-135m", torch.float32,
               "a 24 GB CPU machine (25.0 GB available before the backbone loads: the 24.5 GB measured beside it)",
-              runtime.Machine("cpu", 25 * GB, 25 * GB, 25 * GB, False, DISK_BYTES),
+              memory.Machine("cpu", 25 * GB, 25 * GB, 25 * GB, False, DISK_BYTES),
               ["--micro-batch", "2", "--latents", "2"])]
     out = []
     for command, arch, dtype, where, machine, flags in cases:
         if gpus > 1 and machine.type != "cuda":
             continue
-        model = runtime.meta_backbone(arch_config(arch), dtype)
+        model = models.meta_backbone(arch_config(arch), dtype)
         args = train.parse_args(["--model", "org/" + arch, *flags])       # a hub id: the paper's defaults
         n_ctx = model.config.max_position_embeddings
-        args.max_len, args.max_new_tokens = runtime.fit_context(args.max_len, args.max_new_tokens, n_ctx)
-        prompt = runtime.PROMPT_TOKENS + args.n_ret * args.latents          # no tokenizer: the plan's estimate
+        args.max_len, args.max_new_tokens = memory.fit_context(args.max_len, args.max_new_tokens, n_ctx)
+        prompt = memory.PROMPT_TOKENS + args.n_ret * args.latents          # no tokenizer: the plan's estimate
         try:
-            planning = runtime.Planning(args, model, machine, train.trains(args, model.config), prompt)
-            line = runtime.memory_plan(planning, ranks=gpus).line()
-        except runtime.UserError as err:
+            planning = memory.Planning(args, model, machine, train.trains(args, model.config), prompt)
+            line = memory.memory_plan(planning, ranks=gpus).line()
+        except devices.UserError as err:
             line = f"error: {err}"
         if gpus > 1:
             command, where = f"torchrun --nproc-per-node {gpus} {command[7:]}", f"{gpus} ranks, each on {where}"
@@ -491,7 +491,7 @@ def memory_plan_gpus(config, student_lora: bool, gpus: int, rollouts: int = 1, t
     composer φ (fp32 weights, gradients, AdamW). Sharded by FSDP2 over the GPUs: the full student's fp32 weights,
     gradients and AdamW states (16 bytes per parameter / gpus); while it trains, its root (embeddings, head) stays
     gathered in bf16 and about two decoder layers are gathered at a time. While it rolls out, the whole student is
-    gathered in bf16 (runtime.gathered: generation without lockstep), 2 bytes per parameter, next to the KV cache
+    gathered in bf16 (parallel.gathered: generation without lockstep), 2 bytes per parameter, next to the KV cache
     of its `gen_batch` conversations. A LoRA student is replicated (16 bytes per parameter). Activations and the
     loss's chunks as `memory_plan`."""
     n = param_counts(config)
@@ -569,11 +569,11 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
         base = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     base.requires_grad_(False).eval()
     ckpt = argparse.Namespace(grad_ckpt=grad_ckpt)
-    student = None if student_lora else runtime.full_student(ckpt, runtime.student_source(base))   # train.py's way
+    student = None if student_lora else models.full_student(ckpt, models.student_source(base))   # train.py's way
     if grad_ckpt:
-        runtime.checkpointing(base)
+        models.checkpointing(base)
     composer = Composer(base, tok, ComposerConfig(n_latents=8 if name == "toy" else 32, encode_batch_size=8))
-    student = runtime.LoraStudent(composer.peft, 64) if student_lora else student
+    student = models.LoraStudent(composer.peft, 64) if student_lora else student
     opts = (torch.optim.AdamW(student.parameters(), lr=1e-5), torch.optim.AdamW(composer.trainable_parameters(),
                                                                                   lr=1e-5))
     eps = synthetic_episodes(tok, tasks, tokens, config.vocab_size, tool_world.ToolWorld)
@@ -584,7 +584,7 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
             for t in random.Random(0).sample(tasks, rollouts)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock, n_tok = Timer(), rollouts * tokens
-    with runtime.precision(composer.peft):
+    with devices.precision(composer.peft):
         gen = min(tokens, 256)
         ids = torch.randint(0, len(tok), (rollouts, 128), device=device)
         clock("generation", lambda: (student.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -796,7 +796,7 @@ def bench_engines(rollouts: int, tokens: int, steps: int):
     for how in ("hf", "vllm"):                           # HF first: vLLM's start binds the process's threads
         gen = None
         if how == "vllm":
-            gen = runtime.VLLMGenerator(path, model.config, model.config.max_position_embeddings, runtime.GB)
+            gen = serving.VLLMGenerator(path, model.config, model.config.max_position_embeddings, memory.GB)
             gen.sync(model)
         cfg = engine.SampleConfig(max_new_tokens=tokens, max_len=8192, batch_size=rollouts, generator=gen)
         t0 = time.perf_counter()

@@ -65,7 +65,7 @@ import torch
 
 import eval as ev
 import lopd
-import runtime
+from runtime import checkpoints, devices, models
 import train
 from scripts import tables
 from worlds import tool_world
@@ -87,9 +87,9 @@ PAPER_ROWS = {"vanilla": "0.486", "LOPD (m = 0.05)": "0.637 (its teacher: 0.631)
               "frozen composer": "0.573"}
 
 
-def log_of(args) -> "runtime.Log":
+def log_of(args) -> "devices.Log":
     """A variant's log: OUT/metrics.jsonl, and with --tensorboard DIR its scalars beside every other run's."""
-    return runtime.Log(args.out, args.tensorboard)
+    return devices.Log(args.out, args.tensorboard)
 
 
 def ablation_seed(args: train.Args) -> dict:
@@ -107,9 +107,9 @@ def ablation_seed(args: train.Args) -> dict:
         vargs = dataclasses.replace(args, out=os.path.join(args.out, _slug(name)), resume=True, eval_every=drift,
                                     **change)
         os.makedirs(vargs.out, exist_ok=True)
-        runtime.reset_composer(run.composer, os.path.join(args.out, "composer0"))
+        checkpoints.reset_composer(run.composer, os.path.join(args.out, "composer0"))
         if vargs.retrieval != "same":            # its own φ0, cold-started on what it will read
-            runtime.reset_composer(run.composer, os.path.join(args.out, "composer_init"))
+            checkpoints.reset_composer(run.composer, os.path.join(args.out, "composer_init"))
             train.cold_start(vargs, None, run.tok, run.retriever, run.episodes, run.train,
                              log_of(vargs), composer=run.composer)
         joint = dataclasses.replace(run, args=vargs, student=fresh_student(run), log=log_of(vargs))
@@ -233,7 +233,7 @@ def figure4_seed(args: train.Args) -> list[dict]:
     for method in FIGURE4_METHODS:
         margs = dataclasses.replace(args, method=method, out=method_dir(args.out, method), resume=True)
         os.makedirs(margs.out, exist_ok=True)
-        runtime.reset_composer(run.composer, os.path.join(args.out, "composer0"))
+        checkpoints.reset_composer(run.composer, os.path.join(args.out, "composer0"))
         train.joint_training(dataclasses.replace(run, args=margs, student=fresh_student(run), log=log_of(margs)))
         bank = len(run.episodes) if train.METHODS[method].uses_bank else 0
         rows.append(dict(method=method, seed=args.seed, step=0, generations=bank, training_generations=0,
@@ -377,14 +377,14 @@ def dial_seed(args: train.Args) -> list[dict]:
     for method, change in DIAL_METHODS.items():
         rows += dial_method(dataclasses.replace(args, out=os.path.join(args.out, method), resume=True, **change),
                             run, method, curve0)
-    runtime.write_json(done, rows)
+    checkpoints.write_json(done, rows)
     return rows
 
 
 def dial_method(margs: train.Args, run: dict, method: str, curve0: float) -> list[dict]:
     """One method's joint stage from the seed's θ̄ and φ0, and its rows (dial_seed's docstring)."""
     os.makedirs(margs.out, exist_ok=True)
-    runtime.reset_composer(run.composer, os.path.join(os.path.dirname(margs.out), "composer0"))
+    checkpoints.reset_composer(run.composer, os.path.join(os.path.dirname(margs.out), "composer0"))
     student = train.joint_training(dataclasses.replace(run, args=margs, student=fresh_student(run), log=log_of(margs)))
     last = _logged(os.path.join(margs.out, "metrics.jsonl"), margs.method)
     rows = [_row(margs, method, "student", 0, 0, curve0)]
@@ -429,7 +429,7 @@ def retrieval_split(args: train.Args) -> list[dict]:
     if os.path.isfile(done):
         return json.load(open(done))
     run, keep = train.prepare(args), {}
-    runtime.reset_composer(run.composer, os.path.join(args.out, "composer0"))
+    checkpoints.reset_composer(run.composer, os.path.join(args.out, "composer0"))
     train.evaluate(args, run, None, run.test, which=("base + composer",), keep=keep)
     refs = lopd.retrieve(run.retriever, run.test, args.n_ret, args.retrieval)      # what that teacher read
     own = [sum(e.get("meta", {}).get("variant") == t.variant for e in es) for t, es in zip(run.test, refs)]
@@ -440,7 +440,7 @@ def retrieval_split(args: train.Args) -> list[dict]:
         rows.append(_row(args, "base", f"share_refs_{g}", 0, 0, len(rewards) / len(group)))
         if rewards:
             rows.append(_row(args, "base", f"teacher_refs_{g}", 0, 0, float(np.mean(rewards))))
-    runtime.write_json(done, rows)
+    checkpoints.write_json(done, rows)
     return rows
 
 
@@ -452,16 +452,16 @@ def convention_split(args: train.Args) -> list[dict]:
     if os.path.isfile(done):
         return json.load(open(done))
     run, rows = train.prepare(args), []
-    student = run.student or runtime.full_student(args, run.source)
+    student = run.student or models.full_student(args, run.source)
     for method in ("base", *DIAL_METHODS):
         keep, which = {}, ("vanilla",) if method == "base" else ("student",)
         if method != "base":
-            runtime.load_student_weights(student, os.path.join(
-                runtime.latest_checkpoint(os.path.join(args.out, method)), "student"))
+            models.load_student_weights(student, os.path.join(
+                checkpoints.latest_checkpoint(os.path.join(args.out, method)), "student"))
         train.evaluate(args, run, student, run.test, which=which, keep=keep)
         kept = [tool_world.conventions_kept(ep.task, ep.trace) for ep in next(iter(keep.values()))]
         rows += [_row(args, method, f"kept_{c}", 0, 0, float(np.mean([k[c] for k in kept]))) for c in kept[0]]
-    runtime.write_json(done, rows)
+    checkpoints.write_json(done, rows)
     return rows
 
 
@@ -839,11 +839,11 @@ def _row_run(a: train.Args, rargs: train.Args, change: dict) -> dict:
 def _absorb_result(a: train.Args, row: str, out: str, result: dict, kind: str = "absorb"):
     os.makedirs(out, exist_ok=True)
     result = {"row": row, "seed": a.seed, **result}
-    runtime.write_json(os.path.join(out, f"{kind}.json"), result)
+    checkpoints.write_json(os.path.join(out, f"{kind}.json"), result)
     whole = os.path.join(a.out, f"{kind}.json")             # the seed's rows, rebuilt from every row's own file
     rows = [json.load(open(os.path.join(_row_dir(a, r), f"{kind}.json")))
             for r in [*ROWS[kind], *(k + LONG for k in ROWS[kind])] if _absorbed(a, r, kind)]
-    runtime.write_json(whole, rows)
+    checkpoints.write_json(whole, rows)
     if os.path.exists(out + ".claim"):
         os.remove(out + ".claim")
 
@@ -856,10 +856,10 @@ def absorb_kept(args: train.Args, seeds: int = 3, row: str = "LOPD, toy defaults
     out = []
     for i in range(seeds):
         a = dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}"), steps=ABSORB_STEPS)
-        run, ckpt = train.prepare(a), runtime.latest_checkpoint(_row_dir(a, row))
-        student = runtime.full_student(a, run.source)
-        runtime.load_student_weights(student, os.path.join(ckpt, "student"))
-        runtime.reset_composer(run.composer, os.path.join(ckpt, "composer"))
+        run, ckpt = train.prepare(a), checkpoints.latest_checkpoint(_row_dir(a, row))
+        student = models.full_student(a, run.source)
+        models.load_student_weights(student, os.path.join(ckpt, "student"))
+        checkpoints.reset_composer(run.composer, os.path.join(ckpt, "composer"))
         keep = {}
         train.evaluate(a, run, student, run.test, keep=keep)
         for who, eps in keep.items():
@@ -867,7 +867,7 @@ def absorb_kept(args: train.Args, seeds: int = 3, row: str = "LOPD, toy defaults
             out += [dict(seed=a.seed, who=who, convention=c, kept=float(np.mean([k[c] for k in kept])))
                     for c in kept[0]]
             out.append(dict(seed=a.seed, who=who, convention="reward", kept=float(np.mean([ep.reward for ep in eps]))))
-    runtime.write_json(os.path.join(args.out, "absorb_kept.json"), out)
+    checkpoints.write_json(os.path.join(args.out, "absorb_kept.json"), out)
     for who in dict.fromkeys(r["who"] for r in out):
         print(who, {c: _ms([r["kept"] for r in out if r["who"] == who and r["convention"] == c])
                     for c in dict.fromkeys(r["convention"] for r in out)})
@@ -1026,7 +1026,7 @@ def main(argv=None):
         ks = ()
     if not ks or any(k not in DIAL_KS for k in ks):
         p.error(f"--ks must list K from 1, 2, 3, 4 separated by commas, not {mine.ks!r}")
-    with runtime.one_line_errors():
+    with devices.one_line_errors():
         if mine.experiment in tables.TABLES:
             return EXPERIMENTS[mine.experiment](train.parse_args(tables.train_argv(mine.experiment, rest)), mine.seeds,
                                                 specs=mine.benchmarks, opts=tables.Options(mine.bench_tasks,

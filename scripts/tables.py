@@ -63,9 +63,9 @@ import numpy as np
 import torch
 
 import eval as ev
-import runtime
+from runtime import checkpoints, devices
 import train
-from runtime import UserError
+from runtime.devices import UserError
 from worlds import results, sandbox
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,7 +186,7 @@ def table(name: str, args: train.Args, runs: Runs, seeds: int = 3, *, specs=None
     backbone = paper_backbone(name, args.model)
     write_csv(os.path.join(args.out, f"{name}.csv"), rows)
     md = markdown(name, rows, args, backbone)
-    with runtime.atomic_open(os.path.join(args.out, f"{name}.md")) as f:
+    with checkpoints.atomic_open(os.path.join(args.out, f"{name}.md")) as f:
         f.write(md)
     print("\n" + md)
     plot_table(name, rows, backbone, os.path.join(args.out, f"{name}.png"), runs.pyplot)
@@ -273,7 +273,7 @@ def row_cells(args: train.Args, run, row: str, todo: list, runs: Runs, opts: Opt
     student, rargs = train_row(args, run, row, runs) if row != "vanilla" else (
         None, dataclasses.replace(args, out=runs.method_dir(args.out, row)))
     os.makedirs(rargs.out, exist_ok=True)
-    runtime.write_json(os.path.join(rargs.out, "args.json"), dataclasses.asdict(rargs))   # what eval.py --run reads
+    checkpoints.write_json(os.path.join(rargs.out, "args.json"), dataclasses.asdict(rargs))   # what eval.py --run reads
     done = {}
     for bench in sorted(todo, key=lambda b: b.kind not in IN_PROCESS):
         if bench.kind not in IN_PROCESS and student is not None:       # eval.py loads its own copy of the student
@@ -290,9 +290,9 @@ def train_row(args: train.Args, run, method: str, runs: Runs):
     (as `figure4_seed` runs it). -> (the student θ, the row's settings)."""
     margs = dataclasses.replace(args, method=method, out=runs.method_dir(args.out, method), resume=True)
     os.makedirs(margs.out, exist_ok=True)
-    runtime.reset_composer(run.composer, os.path.join(args.out, "composer0"))     # φ0 for every method
+    checkpoints.reset_composer(run.composer, os.path.join(args.out, "composer0"))     # φ0 for every method
     student = None if run.student is None else run.student.reset()                 # θ = θ̄ (a LoRA student)
-    joint = dataclasses.replace(run, args=margs, student=student, log=runtime.Log(margs.out, margs.tensorboard))
+    joint = dataclasses.replace(run, args=margs, student=student, log=devices.Log(margs.out, margs.tensorboard))
     return train.joint_training(joint), margs
 
 
@@ -318,7 +318,7 @@ def read_cell(folder: str, bench: Bench, opts: Options, steps: int):
 def write_cell(folder: str, bench: Bench, opts: Options, steps: int, columns: list):
     """ROW/cells/KEY_<split>.json, atomically: the spec, the student's steps (Vanilla: 0) and the columns."""
     os.makedirs(os.path.join(folder, "cells"), exist_ok=True)
-    runtime.write_json(cell_path(folder, bench, opts), {"spec": bench.target or bench.spec, "steps": steps,
+    checkpoints.write_json(cell_path(folder, bench, opts), {"spec": bench.target or bench.spec, "steps": steps,
                                                         "columns": columns})
 
 
@@ -479,7 +479,7 @@ def paper_block(name: str, backbone) -> str:
 
 def write_csv(path: str, rows: list):
     """One line per seed, row and column: row,seed,benchmark,column,value (0-100),tasks."""
-    with runtime.atomic_open(path) as f:
+    with checkpoints.atomic_open(path) as f:
         f.write("row,seed,benchmark,column,value,tasks\n")
         f.writelines(f'{r["row"]},{r["seed"]},"{r["heading"]}","{r["column"]}",{r["value"]:.4f},{r["tasks"]}\n'
                      for r in rows)

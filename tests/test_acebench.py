@@ -39,7 +39,7 @@ if ACE is None:
                 "https://github.com/chenchen0103/ACEBench ../ACEBench)", allow_module_level=True)
 sys.path.insert(0, ROOT)
 import engine  # noqa: E402
-from runtime import UserError  # noqa: E402
+from runtime.devices import UserError  # noqa: E402
 from worlds import acebench  # noqa: E402
 from worlds import toy_backbone as toy  # noqa: E402
 

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import engine  # noqa: E402
 import inject  # noqa: E402
-import runtime  # noqa: E402
+from runtime import models  # noqa: E402
 import train  # noqa: E402
 from worlds import code_world  # noqa: E402
 from worlds import tool_world  # noqa: E402
@@ -127,8 +127,8 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(folders):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(folders["qwen3"]).train()
         if ckpt:
-            runtime.checkpointing(model)
-        assert all((layer.forward.__func__ is runtime._checkpointed_forward) == ckpt for layer in model.model.layers)
+            models.checkpointing(model)
+        assert all((layer.forward.__func__ is models._checkpointed_forward) == ckpt for layer in model.model.layers)
         eps = [engine.scripted_episode(toy.toy_chat(tok), t, tool_world.oracle_replies(t)) for t in tasks]   # no tools
         logits, ids, omega = engine.student_logits(model, tok, eps, "cpu")
         loss = -(torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0] * omega).sum() / omega.sum()

@@ -307,7 +307,7 @@ def test_existing_peft_model_with_another_adapter(tok):
 def test_the_chunked_cold_start_loss_equals_the_full_logits_one(tok, episodes):
     """--loss-chunk on the cold start (eq. 14): hidden states out, the NLL applies the head 3 rows at a time; the
     same value and the same gradients for ψ and χ."""
-    import runtime
+    from runtime import models
     comp, _ = build(tok)
     texts, exps, batch = cold_batch(tok, comp, episodes)
     got = []
@@ -315,8 +315,8 @@ def test_the_chunked_cold_start_loss_equals_the_full_logits_one(tok, episodes):
         for p in comp.trainable_parameters():
             p.grad = None
         if chunk:
-            with runtime.lm_head_bypassed(comp.peft):
-                loss = C.cold_start_loss(comp, batch, comp(texts, exps), None, runtime.lm_head(comp.peft), chunk)
+            with models.lm_head_bypassed(comp.peft):
+                loss = C.cold_start_loss(comp, batch, comp(texts, exps), None, models.lm_head(comp.peft), chunk)
         else:
             loss = C.cold_start_loss(comp, batch, comp(texts, exps))
         loss.backward()

@@ -115,7 +115,7 @@ def test_every_documented_train_command_parses_to_settings(tmp_path, monkeypatch
                 argv = [placeholders.get(a, a) for a in shlex.split(line.split("train.py", 1)[1])]
                 try:
                     train.parse_args(argv)
-                except (SystemExit, train.runtime.UserError) as e:
+                except (SystemExit, train.devices.UserError) as e:
                     raise AssertionError(f"{doc}: {line.strip()} does not parse ({e})") from None
     assert seen >= 20, seen                                                 # the docs' train.py lines were found
     assert substitutions >= 1, substitutions                                # real-models.md's SmolLM2 folder

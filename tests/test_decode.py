@@ -3,7 +3,7 @@ as scripts/bench.py's ReferenceConversations: the same seed gives the same ids, 
 rounding), the same cache and mask after every turn and the same random stream, on the toy backbone (whole
 rollouts) and on SmolLM2 (turns driven by hand: a shared system prompt, observations of different lengths, a row
 leaving the batch). Thinking is switched on, though neither chat template here renders it differently (SmolLM2's
-has no switch, the toy's neither). Then the decoding copy of a fp32 model under bf16 autocast (runtime.py).
+has no switch, the toy's neither). Then the decoding copy of a fp32 model under bf16 autocast (runtime/devices.py).
 
     python -m pytest tests/test_decode.py -q
 """
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
 import engine
-import runtime
+from runtime import models
 from scripts import bench
 from worlds import tool_world
 from worlds import toy_backbone as toy
@@ -186,15 +186,15 @@ def test_a_sliding_window_model_is_looked_at_every_token(backbone):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The decoding copy: a fp32 model under bf16 autocast generates from its Linear weights cast once (runtime.py)
+# The decoding copy: a fp32 model under bf16 autocast generates from its Linear weights cast once (runtime/devices.py)
 # ------------------------------------------------------------------------------------------------------------
 def test_the_decoding_copy_is_made_only_under_autocast_and_shares_what_autocast_leaves(backbone):
     model, _ = backbone
-    assert runtime.decoding_copy(model) is model                              # fp32 without autocast: the CPU
+    assert models.decoding_copy(model) is model                              # fp32 without autocast: the CPU
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        copy = runtime.decoding_copy(model)
+        copy = models.decoding_copy(model)
         bf16 = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.bfloat16)
-        assert runtime.decoding_copy(bf16) is bf16                            # a bf16 backbone: as it is
+        assert models.decoding_copy(bf16) is bf16                            # a bf16 backbone: as it is
     assert copy is not model and copy.lm_head.weight.dtype == torch.bfloat16
     assert copy.model.embed_tokens.weight is model.model.embed_tokens.weight  # not cast by autocast: shared
     assert copy.model.norm.weight is model.model.norm.weight
@@ -209,9 +209,9 @@ def test_rollouts_from_the_decoding_copy_are_autocasts(backbone, monkeypatch):
     tasks = tool_world.make_splits(0, n_train=8, n_test=0)[0]
     cfg = engine.SampleConfig(max_new_tokens=24, max_len=400, batch_size=8)
     runs, made = [], []
-    real = runtime.decoding_copy
+    real = models.decoding_copy
     for copying in (True, False):
-        monkeypatch.setattr(runtime, "decoding_copy", lambda m: made.append(real(m)) or made[-1] if copying else m)
+        monkeypatch.setattr(models, "decoding_copy", lambda m: made.append(real(m)) or made[-1] if copying else m)
         torch.manual_seed(0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             runs.append(engine.rollout(model, toy.toy_chat(tok), tasks, cfg))
@@ -225,7 +225,7 @@ def test_smollm2_turns_from_the_decoding_copy_are_autocasts(smollm2):
     model, tok = AutoModelForCausalLM.from_pretrained(smollm2).eval(), AutoTokenizer.from_pretrained(smollm2)
     cfg = engine.SampleConfig(max_new_tokens=12)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        copy = runtime.decoding_copy(model)
+        copy = models.decoding_copy(model)
         got = turns(lambda m, t: engine.Conversations(copy, t), model, tok, cfg)
         want = turns(engine.Conversations, model, tok, cfg)
     for (rows, *_), (rows_w, *_) in zip(got, want):

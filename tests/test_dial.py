@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import engine
-import runtime
+from runtime import devices
 from scripts import experiments
 import train
 from worlds.common import format_call
@@ -137,11 +137,11 @@ def test_conventions_flag_checks(tmp_path, toy_backbone_dir):
                            capture_output=True, text=True)
         assert r.returncode == 2 and says in r.stderr
     args = train.parse_args(["--model", toy_backbone_dir, "--out", str(tmp_path / "a"), "--conventions", "3"])
-    with pytest.raises(runtime.UserError, match="built for the tool world with 2 conventions, not --conventions 3"):
+    with pytest.raises(devices.UserError, match="built for the tool world with 2 conventions, not --conventions 3"):
         train.load_backbone(args, "cpu", None)
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "args.json").write_text(json.dumps({"conventions": 4}))
-    with pytest.raises(runtime.UserError, match="another world"):
+    with pytest.raises(devices.UserError, match="another world"):
         train.prepare(dataclasses.replace(args, out=str(tmp_path / "b")))
 
 

@@ -1,5 +1,5 @@
-"""Data-parallel LOPD under torchrun: FSDP2 student, gloo on CPU, two processes (runtime.dist_setup,
-runtime.shard_student, runtime.py's "Data parallel" helpers).
+"""Data-parallel LOPD under torchrun: FSDP2 student, gloo on CPU, two processes (parallel.dist_setup,
+parallel.shard_student, runtime/parallel.py).
 
 Run: python -m pytest tests/test_distributed.py -q
 Every multi-process run is a real `torchrun --standalone --nproc-per-node 2` subprocess with a timeout, so a hang
@@ -28,7 +28,7 @@ import baselines  # noqa: E402
 import engine  # noqa: E402
 import lopd  # noqa: E402
 import retrieval  # noqa: E402
-import runtime  # noqa: E402
+from runtime import checkpoints, models, parallel  # noqa: E402
 from worlds import common, tool_world  # noqa: E402
 from worlds import toy_backbone as toy  # noqa: E402
 
@@ -131,9 +131,9 @@ def equivalence(backbone, out):
     # its half of the fp32 weights only), filled from θ̄'s tensors
     grpo_student = copy.deepcopy(base).requires_grad_(True)
     before = {k: v.detach().clone() for k, v in base.state_dict().items()}
-    student = runtime.full_student(types.SimpleNamespace(grad_ckpt=False), runtime.student_source(base))
+    student = models.full_student(types.SimpleNamespace(grad_ckpt=False), models.student_source(base))
     local = sum(getattr(p, "_local_tensor", p).numel() for p in student.parameters())
-    assert local <= sum(p.numel() for p in base.parameters()) / runtime.world() + 64, local   # + uneven splits
+    assert local <= sum(p.numel() for p in base.parameters()) / parallel.world() + 64, local   # + uneven splits
     torch.manual_seed(0)
     comp = Composer(base, tok, ComposerConfig(n_latents=2, n_layers=1))
     with torch.no_grad():
@@ -145,31 +145,31 @@ def equivalence(backbone, out):
     composer = lambda: ({n: p.detach().clone() for n, p in comp.peft.named_parameters() if p.requires_grad}  # noqa
                         | {"qformer." + n: p.detach().clone() for n, p in comp.qformer.named_parameters()})
     composer_before = composer()
-    if runtime.world() > 1:
-        grpo_student = runtime.shard_student(grpo_student)
-    saved, engine.rollout = engine.rollout, lambda *a, **k: runtime.shard(fixed)     # every rank: its slice of `fixed`
+    if parallel.world() > 1:
+        grpo_student = parallel.shard_student(grpo_student)
+    saved, engine.rollout = engine.rollout, lambda *a, **k: parallel.shard(fixed)     # every rank: its slice of `fixed`
     try:
         opts = (torch.optim.SGD(student.parameters(), lr=1.0), torch.optim.SGD(comp.trainable_parameters(), lr=1.0))
         cfg = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9)
-        beta, m, _ = lopd.lopd_step(student, comp, chat, runtime.shard(tasks), ret, c0_cache=c0, beta=0.3, opts=opts, cfg=cfg)
+        beta, m, _ = lopd.lopd_step(student, comp, chat, parallel.shard(tasks), ret, c0_cache=c0, beta=0.3, opts=opts, cfg=cfg)
         # the chunked loss (hidden states out, LM heads applied by the loss) on the FSDP2 student, a second step
         chunked = lopd.LOPDConfig(n_ret=2, top_m=5, micro_batch=1, margin=0.5, clip=1e9, loss_chunk=2)
         opts = (torch.optim.SGD(student.parameters(), lr=1e-3), torch.optim.SGD(comp.trainable_parameters(), lr=1e-3))
-        beta, m_chunked, _ = lopd.lopd_step(student, comp, chat, runtime.shard(tasks), ret, c0_cache=c0, beta=beta, opts=opts,
+        beta, m_chunked, _ = lopd.lopd_step(student, comp, chat, parallel.shard(tasks), ret, c0_cache=c0, beta=beta, opts=opts,
                                             cfg=chunked)
-        assert (runtime.full_optimizer_state(opts[0]) is None) == (runtime.rank() != 0)   # rank 0 keeps the copy
+        assert (parallel.full_optimizer_state(opts[0]) is None) == (parallel.rank() != 0)   # rank 0 keeps the copy
         opt = torch.optim.SGD(grpo_student.parameters(), lr=1.0)
         bcfg = baselines.BaselineConfig(group=2, micro_batch=1, clip=1e9)
-        g_m, _ = baselines.grpo_step(grpo_student, chat, runtime.shard(tasks[:2]), opt, bcfg)
+        g_m, _ = baselines.grpo_step(grpo_student, chat, parallel.shard(tasks[:2]), opt, bcfg)
     finally:
         engine.rollout = saved
     def change(model):
-        after = runtime.full_state(model)                             # FSDP2: gathered on rank 0, {} elsewhere
+        after = parallel.full_state(model)                             # FSDP2: gathered on rank 0, {} elsewhere
         after = {k: p.detach() for k, p in model.named_parameters()} if after is None else after   # tied once
         return {k: after[k] - before[k] for k in after}
     result = {"beta": beta, "lopd": m, "lopd_chunked": m_chunked, "grpo": g_m, "student": change(student),
               "grpo_student": change(grpo_student), "composer": {k: v - composer_before[k] for k, v in composer().items()}}
-    if runtime.rank() == 0:
+    if parallel.rank() == 0:
         torch.save(result, out)
 
 
@@ -290,8 +290,8 @@ def test_an_uneven_split_is_refused_naming_the_flag(backbone, tmp_path):
                        (["--cold-batch", "5"], "--cold-batch 5")):
         args = train.parse_args(small(backbone, tmp_path)[1:] + argv)
         with pytest.raises(SystemExit, match=flag + ".*2 processes"):
-            runtime.check_world(args, 2, train.rollouts_per_task(args))        # as main() calls it
-    runtime.check_world(train.parse_args(small(backbone, tmp_path)[1:]), 2)      # the smoke runs' settings pass
+            parallel.check_world(args, 2, train.rollouts_per_task(args))        # as main() calls it
+    parallel.check_world(train.parse_args(small(backbone, tmp_path)[1:]), 2)      # the smoke runs' settings pass
 
 
 if __name__ == "__main__":
@@ -303,10 +303,10 @@ if __name__ == "__main__":
         dist.destroy_process_group()
     else:                               # train.py with a failure injected
         import train
-        rollout, save = engine.rollout, runtime.save_checkpoint
+        rollout, save = engine.rollout, checkpoints.save_checkpoint
 
         def failing(*a, **k):
-            if runtime.rank() == 1:
+            if parallel.rank() == 1:
                 raise RuntimeError("injected failure in rank 1's rollout")
             return rollout(*a, **k)
 
@@ -317,6 +317,6 @@ if __name__ == "__main__":
         if sys.argv[1] == "--fail-on-rank1":
             engine.rollout = failing
         else:
-            runtime.save_checkpoint = save_then_die
+            checkpoints.save_checkpoint = save_then_die
         os.chdir(ROOT)
         train.main(sys.argv[2:])

@@ -30,7 +30,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from runtime import UserError  # noqa: E402
+from runtime.devices import UserError  # noqa: E402
 from worlds import common  # noqa: E402
 from worlds import envscaler as es  # noqa: E402
 from worlds import sandbox  # noqa: E402
@@ -354,8 +354,8 @@ def test_tasks_hf_fetches_the_two_datasets(tmp_path, monkeypatch):
 
 def test_tasks_hf_offline_is_one_line(tmp_path):
     """Offline (HF_HUB_OFFLINE=1, an empty cache), in a process of its own: one line naming what to download."""
-    code = ("from runtime import UserError\nfrom worlds import envscaler\ntry:\n    envscaler.find_release('hf')\n"
-            "except UserError as err:\n    print('UserError:', err)\n")
+    code = ("from runtime.devices import UserError\nfrom worlds import envscaler\n"
+            "try:\n    envscaler.find_release('hf')\nexcept UserError as err:\n    print('UserError:', err)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf")}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = out.stdout.splitlines()

@@ -429,7 +429,7 @@ def test_the_seccomp_program_is_what_it_says():
 
 def test_a_machine_that_cannot_confine_gets_one_line(monkeypatch):
     """Where the kernel has no Landlock, untrusted code does not run: a one-line UserError naming the flag."""
-    from runtime import UserError
+    from runtime.devices import UserError
     monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
     monkeypatch.setattr(sandbox, "confinement_missing", lambda: "this kernel has no Landlock")
     with pytest.raises(UserError) as err:

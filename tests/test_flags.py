@@ -1,5 +1,6 @@
-"""scripts/bench.py and eval.py name a bad flag instead of crashing on it (scripts/bench.py prints figures and asserts none);
-train.py's and eval.py's mistakes are one line before torch loads (preflight.py), and a valid command goes on."""
+"""scripts/bench.py and eval.py name a bad flag instead of crashing on it (scripts/bench.py prints figures and asserts
+none); train.py's and eval.py's mistakes are one line before torch loads (runtime/preflight.py), and a valid command
+goes on."""
 import ast
 import dataclasses
 import importlib
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-import preflight
+from runtime import preflight
 from scripts import bench
 
 
@@ -30,17 +31,18 @@ def test_eval_names_a_negative_flag(tmp_path, capsys, flags):
 
 
 def test_bench_dist_step_times_every_phase_of_a_toy_iteration(capsys):
-    """scripts/bench.py --dist-step patches the functions lopd_step calls, in the modules it calls them through (runtime's
-    collectives, lopd's phases, losses' objective), and restores nothing it did not find: one process, 4 rollouts."""
+    """scripts/bench.py --dist-step patches the functions lopd_step calls, in the modules it calls them through
+    (runtime/parallel.py's collectives, lopd's phases, losses' objective), and restores nothing it did not find: one process, 4 rollouts."""
     import engine
     import lopd
     import losses
-    import runtime
+    from runtime import parallel
     from worlds import toy_backbone as toy
     saved = {(m, n): getattr(m, n) for m, n in ((engine, "rollout"), (lopd, "compose"), (lopd, "retrieve"),
                                                 (lopd, "student_teacher_logits"), (engine, "optimizer_step"),
-                                                (engine, "summarize_all"), (runtime, "all_sum"), (runtime, "all_true"),
-                                                (runtime, "sync_grads"), (runtime, "gathered"),
+                                                (engine, "summarize_all"), (parallel, "all_sum"),
+                                                (parallel, "all_true"),
+                                                (parallel, "sync_grads"), (parallel, "gathered"),
                                                 (losses, "lopd_objective"))}
     try:
         bench.main(["--dist-step", "--model", toy.SHIPPED, "--rollouts", "4", "--repeats", "1"])
@@ -54,7 +56,7 @@ def test_bench_dist_step_times_every_phase_of_a_toy_iteration(capsys):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# preflight.py: a mistake on train.py's or eval.py's command line is one line at once, before torch loads
+# runtime/preflight.py: a mistake on train.py's or eval.py's command line is one line at once, before torch loads
 # ----------------------------------------------------------------------------------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs a script as `python SCRIPT ARGS` does, but where importing torch or transformers fails: a check that ran only

@@ -21,7 +21,7 @@ import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
 import retrieval  # noqa: E402
-import runtime  # noqa: E402
+from runtime import devices, memory  # noqa: E402
 from worlds import tool_world  # noqa: E402
 from worlds import toy_backbone as toy  # noqa: E402
 
@@ -246,16 +246,16 @@ def test_a_token_budget_splits_the_step_without_changing_it(world):
 
 @pytest.mark.equality
 def test_a_budget_planned_from_a_small_free_memory_splits_the_step_without_changing_it(world):
-    """runtime.plan_memory on a faked free memory that leaves room for about 300 tokens beside the resident terms:
+    """memory.plan_memory on a faked free memory that leaves room for about 300 tokens beside the resident terms:
     the planned budget splits the step into micro-batches, each within the plan, with the gradient of one batch."""
     config = AutoModelForCausalLM.from_pretrained(world["path"]).config
-    costs = runtime.step_costs(config, 4, trained=400_000, n_ret=J, loss_chunk=0, max_len=120)
+    costs = memory.step_costs(config, 4, trained=400_000, n_ret=J, loss_chunk=0, max_len=120)
     fixed = costs.resident + costs.fixed + costs.per_row[False]
-    free = int((fixed + 300 * costs.per_token[False]) / runtime.HEADROOM) + 1                 # bytes
+    free = int((fixed + 300 * costs.per_token[False]) / memory.HEADROOM) + 1                 # bytes
     given = dict(grad_ckpt=None, token_budget=None, gen_batch=None)
-    plan = runtime.plan_memory(costs, free, max_len=120, given=given)
+    plan = memory.plan_memory(costs, free, max_len=120, given=given)
     assert not plan.grad_ckpt and 290 <= plan.token_budget <= 300          # 120 tokens fit without checkpointing
-    assert fixed + plan.token_budget * costs.per_token[False] <= runtime.HEADROOM * free
+    assert fixed + plan.token_budget * costs.per_token[False] <= memory.HEADROOM * free
     results = []
     for kw in ({"micro_batch": 4}, {"micro_batch": 4, "token_budget": plan.token_budget}):
         student, comp, tasks, c0, opts, grads = setup_step(world, seed=1, perturb_c0=0.05)
@@ -284,10 +284,10 @@ def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(w
     entries = ret.bank[:4]
     longest = max(len(episodes[e["meta"]["episode"]].ids) for e in entries)
     config = AutoModelForCausalLM.from_pretrained(world["path"]).config
-    costs = runtime.step_costs(config, 4, trained=10_000, n_ret=J, loss_chunk=0, max_len=longest)
+    costs = memory.step_costs(config, 4, trained=10_000, n_ret=J, loss_chunk=0, max_len=longest)
     fixed = costs.resident + costs.fixed + costs.per_row[False]
-    free = int((fixed + 2 * longest * costs.per_token[False]) / runtime.HEADROOM) + 1
-    budget = runtime.plan_memory(costs, free, longest, dict(grad_ckpt=None, token_budget=None,
+    free = int((fixed + 2 * longest * costs.per_token[False]) / memory.HEADROOM) + 1
+    budget = memory.plan_memory(costs, free, longest, dict(grad_ckpt=None, token_budget=None,
                                                             gen_batch=None)).token_budget
     assert longest <= budget < 4 * longest
     out = []
@@ -306,27 +306,27 @@ def test_the_cold_start_split_by_a_planned_budget_has_the_gradient_of_one_pass(w
 def test_the_plan_checkpoints_only_when_needed_and_refuses_what_cannot_train():
     """Checkpointing is chosen when one conversation does not train without it; a given value is kept and named;
     below one conversation even with checkpointing the plan is a one-line UserError before any work, naming the
-    longest conversation that fits (runtime.advice turns it into a --max-len)."""
+    longest conversation that fits (memory.advice turns it into a --max-len)."""
     config = type("C", (), dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                 num_key_value_heads=2, vocab_size=1000))()
-    costs = runtime.step_costs(config, 4, trained=10_000, n_ret=3, loss_chunk=0, max_len=1000)
+    costs = memory.step_costs(config, 4, trained=10_000, n_ret=3, loss_chunk=0, max_len=1000)
     none = dict(grad_ckpt=None, token_budget=None, gen_batch=None)
     need = {ck: costs.resident + costs.fixed + costs.per_row[ck] + 1000 * costs.per_token[ck] for ck in (0, 1)}
     assert need[1] < need[0]
-    roomy = runtime.plan_memory(costs, int(need[0] / runtime.HEADROOM) + 1, 1000, none)
-    tight = runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) + 1, 1000, none)
+    roomy = memory.plan_memory(costs, int(need[0] / memory.HEADROOM) + 1, 1000, none)
+    tight = memory.plan_memory(costs, int(need[1] / memory.HEADROOM) + 1, 1000, none)
     assert (roomy.grad_ckpt, tight.grad_ckpt) == (False, True) and tight.token_budget >= 1000
     assert tight.chosen == ("grad_ckpt", "token_budget", "gen_batch") and "(given)" not in tight.line()
-    capped = runtime.plan_memory(costs, 10 * need[0], 1000, none, cap=1000)
+    capped = memory.plan_memory(costs, 10 * need[0], 1000, none, cap=1000)
     assert capped.token_budget == 1000 and capped.gen_batch > 1
-    kept = runtime.plan_memory(costs, 10 * need[0], 1000, dict(none, grad_ckpt=True, token_budget=0, gen_batch=3))
+    kept = memory.plan_memory(costs, 10 * need[0], 1000, dict(none, grad_ckpt=True, token_budget=0, gen_batch=3))
     assert (kept.grad_ckpt, kept.token_budget, kept.gen_batch, kept.chosen) == (True, 0, 3, ())
-    with pytest.raises(runtime.UserError, match=r"one 1000-token conversation needs .* to train; at most 999 "):
-        runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) - 1, 1000, none)
-    with pytest.raises(runtime.NoFit) as err:                  # checkpointing given off: the longest without it
-        runtime.plan_memory(costs, int(need[1] / runtime.HEADROOM) + 1, 1000, dict(none, grad_ckpt=False))
+    with pytest.raises(devices.UserError, match=r"one 1000-token conversation needs .* to train; at most 999 "):
+        memory.plan_memory(costs, int(need[1] / memory.HEADROOM) - 1, 1000, none)
+    with pytest.raises(memory.NoFit) as err:                  # checkpointing given off: the longest without it
+        memory.plan_memory(costs, int(need[1] / memory.HEADROOM) + 1, 1000, dict(none, grad_ckpt=False))
     assert 0 < err.value.largest < 1000 and costs.per_row[0] + err.value.largest * costs.per_token[0] <= \
-        runtime.HEADROOM * (need[1] / runtime.HEADROOM + 1) - costs.resident - costs.fixed
+        memory.HEADROOM * (need[1] / memory.HEADROOM + 1) - costs.resident - costs.fixed
 
 
 @pytest.mark.equality

@@ -30,7 +30,7 @@ import engine  # noqa: E402
 import inject  # noqa: E402
 import lopd  # noqa: E402
 import losses  # noqa: E402
-import runtime  # noqa: E402
+from runtime import checkpoints, devices  # noqa: E402
 import train  # noqa: E402
 from worlds import common, results, tool_world  # noqa: E402
 from worlds import toy_backbone as toy  # noqa: E402
@@ -220,7 +220,7 @@ def joint_run(world, out, method, steps, resume=False):
     os.makedirs(out, exist_ok=True)
     student, comp = make_models(world)
     run = engine.Run(args=args, tok=world["tok"], chat=None, sample=None, composer=comp, retriever=world["retriever"],
-                     train=world["train"], test=[], episodes=[], log=runtime.Log(str(out)), student=student)
+                     train=world["train"], test=[], episodes=[], log=devices.Log(str(out)), student=student)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train, "env_factory", lambda a: lambda: HashWorld(max_steps=a.max_env_steps))
         train.joint_training(run)
@@ -278,7 +278,7 @@ def train_records(out, stage):
 
 def checkpoint_tensors(out):
     """Every tensor of the latest checkpoint: weights (safetensors files) and state.pt (optimizers, β, RNG)."""
-    ckpt, flat = runtime.latest_checkpoint(str(out)), {}
+    ckpt, flat = checkpoints.latest_checkpoint(str(out)), {}
     for root, _, files in os.walk(ckpt):
         for f in files:
             if f.endswith(".safetensors"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-import runtime
+from runtime import devices, memory, models, parallel
 import train
 from test_envscaler import write_release
 from test_errors import one_line_exit
@@ -58,15 +58,15 @@ refusal = one_line_exit      # train.main(argv) exits 2 with one error line on s
 @pytest.fixture
 def h100(monkeypatch):
     """The device train.py plans for is an H100 (81,559 MiB, ~1 GB of it CUDA's context), whatever this machine's."""
-    real = runtime.machine
-    monkeypatch.setattr(runtime, "machine", lambda args, device, loaded=0: dataclasses.replace(
+    real = memory.machine
+    monkeypatch.setattr(memory, "machine", lambda args, device, loaded=0: dataclasses.replace(
         real(args, device, loaded), type="cuda", total=81_559 * 2**20, free=81_559 * 2**20 - 10**9))
 
 
 @pytest.fixture(autouse=True)
 def roomy_disk(monkeypatch):
     """--out on a disk with 1 TB free, whatever this machine's (the disk's own test sets its own)."""
-    monkeypatch.setattr(runtime, "disk_free", lambda out: 10**12)
+    monkeypatch.setattr(memory, "disk_free", lambda out: 10**12)
 
 
 def plans(argv, world: int = 1) -> bool:
@@ -74,17 +74,17 @@ def plans(argv, world: int = 1) -> bool:
     args = train.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runtime, "world", lambda: world)
+        mp.setattr(parallel, "world", lambda: world)
         try:
             train.plan_before_loading(args, torch.device("cpu"), torch.bfloat16, train.load_splits(args, False)[0])
             return True
-        except runtime.UserError:
+        except devices.UserError:
             return False
 
 
-def planning(args, model, machine, prompt: int) -> runtime.Planning:
+def planning(args, model, machine, prompt: int) -> memory.Planning:
     """What train.plan_before_loading plans from, for `model` on `machine` and a prompt of `prompt` tokens."""
-    return runtime.Planning(args, model, machine, train.trains(args, model.config), prompt)
+    return memory.Planning(args, model, machine, train.trains(args, model.config), prompt)
 
 
 def suggestions(line: str) -> list:
@@ -117,7 +117,7 @@ def test_the_cards_command_on_80_gb_refuses_before_any_weight_and_every_suggesti
         fits[2].startswith("a card with ") and not any("--max-len" in s for s in fits), fits
     for s in fits:
         assert plans(*followed(argv, s)), s
-    assert not plans(argv, 2) and runtime.uneven(train.parse_args(argv), 3)    # 3: 32 rollouts do not split
+    assert not plans(argv, 2) and parallel.uneven(train.parse_args(argv), 3)    # 3: 32 rollouts do not split
     gb = float(re.search(r"with ([\d.]+) GB free", fits[2])[1])
     assert not plans([*argv, "--memory", f"{gb - 0.1:.1f}"])                      # the smallest device, to 0.1 GB
 
@@ -147,15 +147,15 @@ def test_on_141_gb_the_plan_line_says_the_device_and_the_checkpoints_disk(config
     """An H200's worth: the card's command plans, and its line names the device's total and free, what the run may
     fill with the backbone, and two checkpoints (12 bytes a trained parameter) against --out's free disk."""
     args = train.parse_args(card(config_only, tmp_path / "run", "--memory", "141"))
-    model = runtime.meta_backbone(Qwen3Config(**QWEN3_4B), torch.bfloat16)
-    machine = runtime.Machine("cuda", total=150_755_000_000, free=149_700_000_000, limit=141 * 10**9, given=True,
+    model = models.meta_backbone(Qwen3Config(**QWEN3_4B), torch.bfloat16)
+    machine = memory.Machine("cuda", total=150_755_000_000, free=149_700_000_000, limit=141 * 10**9, given=True,
                               disk=500 * 10**9)
-    plan = runtime.memory_plan(planning(args, model, machine, prompt=4096))
+    plan = memory.memory_plan(planning(args, model, machine, prompt=4096))
     line = plan.line()
     assert line.startswith("memory plan: cuda 150.8 GB total, 149.7 GB free; the run fills at most 141.0 GB "
                            "(--memory), the 8.0 GB backbone included: 113.0 GB planned of the 133.0 GB beside it; ")
     assert plan.grad_ckpt and "one 40960-token conversation trains in 100.5 GB" in line
-    foot = runtime.footprint(args, model, train.trains(args, model.config))
+    foot = memory.footprint(args, model, train.trains(args, model.config))
     assert plan.checkpoint == foot.checkpoint and 12 * 4.02e9 < plan.checkpoint < 12 * 4.2e9
     assert line.endswith(f"checkpoints 2 × {plan.checkpoint / 1e9:.1f} GB on --out's disk (500.0 GB free)")
 
@@ -164,16 +164,16 @@ def test_two_checkpoints_that_do_not_fit_the_disk_refuse_with_what_fits(config_o
     """--out on a disk with 60 GB free: a full student's checkpoint (~49 GB) is written while the last is kept, so
     the run stops in one line before any weight is read, naming --student-lora's checkpoints and the disk needed;
     both fit when followed. --steps 0 writes none and passes."""
-    monkeypatch.setattr(runtime, "disk_free", lambda out: 60 * 10**9)
+    monkeypatch.setattr(memory, "disk_free", lambda out: 60 * 10**9)
     argv = card(config_only, tmp_path / "run", "--memory", "141")
     line = refusal(capsys, argv)
     assert line.startswith("error: disk plan: a checkpoint of the run is 49.") and "60.0 GB free for --out" in line
     lora, disk = suggestions(line)
     assert lora.startswith("--student-lora (its checkpoints: ") and plans([*argv, "--student-lora"])
     need = float(re.fullmatch(r"--out on a disk with ([\d.]+) GB free", disk)[1])
-    monkeypatch.setattr(runtime, "disk_free", lambda out: need * 10**9)
+    monkeypatch.setattr(memory, "disk_free", lambda out: need * 10**9)
     assert 98 < need < 100 and plans(argv)
-    monkeypatch.setattr(runtime, "disk_free", lambda out: 10**9)
+    monkeypatch.setattr(memory, "disk_free", lambda out: 10**9)
     assert plans([*argv, "--steps", "0"])
 
 
@@ -182,13 +182,13 @@ def test_memory_means_the_whole_run_backbone_included(tmp_path):
     θ̄'s bytes, before loading and after."""
     args = train.parse_args(["--model", "org/x", "--out", str(tmp_path), "--memory", "30"])
     assert "backbone included" in train.Args.__dataclass_fields__["memory"].metadata["help"]
-    model = runtime.meta_backbone(Qwen3Config(**QWEN3_4B), torch.bfloat16)
-    before = runtime.machine(args, "cpu")
-    after = runtime.machine(args, "cpu", loaded=8 * 10**9)
+    model = models.meta_backbone(Qwen3Config(**QWEN3_4B), torch.bfloat16)
+    before = memory.machine(args, "cpu")
+    after = memory.machine(args, "cpu", loaded=8 * 10**9)
     assert before.limit == after.limit == 30 * 10**9 and before.given
     lora = dataclasses.replace(args, student_lora=True, max_len=4096)
-    plan = runtime.memory_plan(planning(lora, model, before, prompt=1000))
-    assert plan.free == 30 * 10**9 - runtime.backbone_bytes(model)
+    plan = memory.memory_plan(planning(lora, model, before, prompt=1000))
+    assert plan.free == 30 * 10**9 - memory.backbone_bytes(model)
 
 
 def test_a_conversation_is_priced_at_its_episodes_budget():
@@ -196,8 +196,8 @@ def test_a_conversation_is_priced_at_its_episodes_budget():
     smallest command does not come near it."""
     card_args = train.parse_args(["--model", "org/qwen3-4b"])
     small = train.parse_args(["--model", "org/qwen3-4b", *DOCS_COMMAND])
-    assert runtime.conversation_tokens(card_args, 2000) == 40960
-    assert runtime.conversation_tokens(small, 1000) == 1000 + 2 * (48 + runtime.OBSERVATION_TOKENS) < 4096
+    assert memory.conversation_tokens(card_args, 2000) == 40960
+    assert memory.conversation_tokens(small, 1000) == 1000 + 2 * (48 + memory.OBSERVATION_TOKENS) < 4096
 
 
 def test_the_docs_smallest_real_model_command_runs_on_a_40960_context_model(tmp_path):
@@ -220,14 +220,14 @@ def test_the_docs_smallest_real_model_command_runs_on_a_40960_context_model(tmp_
     args = train.parse_args(argv)
     tasks = train.load_splits(args, False)[0]
     prompt = train.plan_before_loading(args, torch.device("cpu"), torch.float32, tasks).prompt   # measured
-    episode = prompt + 2 * (48 + runtime.OBSERVATION_TOKENS)
+    episode = prompt + 2 * (48 + memory.OBSERVATION_TOKENS)
     assert episode < 8192
-    meta = runtime.meta_backbone(config, torch.float32)
-    machine = runtime.Machine("cpu", total=10**11, free=10**11, limit=10**8, given=True, disk=10**12)
-    whole = runtime.smallest_limit(planning(args, meta, machine, prompt=40960))   # priced at --max-len
-    memory = f"{whole / 2 / 1e9:.4f}"                  # half of what a 40,960-token conversation needs
-    assert runtime.smallest_limit(planning(args, meta, machine, prompt=prompt)) < float(memory) * 1e9
-    res = subprocess.run([sys.executable, "train.py", *argv, "--memory", memory], cwd=ROOT, env=ENV,
+    meta = models.meta_backbone(config, torch.float32)
+    machine = memory.Machine("cpu", total=10**11, free=10**11, limit=10**8, given=True, disk=10**12)
+    whole = memory.smallest_limit(planning(args, meta, machine, prompt=40960))   # priced at --max-len
+    gb = f"{whole / 2 / 1e9:.4f}"                      # half of what a 40,960-token conversation needs
+    assert memory.smallest_limit(planning(args, meta, machine, prompt=prompt)) < float(gb) * 1e9
+    res = subprocess.run([sys.executable, "train.py", *argv, "--memory", gb], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"(one {episode}-token conversation trains in " in res.stdout

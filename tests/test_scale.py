@@ -15,20 +15,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import engine  # noqa: E402
-import runtime  # noqa: E402
+from runtime import devices, memory, models, parallel  # noqa: E402
 import train  # noqa: E402
 
 
 def test_the_timeout_reaches_init_process_group(monkeypatch):
     seen = {}
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(runtime.dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
-    runtime.dist_setup("cpu", 7)
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    parallel.dist_setup("cpu", 7)
     assert seen == {"backend": "gloo", "timeout": datetime.timedelta(minutes=7)}
     assert train.parse_args([]).dist_timeout == 360                    # hours of unbalanced rollouts survive
     # train.py passes the flag through
-    monkeypatch.setattr(runtime, "dist_setup", lambda device, minutes: seen.update(minutes=minutes) or (0, 1, ""))
+    monkeypatch.setattr(parallel, "dist_setup", lambda device, minutes: seen.update(minutes=minutes) or (0, 1, ""))
     monkeypatch.setattr(train, "prepare", lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         train.main(["--dist-timeout", "90", "--steps", "0"])
@@ -36,12 +36,12 @@ def test_the_timeout_reaches_init_process_group(monkeypatch):
 
 
 def test_autocast_keeps_no_cast_copy_of_the_weights():
-    """runtime.precision wraps a whole step; with autocast's cache on it would keep a bf16 copy of every fp32
+    """devices.precision wraps a whole step; with autocast's cache on it would keep a bf16 copy of every fp32
     weight it cast (the whole student) until the step ends."""
     bf16 = torch.nn.Linear(2, 2).to(torch.bfloat16)
-    with runtime.precision(bf16):
+    with devices.precision(bf16):
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
-    with runtime.precision(torch.nn.Linear(2, 2)):                      # fp32: no autocast at all
+    with devices.precision(torch.nn.Linear(2, 2)):                      # fp32: no autocast at all
         assert not torch.is_autocast_enabled("cpu")
 
 
@@ -96,7 +96,7 @@ def test_real_models_think_by_default_with_the_papers_budgets(tmp_path):
 
 
 class Headed(torch.nn.Module):
-    """The least a model needs for runtime.lm_head_bypassed: an LM head and a forward through it."""
+    """The least a model needs for models.lm_head_bypassed: an LM head and a forward through it."""
 
     def __init__(self, softcap=None):
         super().__init__()
@@ -113,12 +113,12 @@ class Headed(torch.nn.Module):
 def test_the_lm_head_bypass_nests_and_restores():
     """A LoRA student and the teacher share one head: the bypass is entered twice for it and must undo both."""
     m, x = Headed(), torch.randn(2, 3)
-    with runtime.lm_head_bypassed(m, m):
+    with models.lm_head_bypassed(m, m):
         assert torch.equal(m(x), x)                                       # hidden states out
     assert m(x).shape == (2, 5) and "forward" not in m.head.__dict__      # the head is back
-    assert runtime.lm_head(m)[0] is m.head.weight
+    assert models.lm_head(m)[0] is m.head.weight
     with pytest.raises(ValueError, match="--loss-chunk 0"):               # Gemma-style soft-capped logits
-        runtime.lm_head_bypassed(Headed(softcap=30.0)).__enter__()
+        models.lm_head_bypassed(Headed(softcap=30.0)).__enter__()
 
 
 def test_micro_batches_by_a_token_budget(monkeypatch):
@@ -129,7 +129,7 @@ def test_micro_batches_by_a_token_budget(monkeypatch):
     for part in got:
         assert max(len(e.ids) for e in eps[part]) * len(eps[part]) <= 12 or part.stop - part.start == 1
     assert engine.micro_batches(eps, 4, token_budget=1) == [slice(i, i + 1) for i in range(6)]   # at least one each
-    monkeypatch.setattr(runtime, "all_max", lambda v: 6.0)                     # torchrun: a busier rank has 6
+    monkeypatch.setattr(parallel, "all_max", lambda v: 6.0)                     # torchrun: a busier rank has 6
     assert engine.micro_batches(eps, 4)[2:] == [slice(0, 0)] * 4                 # idle passes keep the collectives
 
 
@@ -140,8 +140,8 @@ def test_generation_is_batched_by_a_kv_budget_and_by_length(toy_backbone_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     qwen3_4b = type("C", (), {"head_dim": 128, "num_hidden_layers": 36, "num_key_value_heads": 8,
                               "num_attention_heads": 32, "hidden_size": 2560})()
-    assert runtime.kv_bytes_per_token(qwen3_4b) == 147456
-    assert runtime.kv_budget_batch(qwen3_4b, 48, 40960) == 7 and runtime.kv_budget_batch(qwen3_4b, 1, 40960) == 1
+    assert memory.kv_bytes_per_token(qwen3_4b) == 147456
+    assert memory.kv_budget_batch(qwen3_4b, 48, 40960) == 7 and memory.kv_budget_batch(qwen3_4b, 1, 40960) == 1
     model = AutoModelForCausalLM.from_pretrained(toy_backbone_dir).eval()
     tok = AutoTokenizer.from_pretrained(toy_backbone_dir)
     tasks = tool_world.make_splits(0, 6, 1)[0]
@@ -172,19 +172,19 @@ def test_under_vllm_the_generation_batch_follows_the_paged_cache_not_max_len(cap
     kv_token = 2 * 30 * 3 * (576 // 9) * 4                     # keys and values, 30 layers, 3 heads of 64, fp32
     flags = ["--model", "org/smollm2", "--max-len", "8192", "--max-new-tokens", "128", "--max-env-steps", "3",
              "--memory", "48"]
-    machine = runtime.Machine("cpu", total=64 * 10**9, free=60 * 10**9, limit=48 * 10**9, given=True, disk=10**12)
+    machine = memory.Machine("cpu", total=64 * 10**9, free=60 * 10**9, limit=48 * 10**9, given=True, disk=10**12)
 
     def plan(*more):
         args = train.parse_args(flags + list(more))
-        return runtime.fit_memory(runtime.Planning(args, model, machine, train.trains(args, config), prompt=1000))
-    assert runtime.OBSERVATION_TOKENS == 512
+        return memory.fit_memory(memory.Planning(args, model, machine, train.trains(args, config), prompt=1000))
+    assert memory.OBSERVATION_TOKENS == 512
     hf, vllm = plan("--kv-budget", "1"), plan("--kv-budget", "1", "--engine", "vllm")
     assert hf.conversation == 2920 and hf.gen_batch == 10**9 // (kv_token * 2920) == 7   # the episode's caches
     assert vllm.gen_batch == 10**9 // kv_token // (3 * 128) == 56           # 21,701 tokens, 384 a conversation
     assert "56 conversations generate together (vLLM's paged cache: 21701 tokens, 384 a conversation's replies; " \
            "--gen-batch to set)" in capsys.readouterr().out
     roomy = plan("--kv-budget", "20", "--engine", "vllm")                   # 434,027 tokens: 1,130 would fit
-    assert roomy.gen_batch == runtime.VLLM_MAX_SEQS == 256 and "(vLLM's max_num_seqs; " in roomy.line()
+    assert roomy.gen_batch == memory.VLLM_MAX_SEQS == 256 and "(vLLM's max_num_seqs; " in roomy.line()
     given = plan("--kv-budget", "1", "--engine", "vllm", "--gen-batch", "8")
     assert given.gen_batch == 8 and "8 conversations generate together (given); checkpoints" in given.line()
     hf_planned = plan()                  # no --kv-budget: --engine hf fills what training leaves, as it did
@@ -193,7 +193,7 @@ def test_under_vllm_the_generation_batch_follows_the_paged_cache_not_max_len(cap
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_full_student_is_built_when_needed_and_equals_a_float_copy_of_the_backbone(tied):
-    """runtime.full_student builds θ on the meta device and fills it from θ̄ (under torchrun, shard by shard:
+    """models.full_student builds θ on the meta device and fills it from θ̄ (under torchrun, shard by shard:
     tests/test_distributed.py). In one process it must equal copy.deepcopy(θ̄).float(): every parameter and buffer
     (the rotary inv_freq is not in the state dict), the tie, the generation config and the logits."""
     import copy
@@ -203,9 +203,9 @@ def test_the_full_student_is_built_when_needed_and_equals_a_float_copy_of_the_ba
                       num_key_value_heads=1, head_dim=8, tie_word_embeddings=tied)
     base = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
     base.generation_config = GenerationConfig(eos_token_id=[3, 5], temperature=0.6)
-    source = runtime.student_source(base)
+    source = models.student_source(base)
     want = copy.deepcopy(base).float()
-    got = runtime.full_student(argparse.Namespace(grad_ckpt=False), source)
+    got = models.full_student(argparse.Namespace(grad_ckpt=False), source)
     assert all(p.dtype == torch.float32 and p.requires_grad for p in got.parameters())
     for (n, a), (m, b) in zip(want.named_parameters(), got.named_parameters(), strict=True):
         assert n == m and torch.equal(a, b), n

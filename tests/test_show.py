@@ -74,12 +74,12 @@ def test_tensorboard_scalars_hold_the_values_of_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboard", reason="TensorBoard is optional: pip install tensorboard")
     import json
 
-    import runtime
+    from runtime import devices
     import train
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     out = tmp_path / "run"
     out.mkdir()
-    log = runtime.Log(str(out), str(tmp_path / "tb"))
+    log = devices.Log(str(out), str(tmp_path / "tb"))
     log("bank", entries=10, recall3_variant=0.875)
     for step in range(3):
         log("lopd", step=step, generations=32 * step, **{"loss/distill": 0.5 / (step + 1), "dual/beta": 0.1 * step,

@@ -25,7 +25,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from scripts import experiments, tables  # noqa: E402
-import runtime  # noqa: E402
 import train  # noqa: E402
 from worlds import results  # noqa: E402
 
@@ -247,10 +246,11 @@ def test_table1_on_smollm2_through_the_command(smollm2, tmp_path, monkeypatch):
     where bfcl-eval is installed (scored by eval.py on each row's checkpoint); every row and column, the paper's
     values apart (not a backbone of the paper). Each row's checkpoint is removed once its cells are written."""
     import baselines
+    from runtime import parallel
     monkeypatch.setattr(baselines, "SKILL_WRITER_TOKENS", 8)
     # disk: a row's checkpoint (1.6-2.2 GB with AdamW's moments and an EMA teacher) goes once its cells are written,
     # and holds no optimizer state (nothing resumes here), so the test never keeps more than one student on disk
-    monkeypatch.setattr(runtime, "full_optimizer_state", lambda opt: {})
+    monkeypatch.setattr(parallel, "full_optimizer_state", lambda opt: {})
     row_cells = tables.row_cells
 
     def row_cells_then_drop(args, run, row, *rest):

@@ -1,4 +1,4 @@
-"""How long a run has left (runtime.Clock, runtime.stages_left): after the first batch of each stage that rolls out (the
+"""How long a run has left (devices.Clock, devices.stages_left): after the first batch of each stage that rolls out (the
 bank's base rollouts, the cold start's first step, the joint stage's first step, the evaluation's first batch) the run
 prints one line of each stage's remaining time from the rates measured so far.
 
@@ -10,9 +10,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import runtime  # noqa: E402
+from runtime import devices  # noqa: E402
 import train  # noqa: E402
-from runtime import Stage  # noqa: E402
+from runtime.devices import Stage  # noqa: E402
 
 STAGES = [Stage("bank", {"rollout": 336}),                       # 400 base rollouts, the first 64 done
           Stage("cold start", {"cold step": 500}),
@@ -24,7 +24,7 @@ def test_each_stage_at_its_measured_rate():
     """0.5 s a rollout, 12 s a joint step: the bank 336 × 0.5, the steps 60 × 12 + 300 × 0.5, the evaluation
     600 × 0.5; the cold start has no rate yet."""
     rates = {"rollout": 0.5, "step": 12.0}
-    assert runtime.time_left(STAGES, rates) == [("bank", 168.0, False), ("cold start", None, False),
+    assert devices.time_left(STAGES, rates) == [("bank", 168.0, False), ("cold start", None, False),
                                                 ("60 steps", 870.0, False), ("evaluation", 300.0, False)]
 
 
@@ -32,18 +32,18 @@ def test_an_untimed_step_is_at_least_its_rollouts():
     """Before a joint step is timed, a step costs at least its 32 rollouts: (60 × 32 + 300) × 0.5 s, a lower bound;
     once the cold start's step is timed (1.5 s), its 500 steps are 750 s."""
     rates = {"rollout": 0.5, "cold step": 1.5}
-    assert runtime.time_left(STAGES, rates) == [("bank", 168.0, False), ("cold start", 750.0, False),
+    assert devices.time_left(STAGES, rates) == [("bank", 168.0, False), ("cold start", 750.0, False),
                                                 ("60 steps", 1110.0, True), ("evaluation", 300.0, False)]
-    assert runtime.time_left([Stage("2 steps", {"step": 2})], rates) == [("2 steps", None, False)]   # RFT: no floor
+    assert devices.time_left([Stage("2 steps", {"step": 2})], rates) == [("2 steps", None, False)]   # RFT: no floor
 
 
 def test_durations_and_the_line():
-    assert [runtime.duration(s) for s in (29, 40, 89, 870, 11400)] == ["29 s", "40 s", "1 min", "14 min",
+    assert [devices.duration(s) for s in (29, 40, 89, 870, 11400)] == ["29 s", "40 s", "1 min", "14 min",
                                                                        "3 h 10 min"]
-    line = runtime.time_line(runtime.time_left(STAGES, {"rollout": 0.5, "step": 12.0}))
+    line = devices.time_line(devices.time_left(STAGES, {"rollout": 0.5, "step": 12.0}))
     assert line == ("time: bank ~3 min left, cold start not timed yet, 60 steps ~14 min, evaluation ~5 min; in all "
                     "≥22 min (estimates from the first batch)")                  # 168 + 870 + 300 = 1338 s
-    exact = runtime.time_line([("evaluation", 300.0, False)])
+    exact = devices.time_line([("evaluation", 300.0, False)])
     assert exact == "time: evaluation ~5 min left; in all ~5 min (estimates from the first batch)"
 
 
@@ -53,16 +53,16 @@ def test_what_each_stage_has_left(tmp_path):
     args = train.parse_args(["--out", str(tmp_path), "--n-train", "100", "--n-test", "20", "--eval-tasks", "5"])
     assert (args.bank_rollouts, args.cold_steps, args.steps, args.rollouts_per_step, args.eval_every) == (
         2, 500, 60, 32, 20)
-    bank = runtime.stages_left(args, 100, 20, "bank", 64, drift_rows=2)      # LOPD: the teacher drifts too
+    bank = devices.stages_left(args, 100, 20, "bank", 64, drift_rows=2)      # LOPD: the teacher drifts too
     assert [(s.name, s.work, s.floor) for s in bank] == [
         ("bank", {"rollout": 136}, None), ("cold start", {"cold step": 500}, None),
         ("60 steps", {"step": 60, "rollout": 30}, {"rollout": 1950}), ("evaluation", {"rollout": 60}, None)]
-    joint = runtime.stages_left(args, 100, 20, "joint", 21, drift_rows=2)    # after step 21: at 40 and 60
+    joint = devices.stages_left(args, 100, 20, "joint", 21, drift_rows=2)    # after step 21: at 40 and 60
     assert [(s.name, s.work) for s in joint] == [("39 steps", {"step": 39, "rollout": 20}),
                                                  ("evaluation", {"rollout": 60})]
     rft = train.parse_args(["--out", str(tmp_path), "--method", "rft", "--eval-every", "0"])
-    assert runtime.stages_left(rft, 100, 20, "joint", 1)[0].floor is None      # RFT's steps roll nothing out
-    assert [s.name for s in runtime.stages_left(args, 100, 20, "evaluation", 8)] == ["evaluation"]
+    assert devices.stages_left(rft, 100, 20, "joint", 1)[0].floor is None      # RFT's steps roll nothing out
+    assert [s.name for s in devices.stages_left(args, 100, 20, "evaluation", 8)] == ["evaluation"]
 
 
 def test_a_tiny_run_says_the_time_left_once_a_stage(tmp_path, capsys, monkeypatch):
@@ -70,14 +70,14 @@ def test_a_tiny_run_says_the_time_left_once_a_stage(tmp_path, capsys, monkeypatc
     held-out tasks): one line after the bank's first batch, the cold start's and the joint stage's first step and
     the evaluation's first batch, each equal to what the rates measured by then and the stages left give."""
     said = []
-    first = runtime.Clock.first
+    first = devices.Clock.first
 
     def spy(clock, unit, seconds, n):                   # what each line was computed from
         fresh = clock.stage is not None and clock.stage not in clock.said
         first(clock, unit, seconds, n)
         if fresh:
             said.append((clock.stage, clock.done + n, dict(clock.rates)))
-    monkeypatch.setattr(runtime.Clock, "first", spy)
+    monkeypatch.setattr(devices.Clock, "first", spy)
     argv = ["--out", str(tmp_path / "run"), "--n-train", "12", "--n-test", "4", "--gen-batch", "8",
             "--cold-steps", "2", "--steps", "2", "--rollouts-per-step", "4", "--eval-every", "0",
             "--bank-threshold", "0", "--max-new-tokens", "24", "--device", "cpu"]
@@ -88,6 +88,6 @@ def test_a_tiny_run_says_the_time_left_once_a_stage(tmp_path, capsys, monkeypatc
     assert len(lines) == 4 and all(x.startswith(s) for x, s in zip(lines, starts)), lines
     args = train.parse_args(argv)
     for line, (stage, done, rates) in zip(lines, said):
-        left = runtime.stages_left(args, 12, 4, stage, done, drift_rows=2)
-        assert line == runtime.time_line(runtime.time_left(left, rates))
+        left = devices.stages_left(args, 12, 4, stage, done, drift_rows=2)
+        assert line == devices.time_line(devices.time_left(left, rates))
     assert said[0][1] == 8 and set(said[0][2]) == {"rollout"}      # the bank's first batch: 8 of 24 rollouts

@@ -23,7 +23,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import runtime  # noqa: E402
+from runtime import checkpoints  # noqa: E402
 from scripts import experiments  # noqa: E402
 import train  # noqa: E402
 from worlds import toy_backbone as toy  # noqa: E402
@@ -83,7 +83,7 @@ def kill_after_first_checkpoint(proc, out, timeout=180, folder="ckpt"):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    return torch.load(os.path.join(runtime.latest_checkpoint(out, folder), "state.pt"), weights_only=False)["step"]
+    return torch.load(os.path.join(checkpoints.latest_checkpoint(out, folder), "state.pt"), weights_only=False)["step"]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_eval_script_on_a_finished_run(runs, tmp_path):
     assert {k: v for k, v in after.items() if k in before} == before
     new = sorted(k for k in after if k not in before)                    # its rows, then each row's read-back file
     assert new[:2] == ["eval_4tasks.json", "eval_4tasks.md"] and len(new) == 5
-    assert all(k.startswith(runtime.ROWS_DIR + os.sep) for k in new[2:])
+    assert all(k.startswith(checkpoints.ROWS_DIR + os.sep) for k in new[2:])
     assert list(json.loads(after["eval_4tasks.json"])["rows"]) == ["vanilla", "base + composer", "LOPD student"]
     # --inspect-latents: the similarity table (by shop and by task family, for both retrievals), then the teacher's
     # eight most moved tokens
@@ -181,7 +181,7 @@ def test_sigkill_then_resume_ends_with_the_same_weights_optimizers_and_beta(runs
     from safetensors.torch import load_file
 
     def tensors(run):
-        ckpt, out = runtime.latest_checkpoint(run), {}
+        ckpt, out = checkpoints.latest_checkpoint(run), {}
         for root, _, files in os.walk(ckpt):
             for f in files:
                 if f.endswith(".safetensors"):
@@ -211,7 +211,7 @@ def cold_runs(backbone, tmp_path_factory):
     d, e = str(root / "d"), str(root / "e")
     flags = ("--cold-steps", str(COLD_STEPS), "--cold-save-every", "2", "--steps", "0", "--n-test", "2")
     procs = [start(train_cmd(backbone, out, *flags), out + "-log") for out in (d, e)]
-    killed_at = kill_after_first_checkpoint(procs[1], e, folder=runtime.COLD_CKPT)
+    killed_at = kill_after_first_checkpoint(procs[1], e, folder=checkpoints.COLD_CKPT)
     killed_in_cold_start = not os.path.exists(os.path.join(e, "composer0"))
     finish(procs[0])
     _, resumed_log, _ = finish(start(train_cmd(backbone, e, *flags, "--resume"), e + "-resume-log"))
@@ -225,7 +225,7 @@ def test_a_cold_start_killed_and_resumed_matches_the_uninterrupted_one(cold_runs
     from safetensors.torch import load_file
     d, e = cold_runs["d"], cold_runs["e"]
     assert cold_runs["killed_in_cold_start"] and 2 <= cold_runs["killed_at"] < COLD_STEPS
-    assert f"resumed the cold start from {os.path.join(e, runtime.COLD_CKPT)}" in cold_runs["resumed_log"]
+    assert f"resumed the cold start from {os.path.join(e, checkpoints.COLD_CKPT)}" in cold_runs["resumed_log"]
     assert f"at step {cold_runs['killed_at']}" in cold_runs["resumed_log"]
     last = {(r["stage"], r.get("step")): untimed(r) for r in records(e)}      # a step logged twice: the resumed one
     assert last == {(r["stage"], r.get("step")): untimed(r) for r in records(d)}
@@ -239,7 +239,7 @@ def test_a_cold_start_killed_and_resumed_matches_the_uninterrupted_one(cold_runs
             if k.endswith(".safetensors"):
                 a, b = load_file(os.path.join(d, folder, k)), load_file(os.path.join(e, folder, k))
                 assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), (folder, k)
-    assert not any(os.path.exists(os.path.join(run, runtime.COLD_CKPT)) for run in (d, e))
+    assert not any(os.path.exists(os.path.join(run, checkpoints.COLD_CKPT)) for run in (d, e))
 
 
 def test_evaluation_rows_already_written_are_read_back(runs, tmp_path, monkeypatch):
@@ -258,7 +258,7 @@ def test_evaluation_rows_already_written_are_read_back(runs, tmp_path, monkeypat
     assert train.evaluate(args, run, run.student, run.test, cache=True) == final and calls == []
     assert train.evaluate(args, run, run.student, run.test) == final and len(calls) == 3       # no cache: computed
     calls.clear()
-    rows_dir = os.path.join(out, runtime.ROWS_DIR)
+    rows_dir = os.path.join(out, checkpoints.ROWS_DIR)
     before = set(os.listdir(rows_dir))                    # run a's own rows (and those of eval.py's tests on it)
     three = train.evaluate(args, run, run.student, run.test[:3], cache=True)
     assert calls == ["eval_vanilla", "eval_teacher", "eval_student"]
@@ -325,7 +325,7 @@ def test_checkpoint_is_whole_and_loadable(runs, backbone):
     from composer import Composer
     a = runs["a"]
     assert sorted(os.listdir(os.path.join(a, "ckpt"))) == ["LATEST", f"step-{STEPS:06d}"]   # no temp left
-    ckpt = runtime.latest_checkpoint(a)
+    ckpt = checkpoints.latest_checkpoint(a)
     assert sorted(os.listdir(ckpt)) == ["composer", "state.pt", "student"]
     state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
     assert state["step"] == STEPS
@@ -344,7 +344,7 @@ def test_checkpoint_is_whole_and_loadable(runs, backbone):
 def test_joint_training_changes_the_student(runs, backbone):
     from safetensors.torch import load_file
     base = load_file(os.path.join(backbone, "model.safetensors"))
-    trained = load_file(os.path.join(runtime.latest_checkpoint(runs["a"]), "student", "model.safetensors"))
+    trained = load_file(os.path.join(checkpoints.latest_checkpoint(runs["a"]), "student", "model.safetensors"))
     assert any(not torch.equal(base[k], trained[k]) for k in base)
 
 
@@ -378,7 +378,7 @@ def test_rft_control_run(runs, backbone, tmp_path):
     assert [r["step"] for r in rft] == [0, 1] and not records(str(out), "lopd")
     assert all(r["generations"] == 60 and r["loss/rft"] > 0 and r["skipped"] == 0 for r in rft)
     base = load_file(os.path.join(backbone, "model.safetensors"))
-    trained = load_file(os.path.join(runtime.latest_checkpoint(str(out)), "student", "model.safetensors"))
+    trained = load_file(os.path.join(checkpoints.latest_checkpoint(str(out)), "student", "model.safetensors"))
     assert any(not torch.equal(base[k], trained[k]) for k in base)
 
 
@@ -403,10 +403,10 @@ def test_each_baseline_runs_in_a_subprocess(runs, backbone, tmp_path):
         assert [r["generations"] for r in recs] == [bank + 4, bank + 8], method
         assert all(r["skipped"] == 0 and "reward/student" in r for r in recs), recs
         assert f"| {train.METHODS[method].label} |" in stdout
-        trained = load_file(os.path.join(runtime.latest_checkpoint(str(out)), "student", "model.safetensors"))
+        trained = load_file(os.path.join(checkpoints.latest_checkpoint(str(out)), "student", "model.safetensors"))
         assert any(not torch.equal(base[k], trained[k]) for k in base), method
     for method in ("sdpo", "sdft"):
-        assert os.path.isdir(os.path.join(runtime.latest_checkpoint(str(procs[method][0])), "ema_teacher"))
+        assert os.path.isdir(os.path.join(checkpoints.latest_checkpoint(str(procs[method][0])), "ema_teacher"))
     skills = [json.loads(line) for line in open(procs["skillsd"][0] / "skill_bank.jsonl")]
     assert skills[0]["event"] == "skill" and skills[0]["source"] == "base rollouts"
     assert [e["step"] for e in skills if e["event"] == "pulls"] == [0, 1]

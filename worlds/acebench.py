@@ -102,7 +102,7 @@ import functools
 import os
 from dataclasses import dataclass, field
 
-from runtime import UserError
+from runtime.devices import UserError
 from worlds import sandbox
 from worlds.bfcl import literal_problem
 from worlds.common import Environment, StepResult, parse_call_list, read_jsonl, utf8_text

@@ -65,7 +65,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import inject
-from runtime import UserError
+from runtime.devices import UserError
 from worlds.common import MAX_DEPTH, Environment, StepResult, json_problem, parse_tool_calls, utf8_text
 from worlds import sandbox
 

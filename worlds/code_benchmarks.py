@@ -47,7 +47,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 
-import runtime
+from runtime import checkpoints
 from worlds.common import read_jsonl
 from worlds.sandbox import RunResult, SandboxLimits, run_sandboxed
 
@@ -774,7 +774,7 @@ def evalplus_expected(problems, cache_path: str | None, limits: SandboxLimits = 
         cache[p.task_id] = {"key": _evalplus_key(p.evalplus), **{k: _encode(v) if k in ("base", "plus") else v
                                                                  for k, v in expected.items()}}
     if todo and cache_path:
-        with runtime.atomic_open(cache_path) as f:
+        with checkpoints.atomic_open(cache_path) as f:
             json.dump(cache, f)
 
 

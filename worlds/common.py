@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 
 import inject
-import preflight
+from runtime import preflight
 import retrieval
 
 DONE_TEXT = "Task Completed"       # A.5: the reply that ends an episode (a reply without a call ends it too)

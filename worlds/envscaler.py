@@ -77,8 +77,8 @@ import textwrap
 from dataclasses import dataclass, field
 
 import inject
-import runtime
-from runtime import UserError
+from runtime import checkpoints, parallel
+from runtime.devices import UserError
 from worlds.common import Environment, StepResult, parse_tool_calls, utf8_text
 from worlds import sandbox
 
@@ -528,9 +528,9 @@ class EnvScalerWorld(Environment):
             if [kept.get("train"), kept.get("test")] != [split["train"], split["test"]]:
                 raise UserError(f"--tasks {args.tasks!r} gives another split than {path} records (another release, "
                                 "or files changed); give the files this run was made with, or a new --out")
-        elif record and runtime.rank() == 0:
+        elif record and parallel.rank() == 0:
             os.makedirs(args.out, exist_ok=True)
-            runtime.write_json(path, split)
+            checkpoints.write_json(path, split)
         return train, test
 
     @classmethod

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-import runtime
+from runtime import checkpoints
 from worlds.code_benchmarks import EVALPLUS
 
 # Table 3's columns: the mean of each behaviour metric over a row's episodes (engine.Episode.metrics)
@@ -84,8 +84,8 @@ def write_results(out: str, rows: dict, extra: dict | None = None, table: str = 
     hold pass@1 and reply length only. The training run's are results.*; eval.py names its own."""
     if table == "pass@1":
         rows = code_rows(rows)
-    runtime.write_json(os.path.join(out, name + ".json"), {"rows": rows, **(extra or {})})
-    with runtime.atomic_open(os.path.join(out, name + ".md")) as f:
+    checkpoints.write_json(os.path.join(out, name + ".json"), {"rows": rows, **(extra or {})})
+    with checkpoints.atomic_open(os.path.join(out, name + ".md")) as f:
         f.write("Held-out problems, pass@1 (one program each, every test must pass)\n\n" if table == "pass@1" else
                 "Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n" if table == "table3"
                 else "Held-out tasks\n\n")
@@ -172,7 +172,7 @@ def plot_curves(out: str) -> list[str]:
         ax.axis("off")
     fig.suptitle(os.path.basename(os.path.normpath(out)))
     fig.tight_layout()
-    with runtime.atomic_open(os.path.join(out, "curves.png"), "wb") as f:
+    with checkpoints.atomic_open(os.path.join(out, "curves.png"), "wb") as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return list(panels)

@@ -81,7 +81,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from runtime import UserError
+from runtime.devices import UserError
 
 UNSAFE_ENV = "LOPD_UNSAFE_NO_SANDBOX"     # "1": run untrusted code with layers 2 and 6 only (--unsafe-no-sandbox)
 

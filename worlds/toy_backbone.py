@@ -480,7 +480,7 @@ def backbone_for(out: str, world: str, conventions: int = 2) -> str:
 def check_conventions(path: str, conventions: int):
     """A toy backbone knows the tools of the world it was built for: a UserError if --conventions asks for another
     world than the one the backbone at `path` learned (a folder without toy_backbone.json is not a toy backbone)."""
-    from runtime import UserError
+    from runtime.devices import UserError
     if not os.path.isfile(os.path.join(path, "toy_backbone.json")):
         return
     k = backbone_conventions(path)

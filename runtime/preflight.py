@@ -33,7 +33,7 @@ import functools
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.realpath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))     # the project: runtime/ is one folder in it
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ def check_train(argv: list):
     a = cls(**given)
     a.env, a.tasks = default_world(a.model, a.env, a.tasks)
     if problem := env_error(a.env, registered_worlds()):
-        print(f"error: {problem}", file=sys.stderr)          # as runtime.one_line_errors prints train.py's
+        print(f"error: {problem}", file=sys.stderr)          # as devices.one_line_errors prints train.py's
         raise SystemExit(2)
     const = functools.partial(value_of, module="train")
     choices = {k: v for k, v in const(ast.Name("CHOICES")).items() if v is not None and getattr(a, k) is not None}
