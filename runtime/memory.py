@@ -256,11 +256,12 @@ def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max
 
 
 class NoFit(UserError):
-    """The plan's refusal (`plan_memory`): why, and the longest conversation that would fit (0: none)."""
+    """The plan's refusal (`plan_memory`): why, the longest conversation that would fit (0: none), and the bytes one
+    priced conversation needs beside the backbone to `what` (train or generate) (`_check_one_fits`)."""
 
-    def __init__(self, why: str, largest: int, free: int):
+    def __init__(self, why: str, largest: int, free: int, need: int = 0, what: str = ""):
         super().__init__(f"memory plan: {why} ({_size(HEADROOM * free)} planned of {_size(free)} free)")
-        self.why, self.largest = why, largest
+        self.why, self.largest, self.need, self.what = why, largest, need, what
 
 
 @dataclass
@@ -355,18 +356,19 @@ def _check_one_fits(costs: Costs, free: int, n: int, tokens: int, generating: in
     if n <= largest:
         return
     states = f"the trained weights, their gradients and AdamW states ({_size(costs.resident)})"
+    train = costs.resident + costs.fixed + costs.per_row[True] + n * costs.per_token[True]
+    generate = costs.resident + costs.generating + n * costs.kv_token
     if tokens < 1:
         raise NoFit(f"{states}, a step's fixed terms ({_size(costs.fixed)}) and a rollout's experiences in the "
                     f"encoder ({_size(costs.per_row[True])}) leave no room for one conversation: no --max-len fits",
-                    0, free)
+                    0, free, train, "train")
     if largest == 0:
         raise NoFit(f"{states} and the student gathered whole to generate ({_size(costs.generating)}) leave no room "
-                    "for one conversation's KV cache: no --max-len fits", 0, free)
-    train = costs.resident + costs.fixed + costs.per_row[True] + n * costs.per_token[True]
+                    "for one conversation's KV cache: no --max-len fits", 0, free, generate, "generate")
     what = "train" if tokens < n else "generate"
-    need = train if what == "train" else costs.resident + costs.generating + n * costs.kv_token
+    need = train if what == "train" else generate
     raise NoFit(f"one {n}-token conversation needs {_size(need)} to {what}; at most {largest} tokens fit", largest,
-                free)
+                free, need, what)
 
 
 @dataclass
@@ -430,6 +432,16 @@ def fits(p: Planning, ranks: int = 0) -> bool:
     except NoFit:
         return False
     return True
+
+
+def refusal(p: Planning, ranks: int = 0) -> NoFit | None:
+    """The plan's refusal of `p` on `ranks` ranks (a NoFit: its `need` and `what`), None where it fits (memory only,
+    for settings that can run there): `memory_plan` says the same in its line."""
+    try:
+        _plan(p, ranks)
+    except NoFit as err:
+        return err
+    return None
 
 
 def advice(p: Planning, err: NoFit) -> str:

@@ -8,6 +8,8 @@
                                             # the phases of Qwen3-4B/8B (and Olmo3-7B) from meta-device counts
     python -m scripts.bench --memory --gpus 8       # the same per GPU under torchrun (FSDP2 student, replicated
                                             # backbone)
+    python -m scripts.bench --where                 # what runs where: the plan's verdicts on one 80 GB, one 141 GB
+                                            # and eight 80 GB cards, the estimated times (docs/real-models.md)
     python -m scripts.bench --check-plan            # the plan's per-token terms against CPU measurements (V 151,936)
     # one toy LOPD iteration, then the same on 2 processes:
     python -m scripts.bench --dist-step --model assets/toy-backbone --rollouts 16
@@ -529,6 +531,167 @@ def print_memory_table_gpus(gpus: int, rollouts: int, tokens: int):
                   f" | {'yes' if m['peak'] < 80 else 'no'} | {'yes' if m['peak'] < 141 else 'no'} |")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# What runs where (docs/real-models.md, "What runs where"; README's table): the plan's verdicts, then the times
+# ----------------------------------------------------------------------------------------------------------------
+WHERE_BACKBONES = {"Qwen3-4B": "qwen3-4b", "Qwen3-8B": "qwen3-8b"}     # the docs' name: its config in ARCHS
+WHERE_MACHINES = {"one 80 GB card": (H100_BYTES, 1), "one 141 GB card": (H200_BYTES, 1),
+                  "eight 80 GB cards": (H100_BYTES, 8)}                 # a card's bytes (nvidia-smi), its ranks
+WHERE_SHORT = {"one 80 GB card": "one 80 GB", "one 141 GB card": "one 141 GB", "eight 80 GB cards": "eight 80 GB"}
+STUDENT = {False: "full", True: "LoRA"}          # --student-lora, as the tables name it
+ENGINE = {"hf": "HF", "vllm": "vLLM"}            # --engine, as the tables name it
+# The time model's assumptions, none measured (docs/real-models.md, "What runs where", says why each):
+SAMPLED_TOKENS = 9_600       # tokens a rollout samples (Table 3: 17 environment steps of ~560 tokens, thinking in)
+CONVERSATION_TOKENS = 20_000  # tokens of the conversation it ends in (system prompt, tools, observations): the rest
+                             # of them is prefilled, and all of them are trained
+DECODE_STEP_S = {"hf": 0.030, "vllm": 0.010}   # seconds one decode step of the plan's whole batch takes, by engine
+PEAK_FLOPS = 989e12          # dense bf16 FLOP/s, H100 and H200 alike
+MFU = 0.35                   # the share of it prefill and training reach
+PREFILL_FLOPS = 2            # FLOPs a prefilled token, times N (one forward)
+TRAIN_FLOPS = {False: 14, True: 12}   # a trained token, × N, by --student-lora: the student's forward, backward and
+                             # recomputed forward (8; 6 without θ̄'s weight gradients), the teacher's 6 (its forward,
+                             # its backward into the latents, its recomputation)
+ENCODER_FLOPS = 8            # an experience token through the composer's encoder, × N (J × 512 of them a rollout)
+COLD_FLOPS = 6               # a cold-start token, × N: the teacher behind the latents (plus the encoder's)
+TRAIN_TASKS = 2_350          # EnvScaler's training tasks: the bank rolls out --bank-rollouts of each
+EVAL_ROLLOUTS = 3 * 200      # three evaluation rows over the 200 held-out tasks
+HOUR = 3600.0
+
+
+@functools.lru_cache(maxsize=None)
+def meta_model(arch: str):
+    """θ̄ of ARCHS[arch] in bf16 on the meta device, as train.plan_before_loading builds it (cached: no memory)."""
+    return models.meta_backbone(arch_config(arch), torch.bfloat16)
+
+
+def where_planning(arch: str, lora: bool, server: str, card: int) -> memory.Planning:
+    """train.py's plan before loading for `--model org/ARCH` at B.2's defaults (--student-lora, --engine `server`)
+    on a card of `card` bytes: what is free once CUDA's context (CUDA_CONTEXT) is made; the plan takes θ̄'s bytes
+    from it."""
+    import train
+    model = meta_model(arch)
+    args = train.parse_args(["--model", "org/" + arch, "--engine", server, *(["--student-lora"] if lora else [])])
+    args.max_len, args.max_new_tokens = memory.fit_context(args.max_len, args.max_new_tokens,
+                                                           model.config.max_position_embeddings)
+    free = int(card - CUDA_CONTEXT)
+    machine = memory.Machine("cuda", card, free, free, False, DISK_BYTES)
+    prompt = memory.PROMPT_TOKENS + args.n_ret * args.latents          # no tokenizer: the plan's estimate
+    return memory.Planning(args, model, machine, train.trains(args, model.config), prompt)
+
+
+def where_verdicts() -> list:
+    """Every case of the verdict table: -> [dict(backbone, lora, engine, machine, ranks, planning, batch, need)],
+    `batch` the plan's generating conversations (a rank's), None where it refuses; `need` the refusal's bytes and
+    `what` they do (NoFit; "" and 0 where it runs)."""
+    out = []
+    for backbone, arch in WHERE_BACKBONES.items():
+        for lora in (False, True):
+            for server in ("hf", "vllm"):
+                for machine, (card, ranks) in WHERE_MACHINES.items():
+                    p = where_planning(arch, lora, server, card)
+                    err = memory.refusal(p, ranks)
+                    batch = None if err else memory.memory_plan(p, ranks).gen_batch
+                    out.append(dict(backbone=backbone, lora=lora, engine=server, machine=machine, ranks=ranks,
+                                    planning=p, batch=batch, need=err.need if err else 0,
+                                    what=err.what if err else ""))
+    return out
+
+
+def stage_hours(args, n_params: int, batch: int, ranks: int) -> dict:
+    """Hours of each stage at `args`' budgets (B.2's) for a backbone of `n_params` parameters generating `batch`
+    conversations at a time on each of `ranks` ranks (which split every stage), from the assumptions above."""
+    lora, step = args.student_lora, DECODE_STEP_S[args.engine]
+    experience = args.n_ret * memory.EXPERIENCE_TOKENS
+    per_second = MFU * PEAK_FLOPS
+
+    def rollouts(n: int) -> float:                        # decode at `batch` a step, then prefill the rest
+        return n * SAMPLED_TOKENS * step / batch + \
+            n * (CONVERSATION_TOKENS - SAMPLED_TOKENS) * PREFILL_FLOPS * n_params / per_second
+
+    def trained(n: int, flops: int) -> float:            # n conversations trained, their experiences encoded
+        return n * (CONVERSATION_TOKENS * flops + experience * ENCODER_FLOPS) * n_params / per_second
+
+    joint = args.steps * args.rollouts_per_step
+    seconds = {"bank": rollouts(TRAIN_TASKS * args.bank_rollouts),
+               "cold start": trained(args.cold_steps * args.cold_batch, COLD_FLOPS),
+               f"{args.steps} steps": rollouts(joint) + trained(joint, TRAIN_FLOPS[lora]),
+               "evaluation": rollouts(EVAL_ROLLOUTS)}
+    hours = {k: v / ranks / HOUR for k, v in seconds.items()}
+    return {**hours, "in all": sum(hours.values())}
+
+
+def span(hours: float) -> str:
+    """A total as the tables write it: whole hours under a day, else days to a tenth."""
+    return f"{hours:.0f} h" if hours < 24 else f"{hours / 24:.1f} days"
+
+
+def verdict_cell(case: dict) -> str:
+    """A verdict as the docs' table writes it: "runs: N conversations" (a rank's), or "no (X GB)" for a refusal
+    (what one conversation needs; "to generate" said where generating is what does not fit)."""
+    if case["batch"] is not None:
+        return f"runs: {case['batch']} conversations" + (" a rank" if case["ranks"] > 1 else "")
+    what = "" if case["what"] in ("train", "") else f" to {case['what']}"
+    return f"no ({case['need'] / GB:.1f} GB{what})"
+
+
+
+def where_rows(cases: list) -> dict:
+    """`where_verdicts`' cases as the tables' rows: {(backbone, lora, engine): {machine: case}}, in its order."""
+    rows = {}
+    for c in cases:
+        rows.setdefault((c["backbone"], c["lora"], c["engine"]), {})[c["machine"]] = c
+    return rows
+
+
+def verdict_table(rows: dict) -> list:
+    """The docs' verdict table (Markdown lines): every backbone, student and engine on each machine."""
+    out = [f"| backbone, student | engine | {' | '.join(WHERE_MACHINES)} |", "|---|---|---|---|---|"]
+    for (backbone, lora, server), row in rows.items():
+        out.append(f"| {backbone}, {STUDENT[lora]} | {ENGINE[server]} | "
+                   + " | ".join(verdict_cell(row[m]) for m in WHERE_MACHINES) + " |")
+    return out
+
+
+def time_table(rows: dict) -> list:
+    """The docs' time table (Markdown lines): each stage's hours of every case that runs."""
+    out = []
+    for (backbone, lora, server), row in rows.items():
+        for machine, case in row.items():
+            if hours := case_hours(case):
+                if not out:
+                    out = [f"| case (engine HF unless named) | {' | '.join(hours)} |", "|---|---|---|---|---|---|"]
+                name = f"{backbone} {STUDENT[lora]}, {WHERE_SHORT[machine]}" + (
+                    f", {ENGINE[server]}" if server != "hf" else "")
+                out.append(f"| {name} | " + " | ".join(f"{h:.1f} h" for k, h in hours.items() if k != "in all")
+                           + f" | {span(hours['in all'])} |")
+    return out
+
+
+def readme_table(rows: dict) -> list:
+    """README's short table (Markdown lines): --engine hf's backbones and students, "no (X)" or "~T" on each machine."""
+    out = [f"| backbone, student | {' | '.join(WHERE_MACHINES)} |", "|---|---|---|---|"]
+    for (backbone, lora, server), row in rows.items():
+        if server == "hf":
+            cells = [f"~{span(h['in all'])}" if (h := case_hours(c)) else f"no ({c['need'] / GB:.1f})"
+                     for c in row.values()]
+            out.append(f"| {backbone}, {STUDENT[lora]} | {' | '.join(cells)} |")
+    return out
+
+
+def case_hours(case: dict) -> dict | None:
+    """`stage_hours` of a case that runs (None for a refusal), N counted on its meta-device backbone."""
+    if case["batch"] is None:
+        return None
+    p = case["planning"]
+    return stage_hours(p.args, sum(t.numel() for t in p.model.parameters()), case["batch"], case["ranks"])
+
+
+def print_where():
+    """`--where`: the three tables, as docs/real-models.md and README print them."""
+    rows = where_rows(where_verdicts())
+    print(*verdict_table(rows), "", *time_table(rows), "", "README:", "", *readme_table(rows), sep="\n")
+
+
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}   # dense bf16 FLOP/s
 
 
@@ -921,6 +1084,8 @@ def main(argv=None):
     p.add_argument("--loss", action="store_true", help="time the distillation loss against cross-entropy")
     p.add_argument("--step", action="store_true", help="time one LOPD step against an OPSD-style step")
     p.add_argument("--memory", action="store_true", help="memory plan of the paper's backbones (meta device)")
+    p.add_argument("--where", action="store_true", help="what runs where: the plan's verdicts on 80 GB, 141 GB and "
+                   "eight 80 GB cards, and the estimated times (the tables of docs/real-models.md and README)")
     p.add_argument("--check-plan", action="store_true", help="the memory plan's per-token terms against CPU "
                    "measurements on a small Qwen3 with Qwen3's vocabulary")
     p.add_argument("--dist-step", action="store_true",
@@ -985,6 +1150,8 @@ def main(argv=None):
             print_headline_plans(a.gpus)
             print()
             print_memory_table_gpus(a.gpus, rollouts=1, tokens=40960)
+    if a.where:
+        print_where()
     if a.check_plan:
         print_plan_check()
     if a.arch:
@@ -998,7 +1165,7 @@ def main(argv=None):
     if a.gpu_check:
         raise SystemExit(0 if gpu_check(a.gpu_check) else 1)
     if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout or a.dist_step
-            or a.check_plan or a.engines or a.decode):
+            or a.check_plan or a.engines or a.decode or a.where):
         p.print_help()
 
 
