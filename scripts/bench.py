@@ -594,7 +594,7 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
             mb = slice(i, i + micro_batch)
             lat = clock("compose", lambda: lopd.compose(composer, tasks[mb], exps[mb]))
             loss, _ = clock("teacher + student forward", lambda: lopd.micro_batch_objective(
-                student, composer, chat, eps[mb], (lat, lat.detach()), torch.ones(len(eps[mb])), eq, cfg))
+                student, composer, chat, eps[mb], (lat, lat.detach()), torch.ones(len(eps[mb])), eq=eq, cfg=cfg))
             clock("backward", lambda: (loss.backward(), sync()))
         trained = [p for o in opts for g in o.param_groups for p in g["params"] if p.grad is not None]
         finite = bool(trained) and all(bool(torch.isfinite(p.grad).all()) for p in trained)
