@@ -27,7 +27,8 @@
     python -m scripts.bench --loss --fused --vocab 151936 --rows 4096 --hidden 2560   # the chunked loss vs chunked CE
     python -m scripts.bench --arch qwen3-vocab --rollouts 32 --micro-batch 32 --tokens 256 --loss-chunk 256   # Qwen3's
                                             # vocabulary on CPU: the step's memory with and without --loss-chunk
-    python -m scripts.bench --gpu-check OUT         # a lent GPU's checks in one command (toy size on CPU without one)
+    python -m scripts.bench --gpu-check OUT         # a lent GPU's checks in one command (toy size on CPU without one;
+                                            # its offline assets: python -m scripts.assets)
 
 Machines are noisy: every comparison is a ratio measured in one run, best of --repeats.
 """
@@ -715,17 +716,18 @@ SMALL_QWEN3_VOCAB = dict(hidden_size=64, intermediate_size=192, num_hidden_layer
 
 
 def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_lora: bool, grad_ckpt: bool,
-               loss_chunk: int = 0):
+               loss_chunk: int = 0, tok=None):
     """One LOPD step of backbone `name` with random weights at rollouts × tokens: peak memory, generation tokens/s,
     composer encoding, teacher + student forward/backward, and model FLOPs utilisation against the bf16 peak.
-    The forward and the loss are train.py's (`lopd.micro_batch_objective`), with --loss-chunk as given."""
+    The forward and the loss are train.py's (`lopd.micro_batch_objective`), with --loss-chunk as given. `tok`: the
+    tokenizer that renders the prompts (default: the toy's, built offline)."""
     import random
     from transformers import AutoConfig, AutoModelForCausalLM
     from composer import Composer, ComposerConfig
     cuda = torch.cuda.is_available()
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     tasks, _ = tool_world.make_splits(0, rollouts, 1)
-    tok = toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(200, 0), 0))
+    tok = tok if tok is not None else toy.build_tokenizer(toy.corpus_texts(toy.demo_tasks(200, 0), 0))
     config = (toy.toy_config(tok) if name == "toy" else arch_config(name) if name in ARCHS else
               AutoConfig.for_model("qwen3", **SMALL_QWEN3_VOCAB))
     with device:
@@ -757,7 +759,7 @@ def bench_arch(name: str, rollouts: int, tokens: int, micro_batch: int, student_
             mb = slice(i, i + micro_batch)
             lat = clock("compose", lambda: lopd.compose(composer, tasks[mb], exps[mb]))
             loss, _ = clock("teacher + student forward", lambda: lopd.micro_batch_objective(
-                student, composer, chat, eps[mb], (lat, lat.detach()), torch.ones(len(eps[mb])), eq, cfg))
+                student, composer, chat, eps[mb], (lat, lat.detach()), torch.ones(len(eps[mb])), eq=eq, cfg=cfg))
             clock("backward", lambda: (loss.backward(), sync()))
         trained = [p for o in opts for g in o.param_groups for p in g["params"] if p.grad is not None]
         finite = bool(trained) and all(bool(torch.isfinite(p.grad).all()) for p in trained)
@@ -1045,28 +1047,37 @@ def bench_pretrain(steps: int = 40):
     print(f"build + both evaluations: {build + evals:.0f} s (target: 120 s; {(build + evals) / 120:.1f}x over)")
 
 
-def gpu_check(out: str, timeout: int = 300):
+def gpu_check(out: str, timeout: int = 300, assets: str | None = None):
     """The checks a lent GPU runs, in one command and nothing downloaded (random weights from the configs in ARCHS,
-    the toy tokenizer built offline, the toy world): the chunked loss against a chunked cross-entropy at Qwen3's
-    vocabulary; one LOPD iteration of Qwen3-4B with long rollouts, full and LoRA student (peak memory, generation
-    tokens/s, step time, MFU, finite gradients with left-padded rows); a short end-to-end toy run on the device
-    whose every step must not be skipped. Without a GPU the same sequence runs at toy size on CPU (a test runs it)."""
+    the toy world; prompts rendered by Qwen3's real tokenizer and template where `python -m scripts.assets` built
+    them into `assets`, default assets/offline, else by the toy tokenizer built offline): the chunked loss against a
+    chunked cross-entropy at Qwen3's vocabulary; one LOPD iteration of Qwen3-4B with long rollouts, full and LoRA
+    student (peak memory, generation tokens/s, step time, MFU, finite gradients with left-padded rows); a short
+    end-to-end toy run on the device whose every step must not be skipped, retrieving by the backbone's own
+    embeddings (MiniLM's package stays behind: scripts/assets.py). Without a GPU the same sequence runs at toy size
+    on CPU, a small Qwen3 with the whole vocabulary where the tokenizer is there (tests/test_assets.py runs it)."""
     import json
     import os
     import subprocess
     import sys
+    from transformers import AutoTokenizer
+    from scripts import assets as offline
     cuda = torch.cuda.is_available()
-    arch, rollouts, tokens, chunk = ("qwen3-4b", 8, 8192, 1024) if cuda else ("toy", 4, 48, 16)
+    folder = offline.offline_tokenizer(assets)
+    tok = AutoTokenizer.from_pretrained(folder) if folder else None
+    print(f"prompts: {'Qwen3 tokenizer and template from ' + folder if folder else 'the toy tokenizer'}")
+    small = "qwen3-vocab" if tok else "toy"
+    arch, rollouts, tokens, chunk = ("qwen3-4b", 8, 8192, 1024) if cuda else (small, 4, 48, 16)
     bench_fused_loss(4096 if cuda else 64, 2560 if cuda else 32, 151936 if cuda else 1000, 20, chunk, 3 if cuda else 1)
     for lora in (False, True):
-        bench_arch(arch, rollouts, tokens, 2, lora, True, chunk)
+        bench_arch(arch, rollouts, tokens, 2, lora, True, chunk, tok)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     run = os.path.join(out, "toy")
     cmd = [sys.executable, "train.py", "--device", "cuda" if cuda else "cpu", "--out", run, "--n-train", "48",
            "--n-test", "8", "--cold-steps", "5", "--steps", "3", "--rollouts-per-step", "8", "--micro-batch", "4",
-           "--eval-every", "0", "--loss-chunk", "32"]
+           "--eval-every", "0", "--loss-chunk", "32", "--embedder", "backbone"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
     steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if done.returncode == 0 else []

