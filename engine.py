@@ -51,7 +51,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import inject
 import losses
-from runtime import models, parallel
+from runtime import memory, models, parallel
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -815,16 +815,19 @@ def student_logprobs(student, tokenizer, eps, device, loss_chunk: int = 0):
 def micro_batches(eps, size: int, token_budget: int = 0) -> list[slice]:
     """The forward/backward passes of a batch, as consecutive slices of its episodes: at most `size` episodes each,
     and with a token budget at most as many as fit in it, counted as a padded batch (rows × the longest episode; at
-    least one). Losses are normalised by the whole batch's counts, so any split gives the same gradient. Under
-    torchrun every rank runs as many as the busiest one (a sharded model's forward is a collective): the extra ones
-    are empty."""
+    least one), an episode longer than memory.SHARED_FORWARD_TOKENS alone. Losses are normalised by the whole
+    batch's counts, so any split gives the same gradient. Under torchrun every rank runs as many as the busiest one
+    (a sharded model's forward is a collective): the extra ones are empty."""
     if not token_budget:
         out = [slice(i, i + size) for i in range(0, len(eps), size)]
     else:
         out, start, longest = [], 0, 0
         for i, e in enumerate(eps):
             longest = max(longest, len(e.ids))
-            if i > start and (longest * (i + 1 - start) > token_budget or i - start == size):   # e opens the next
+            # e opens the next: over the budget, over `size`, or too long to share a forward (its padding would make
+            # SDPA build a (B, 1, T, T) mask: memory.SHARED_FORWARD_TOKENS)
+            if i > start and (longest * (i + 1 - start) > token_budget or i - start == size or
+                              longest > memory.SHARED_FORWARD_TOKENS):
                 out.append(slice(start, i))
                 start, longest = i, len(e.ids)
         out.append(slice(start, len(eps)))

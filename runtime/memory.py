@@ -173,24 +173,98 @@ def conversation_tokens(args, prompt: int) -> int:
     return min(args.max_len, prompt + args.max_env_steps * (args.max_new_tokens + OBSERVATION_TOKENS))
 
 
-def layer_activation_bytes(config, elem: int = 2) -> int:
-    """What one decoder layer keeps for its backward, per token, in an `elem`-byte dtype, with SDPA attention:
-    (16·d + 10·(q width) + 10·(k/v width) + 8·(MLP width)) · elem / 2 bytes. Measured on HF's Qwen3 in bf16 by
-    `bench.check_plan` (fitted on six shapes); Korthikanti et al.'s 34·d (a GPT layer, a 4·d MLP) is half of it."""
-    d, I = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return (16 * d + 10 * config.num_attention_heads * head_dim + 10 * kv_heads * head_dim + 8 * I) * elem // 2
+@dataclass(frozen=True)
+class Mix:
+    """The dtypes of one side of a training step (a forward that is back-propagated) and what trains in it, which fix
+    what autograd saves a token (`layer_activation_bytes`)."""
+    stream: int        # bytes of an element of the residual stream and the norms' outputs: the weights' dtype
+    compute: int       # of a linear's output and what SDPA reads: bf16 (2) under autocast, else the stream's
+    trains: str        # all (a full student) | lora (adapters on the seven projections, a frozen base) | none (the
+                       # teacher: gradients reach only its inputs, the latents)
+    cast: int = 0      # bytes of the copy of its input each linear (or adapter) makes for itself: bf16 (2) under
+                       # autocast over fp32 weights, fp32 (4) where peft casts a bf16 input to its fp32 adapter
+                       # without autocast; 0: the linears that read one tensor share it
+    lora_r: int = 0
 
 
-def activation_bytes_per_token(config, checkpointing: bool, elem: int = 2) -> int:
-    """The activations of one token through the decoder: every layer's `layer_activation_bytes` and ~8·d outside
-    them (the final norm) without recomputation; with checkpointing each layer's input (2·d), ~6·d outside, and one
-    layer's activations while it is recomputed (bf16 figures, scaled by elem / 2)."""
-    d, L = config.hidden_size, config.num_hidden_layers
+def step_mixes(elem: int, student_lora_r: int = 0, composer_r: int = 8) -> tuple:
+    """(student, teacher, encoder) `Mix`es of a run whose backbone θ̄ has `elem`-byte weights. bf16 (CUDA, or CPU's
+    --dtype bfloat16): a full student is fp32 under bf16 autocast (`precision`), a LoRA student fp32 adapters on
+    the bf16 base under it; the encoder runs θ̄ and the composer's fp32 LoRA with autocast off (composer.py). fp32
+    (the CPU): everything fp32, no autocast, nothing cast."""
+    half = elem == 2
+    student = (Mix(2, 2, "lora", 2 if half else 0, student_lora_r) if student_lora_r else
+               Mix(4, 2 if half else 4, "all", 2 if half else 0))
+    return student, Mix(elem, elem, "none"), Mix(elem, elem, "lora", 4 if half else 0, composer_r)
+
+
+def _widths(config) -> tuple:
+    """(d, q width, k/v width, MLP width, heads, k/v heads, head_dim) of a decoder's config."""
+    d, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return d, heads * head_dim, kv_heads * head_dim, config.intermediate_size, heads, kv_heads, head_dim
+
+
+def layer_activation_bytes(config, elem: int = 2, mix: Mix | None = None) -> int:
+    """What one decoder layer (HF's Qwen3/Llama, SDPA) saves for its backward, per token, in `mix` (default: every
+    weight trains in `elem` bytes, no autocast). Traced tensor by tensor on HF's Qwen3 (bench.check_plan measures
+    it per mix); the sum of `_norm_bytes`, SDPA and the MLP, and `_linear_input_bytes`."""
+    mix = mix or Mix(elem, elem, "all")
+    d, q, kv, I, h, _, _ = _widths(config)
+    c = mix.compute
+    # SDPA: q, k, v and its output in the compute dtype, its log-sum-exp fp32 a head; the MLP: gate's output (SiLU's
+    # input), SiLU's output and up's output
+    core = c * (2 * q + 2 * kv) + 4 * h + 3 * c * I
+    lora = 7 * mix.lora_r * (mix.cast or c) if mix.trains == "lora" else 0      # each adapter's A output, r wide
+    return _norm_bytes(config, mix) + core + _linear_input_bytes(config, mix) + lora
+
+
+def _norm_bytes(config, mix: Mix) -> int:
+    """A layer's four RMSNorms (two over d, q_norm, k_norm), per token: each keeps its input upcast to fp32 (4 bytes
+    an element, whatever the dtype: HF's norms compute in fp32) and 1/rms (4 bytes a row, a row a head for q/k);
+    a trained norm weight also keeps its normalized input, in the input's dtype (the stream's for the d-wide
+    norms, the compute dtype for q and k)."""
+    d, q, kv, _, h, kvh, _ = _widths(config)
+    weights = 2 * mix.stream * d + mix.compute * (q + kv) if mix.trains == "all" else 0
+    return 4 * (2 * d + q + kv) + 4 * (2 + h + kvh) + weights
+
+
+def _linear_input_bytes(config, mix: Mix) -> int:
+    """The inputs a layer's linears keep for their weights' (or adapters') gradients, per token. Shared (`mix.cast`
+    0): the two norms' outputs (q/k/v read one, gate/up the other; o reads SDPA's output, kept already) and down's
+    input. Cast: five d-wide copies (q, k, v, gate, up each cast its own), and under a LoRA o's and down's own;
+    a full student's o and down read bf16 already (autocast's cast is then the tensor itself)."""
+    d, q, _, I, _, _, _ = _widths(config)
+    if mix.trains == "none":
+        return 0                                        # frozen weights: a linear keeps only its weight
+    if not mix.cast:
+        return 2 * mix.stream * d + mix.compute * I
+    own = mix.cast * (q + I) if mix.trains == "lora" else mix.compute * I
+    return 5 * mix.cast * d + own
+
+
+def activation_bytes_per_token(config, checkpointing: bool, elem: int = 2, mix: Mix | None = None) -> int:
+    """The activations of one token through the decoder in `mix` (default as `layer_activation_bytes`): every layer's
+    without recomputation, with checkpointing each layer's input (the residual stream) and one layer's while it is
+    recomputed; outside the layers the final norm (`_norm_bytes`' terms over d), a trained embedding's ids, and
+    without checkpointing RoPE's cos and sin (the stream's dtype; a checkpointed layer keeps its inputs, not them)."""
+    mix = mix or Mix(elem, elem, "all")
+    d, L, hd = config.hidden_size, config.num_hidden_layers, _widths(config)[6]
+    # final norm: fp32 input and 1/rms, a trained weight's normalized input; ids int64
+    outside = 4 * d + 4 + (mix.stream * d + 8 if mix.trains == "all" else 0)
+    layer = layer_activation_bytes(config, elem, mix)
     if checkpointing:
-        return (2 * d * L + 6 * d) * elem // 2 + layer_activation_bytes(config, elem)
-    return layer_activation_bytes(config, elem) * L + 8 * d * elem // 2
+        return outside + mix.stream * d * L + layer                   # each layer's input (T, d), one layer again
+    return outside + 2 * hd * mix.stream + layer * L                  # cos, sin (T, head_dim) each
+
+
+def backward_bytes_per_token(config, mix: Mix) -> int:
+    """What a backward holds beside the saved activations while one layer back-propagates, per token: the gradients
+    of its MLP's three (T, MLP width) intermediates in the compute dtype and of the residual stream into and out of
+    it in the stream's. A layer at a time, so it is counted once, not per layer. Measured with the saved terms as a
+    forward and backward's peak (bench.check_plan's step peaks)."""
+    return 3 * config.intermediate_size * mix.compute + 2 * config.hidden_size * mix.stream
 
 
 def loss_bytes_per_row(config) -> int:
@@ -199,11 +273,26 @@ def loss_bytes_per_row(config) -> int:
     return 6 * 4 * config.vocab_size
 
 
-def kv_bytes_per_token(config, elem: int = 2) -> int:
-    """Generation's KV cache: keys and values of every layer. Qwen3-4B in bf16: 2·36·8·128·2 = 147 KB a token."""
+def kv_bytes_per_token(config, elem: int = 2, mix: Mix | None = None) -> int:
+    """Generation's KV cache: keys and values of every layer. Qwen3-4B in bf16: 2·36·8·128·2 = 147 KB a token. In
+    `mix`: keys leave k_norm in the promotion of its weight's dtype (the stream's) and the compute dtype, values
+    leave v_proj in the compute dtype: a full student under autocast caches fp32 keys and bf16 values."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * elem
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    key, value = (max(mix.stream, mix.compute), mix.compute) if mix else (elem, elem)
+    return config.num_hidden_layers * kv * (key + value)
+
+
+def weight_cast_bytes(model, mix: Mix, sharded: bool = False) -> dict:
+    """{checkpointing: bytes} a full student under autocast keeps beside its activations: with the autocast cache off
+    (`precision`) every linear casts its fp32 weight to bf16 at each forward, and the cast is saved for the input's
+    gradient until the backward, 2 bytes a decoder-layer linear weight (one layer's while it is recomputed). None
+    for a `sharded` student: FSDP2 gathers its layers in bf16 (`footprint`'s gathered)."""
+    if mix.trains != "all" or not mix.cast or sharded:
+        return {False: 0, True: 0}
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]
+    per_layer = sum(m.weight.numel() for m in layers[0].modules() if isinstance(m, torch.nn.Linear)) if layers else 0
+    return {False: mix.cast * per_layer * len(layers), True: mix.cast * per_layer}
 
 
 def kv_budget_batch(config, budget_gb: float, max_len: int, elem: int = 2) -> int:
@@ -237,22 +326,63 @@ class Costs:
     generating: int = 0     # held only while generating: an FSDP2 student gathered whole
     engine_batch: tuple | None = None   # --engine vllm: (conversations, bound) of `vllm_batch`; its cache is resident
     decoder: int = 0     # while the student generates: its bf16 copy (`models.decoding_copy`), beside the KV caches
+    casts: dict = dataclasses.field(default_factory=lambda: {False: 0, True: 0})   # {checkpointing: bytes} of a
+                         # training step whatever its tokens: the full student's bf16 weight casts (`weight_cast_bytes`)
+    optimizer: int = 0   # AdamW's step, after the backward freed the activations: its temporary (`OPTIMIZER_TEMP`)
+
+    def training(self, tokens: int, ckpt: bool) -> int:
+        """Bytes of a training step of `tokens` tokens: the resident states, then the larger of the backward's peak
+        (the fixed terms, the weight casts, a rollout's experiences, the tokens' activations) and AdamW's temporary,
+        which comes once the backward has freed the activations."""
+        backward = self.fixed + self.casts[ckpt] + self.per_row[ckpt] + tokens * self.per_token[ckpt]
+        return self.resident + max(backward, self.optimizer)
 
 
-def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max_len: int) -> Costs:
-    """The terms of the plan for a backbone of `config` computing in `elem`-byte precision with `trained` trained
-    parameters on this rank (its shard of the student, and the composer): 16 bytes each (fp32 weight, gradient,
-    AdamW m and v); every supervised token goes through the student and the teacher, each rollout's J experiences
-    through the encoder; the loss is C rows × ~6 fp32 (V,) tensors chunked, both sides' (T, V) logits in full; a
-    generating conversation of `max_len` priced tokens (`conversation_tokens`) holds their KV cache."""
-    sides = {ck: 2 * activation_bytes_per_token(config, ck, elem) for ck in (False, True)}
+# torch.optim.AdamW as train.py builds it (foreach left to torch: on with CUDA tensors, off on the CPU) allocates a
+# temporary of all its parameters' size at every step on CUDA (torch._foreach_sqrt of v, then divided in place), 4
+# bytes a trained fp32 parameter; on the CPU its per-parameter loop holds one parameter's. Measured on the CPU with
+# foreach=True forced (bench.check_plan: 100 M parameters, +400 MB at each step). Counted rather than removed
+# (fused=True has none, but is untested here on FSDP2's DTensors): the plan counts 4 bytes a trained parameter.
+OPTIMIZER_TEMP = 4
+
+# A forward of several rows pads them to the longest (engine.pack), and SDPA then takes a (B, 1, T, T) mask and leaves
+# its fused kernels for one that reads it: on CUDA the bool mask and a bias of the compute dtype made of it (2 rows of
+# 38k tokens: 2.9 GB and 5.8 GB); on the CPU its math path, which keeps scores a head (measured: 3.8 bytes a B·T²
+# element for fp32, 3 heads, 4 layers, checkpointing; 14.6 without). A forward of one row is not padded and takes
+# none. So a row longer than SHARED_FORWARD_TOKENS goes through a forward of its own (engine.micro_batches, where the
+# plan sets a token budget), and the shorter rows that share one are priced at their mask's bound: rows·T ≤ the token
+# budget and T ≤ SHARED_FORWARD_TOKENS, so rows·T² ≤ budget × SHARED_FORWARD_TOKENS elements of (1 + elem) bytes:
+# a per-token term (`mask_bytes_per_token`). The CPU's math path is above that bound; there a forward is capped at
+# CPU_TOKENS, and the bound is checked by bench.check_plan.
+SHARED_FORWARD_TOKENS = 2048
+
+
+def mask_bytes_per_token(elem: int) -> int:
+    """The padded mask's bound per token of a forward's budget: SHARED_FORWARD_TOKENS elements of a bool and an
+    `elem`-byte bias (see above)."""
+    return (1 + elem) * SHARED_FORWARD_TOKENS
+
+
+def step_costs(config, elem: int, trained: int, n_ret: int, loss_chunk: int, max_len: int,
+               mixes: tuple | None = None) -> Costs:
+    """The terms of the plan for a backbone of `config` with `elem`-byte weights and `trained` trained parameters
+    on this rank (its shard of the student, and the composer): 16 bytes each (fp32 weight, gradient, AdamW m and
+    v), and AdamW's temporary; every supervised token, with the padded mask's share (`mask_bytes_per_token`) and a
+    layer's backward (`backward_bytes_per_token`), goes through the student and the teacher, each rollout's J
+    experiences through the encoder, each side in its own `Mix` (`mixes`: (student, teacher, encoder), default
+    `step_mixes(elem)`); the loss is C rows × ~6 fp32 (V,) tensors chunked, both sides' (T, V) logits in full; a
+    generating conversation of `max_len` priced tokens (`conversation_tokens`) holds the student's KV cache."""
+    student, teacher, encoder = mixes or step_mixes(elem)
+    side = lambda mix, ck: activation_bytes_per_token(config, ck, elem, mix)              # noqa: E731
+    sides = {ck: side(student, ck) + side(teacher, ck) for ck in (False, True)}
+    backward = max(backward_bytes_per_token(config, m) for m in (student, teacher))   # one layer's, at a time
     full_logits = 0 if loss_chunk else 2 * config.vocab_size * (elem + 8)        # logits, log-probs, a gradient
-    kv = kv_bytes_per_token(config, elem)
+    kv = kv_bytes_per_token(config, elem, student)
     return Costs(resident=16 * trained,
-                 per_token={ck: b + full_logits for ck, b in sides.items()},
-                 per_row={ck: n_ret * EXPERIENCE_TOKENS * b // 2 for ck, b in sides.items()},
+                 per_token={ck: b + backward + full_logits + mask_bytes_per_token(elem) for ck, b in sides.items()},
+                 per_row={ck: n_ret * EXPERIENCE_TOKENS * side(encoder, ck) for ck in (False, True)},
                  fixed=loss_bytes_per_row(config) * loss_chunk,
-                 per_conversation=max_len * kv, kv_token=kv)
+                 per_conversation=max_len * kv, kv_token=kv, optimizer=OPTIMIZER_TEMP * trained)
 
 
 class NoFit(UserError):
@@ -327,9 +457,11 @@ def plan_memory(costs: Costs, free: int, max_len: int, given: dict, cap: int | N
     conversation cannot train, or generate, even alone; a note when a given budget will not fit."""
     grad_ckpt, token_budget, gen_batch = given["grad_ckpt"], given["token_budget"], given["gen_batch"]
     room = int(HEADROOM * free) - costs.resident - costs.fixed
-    tokens = {ck: (room - costs.per_row[ck]) // costs.per_token[ck] for ck in (False, True)}
+    # the optimizer's temporary comes after the backward has freed the step's activations: either may be the peak
+    tokens = {ck: (room - costs.per_row[ck] - costs.casts[ck]) // costs.per_token[ck] if
+              costs.optimizer <= room + costs.fixed else -1 for ck in (False, True)}
     ckpt = grad_ckpt if grad_ckpt is not None else tokens[False] < max_len
-    longest = costs.resident + costs.fixed + costs.per_row[ckpt] + max_len * costs.per_token[ckpt]
+    longest = costs.training(max_len, ckpt)
     generating = room + costs.fixed - costs.generating - costs.decoder   # the loss's chunk freed, the copy made
     _check_one_fits(costs, free, max_len, tokens[ckpt], generating)
     where = f"{_size(HEADROOM * free)} planned of {_size(free)} free"
@@ -356,11 +488,12 @@ def _check_one_fits(costs: Costs, free: int, n: int, tokens: int, generating: in
     if n <= largest:
         return
     states = f"the trained weights, their gradients and AdamW states ({_size(costs.resident)})"
-    train = costs.resident + costs.fixed + costs.per_row[True] + n * costs.per_token[True]
+    train = costs.training(n, True)
     generate = costs.resident + costs.generating + n * costs.kv_token
     if tokens < 1:
-        raise NoFit(f"{states}, a step's fixed terms ({_size(costs.fixed)}) and a rollout's experiences in the "
-                    f"encoder ({_size(costs.per_row[True])}) leave no room for one conversation: no --max-len fits",
+        raise NoFit(f"{states}, a step's fixed terms ({_size(costs.fixed + costs.casts[True])}), AdamW's temporary "
+                    f"({_size(costs.optimizer)}) and a rollout's experiences in the encoder "
+                    f"({_size(costs.per_row[True])}) leave no room for one conversation: no --max-len fits",
                     0, free, train, "train")
     if largest == 0:
         raise NoFit(f"{states} and the student gathered whole to generate ({_size(costs.generating)}) leave no room "
@@ -405,10 +538,12 @@ def _plan(p: Planning, ranks: int = 0) -> MemoryPlan:
     args, config, foot = p.args, p.model.config, p.footprint_of(p.args, ranks)
     elem = next(p.model.parameters()).element_size()        # the precision forwards run in: bf16 2, fp32 4
     n, free = conversation_tokens(args, p.prompt), p.machine.limit - foot.backbone
-    costs = step_costs(config, elem, foot.trained, args.n_ret, args.loss_chunk, n)
+    mixes = step_mixes(elem, args.student_lora_r if args.student_lora else 0, p.trains.lora_r)
+    costs = step_costs(config, elem, foot.trained, args.n_ret, args.loss_chunk, n, mixes)
     decoder = 0 if ranks > 1 else decoding_copy_bytes(args, p.model, elem)     # torchrun's ranks decode sharded
     costs = dataclasses.replace(costs, fixed=costs.fixed + elem * foot.gathered[0],
-                                generating=elem * foot.gathered[1], decoder=decoder)
+                                generating=elem * foot.gathered[1], decoder=decoder,
+                                casts=weight_cast_bytes(p.model, mixes[0], sharded=bool(foot.gathered[0])))
     if args.engine == "vllm":           # the engine's own fp32 copy of the weights and its KV cache, for the whole run
         kv, weights = serving.engine_kv_bytes(args, free), 4 * sum(t.numel() for t in p.model.parameters())
         in_flight = min(args.max_len, args.max_env_steps * args.max_new_tokens)     # what a conversation's replies add

@@ -36,6 +36,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
+import os
+import sys
 import time
 
 import torch
@@ -344,11 +347,12 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
     student = n["lora"] // 8 * student_r if student_lora else P                     # train.py --student-lora-r
     trained = n["lora"] + n["qformer"] + student                                    # composer φ + student θ
     weights = 2 * P + 4 * trained                                                   # θ̄ bf16, trained fp32
-    per_tok = memory.activation_bytes_per_token(config, checkpointing)
-    act_tokens = rollouts * tokens * 2 + rollouts * n_ret * exp_tokens             # student + teacher, encoder
+    mixes = memory.step_mixes(2, student_r if student_lora else 0)                 # student, teacher, encoder
+    side = [memory.activation_bytes_per_token(config, checkpointing, mix=m) for m in mixes]
+    activations = rollouts * tokens * (side[0] + side[1]) + rollouts * n_ret * exp_tokens * side[2]
     loss = memory.loss_bytes_per_row(config) * loss_chunk if loss_chunk else 2 * rollouts * tokens * V * (2 + 4)
     out = {"weights": weights / GB, "gradients": 4 * trained / GB, "optimizer": 8 * trained / GB,
-           "activations": per_tok * act_tokens / GB, "loss": loss / GB,
+           "activations": activations / GB, "loss": loss / GB,
            "kv cache": gen_batch * tokens * memory.kv_bytes_per_token(config) / GB}
     out["training"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "activations", "loss"))
     embed = 0 if config.tie_word_embeddings else V * config.hidden_size             # kept fp32, shared
@@ -359,37 +363,82 @@ def memory_plan(config, student_lora: bool, rollouts: int = 1, tokens: int = 409
 
 
 def check_plan(tokens: int = 512, chunk: int = 256) -> dict:
-    """Each per-token term of `memory_plan` against a measurement on CPU, on a small random Qwen3 with Qwen3's
-    vocabulary (a shape the activation constants were not fitted on), bf16: activations (bytes of the tensors
-    autograd saves for backward, weights excluded, between `tokens` and 2·`tokens`; without checkpointing, and the
-    inputs checkpointing keeps), the KV cache (the cache's tensors after a forward) and the chunked loss (peak RSS
-    over its baseline while one chunk of `chunk` rows goes forward and backward; /proc/self/clear_refs resets the
-    peak). -> {term: (measured, planned)}, bytes per token (per row for the loss)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Each per-token term of the plan against a measurement on CPU, on a small random Qwen3 with Qwen3's vocabulary
+    (d 192, q 192, k/v 96, 3 layers), for each dtype mix a run uses (`plan_mixes`): activations (bytes of the
+    tensors autograd saves for backward, weights excluded, between `tokens` and 2·`tokens`; without checkpointing,
+    and the inputs checkpointing keeps), the KV cache (the cache's tensors after a forward in the mix); once, the
+    chunked loss (peak RSS over its baseline while one chunk of `chunk` rows goes forward and backward;
+    /proc/self/clear_refs resets the peak) and AdamW's temporary a parameter (`_adamw_temporary`).
+    CPU autocast's op lists differ from CUDA's; what matters here is the same on both: linear/matmul and SDPA run in
+    bf16 (their inputs cast, and saved, in bf16), and HF's RMSNorm upcasts to fp32 itself, whatever the lists.
+    -> {mix: {term: (measured, planned)}}, bytes per token (per row for the loss, per parameter for AdamW)."""
+    from transformers import AutoConfig
     cfg = AutoConfig.for_model("qwen3", **{**SMALL_QWEN3_VOCAB, "hidden_size": 192, "intermediate_size": 640,
-                                           "num_hidden_layers": 3, "num_attention_heads": 3, "head_dim": 64})
+                                           "num_hidden_layers": 3, "num_attention_heads": 4,
+                                           "num_key_value_heads": 2, "head_dim": 48})
     cfg._attn_implementation = "sdpa"
+    out = {name: _check_mix(cfg, build, mix, autocast, tokens) for name, (build, mix, autocast) in
+           plan_mixes(cfg).items()}
+    out["once"] = {"loss, per row of a chunk": (_loss_peak(cfg, chunk) / chunk, memory.loss_bytes_per_row(cfg)),
+                   "AdamW's temporary, a parameter": (_adamw_temporary(), memory.OPTIMIZER_TEMP)}
+    return out
+
+
+def plan_mixes(cfg, lora_r: int = 16) -> dict:
+    """{name: (build the model, its memory.Mix, under bf16 autocast?)}: the sides of a step as a run has them (the
+    full student on the CPU and on CUDA, the teacher θ̄, a LoRA student; `memory.step_mixes`)."""
+    cpu, _, _ = memory.step_mixes(4)
+    full, teacher, _ = memory.step_mixes(2)
+    lora = memory.step_mixes(2, lora_r)[0]
+    return {"fp32 student, no autocast (CPU)": (lambda: _random_model(cfg, torch.float32), cpu, False),
+            "fp32 student under bf16 autocast (CUDA)": (lambda: _random_model(cfg, torch.float32), full, True),
+            "bf16 θ̄, frozen (the teacher)": (lambda: _random_model(cfg, torch.bfloat16, frozen=True), teacher, True),
+            "LoRA student on bf16 θ̄ under autocast": (lambda: _lora_student(cfg, lora_r), lora, True)}
+
+
+def _random_model(cfg, dtype, frozen: bool = False):
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    out = {}
-    for ckpt in (False, True):
-        if ckpt:
-            models.checkpointing(model)
-        slope = (_saved_bytes(model, 2 * tokens) - _saved_bytes(model, tokens)) / tokens
-        saved = memory.activation_bytes_per_token(cfg, ckpt) - (memory.layer_activation_bytes(cfg) if ckpt else 0)
-        out["activations, checkpointing (kept inputs)" if ckpt else "activations"] = (slope, saved)
-    with torch.no_grad():
-        cache = model.eval()(torch.zeros(1, tokens, dtype=torch.long), use_cache=True).past_key_values
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    return model.requires_grad_(not frozen)
+
+
+def _lora_student(cfg, r: int):
+    """models.LoraStudent as train.py builds it: a student adapter beside the composer's on a frozen bf16 θ̄."""
+    from peft import LoraConfig, get_peft_model
+    from composer import ComposerConfig
+    c = ComposerConfig()
+    lora = LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, target_modules=list(c.lora_targets), lora_dropout=0.0,
+                      bias="none", task_type="CAUSAL_LM")
+    peft = get_peft_model(_random_model(cfg, torch.bfloat16, frozen=True), lora, adapter_name=c.adapter_name)
+    return models.LoraStudent(peft, r)
+
+
+def _check_mix(cfg, build, mix, autocast: bool, tokens: int) -> dict:
+    """The activation and KV terms of one mix: measured (`_saved_bytes`, the cache) against runtime's."""
+    model, out = build(), {}
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast, cache_enabled=False):
+        for ckpt in (False, True):
+            if ckpt:
+                models.checkpointing(getattr(model, "peft", model))
+            slope = (_saved_bytes(model, 2 * tokens) - _saved_bytes(model, tokens)) / tokens
+            plan = memory.activation_bytes_per_token(cfg, ckpt, mix=mix)
+            kept = plan - (memory.layer_activation_bytes(cfg, mix=mix) if ckpt else 0)
+            out["activations, checkpointing (kept inputs)" if ckpt else "activations"] = (slope, kept)
+        with torch.no_grad():
+            cache = model.eval()(input_ids=torch.zeros(1, tokens, dtype=torch.long), use_cache=True).past_key_values
     kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    out["KV cache"] = (kv / tokens, memory.kv_bytes_per_token(cfg))
-    out["loss, per row of a chunk"] = (_loss_peak(cfg, chunk) / chunk, memory.loss_bytes_per_row(cfg))
+    out["KV cache"] = (kv / tokens, memory.kv_bytes_per_token(cfg, mix=mix))
     return out
 
 
 def _saved_bytes(model, tokens: int) -> int:
     """Bytes autograd keeps for the backward of one forward of `tokens` tokens through the decoder (the LM head is
-    the loss's: `loss, per row`), each storage once, the weights excluded."""
+    the loss's: `loss, per row`), each storage once, the weights excluded. The embeddings require grad where the
+    model's weights do not (the teacher: its gradient reaches the latents injected there)."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    if hasattr(model, "peft"):                                         # a LoraStudent: its base's weights too
+        weights |= {p.untyped_storage().data_ptr() for p in model.peft.parameters()}
     seen = {}
 
     def pack(t):
@@ -397,12 +446,39 @@ def _saved_bytes(model, tokens: int) -> int:
         if ptr not in weights:
             seen[ptr] = t.untyped_storage().nbytes()
         return t
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    base = getattr(model, "peft", model)
+    ids = torch.randint(0, base.config.vocab_size, (1, tokens))
+    embed = base.get_input_embeddings()
+    trains = any(p.requires_grad for p in model.parameters())
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.train()
-        h = model.model(input_ids=ids, use_cache=False).last_hidden_state       # (1, T, d)
+        x = embed(ids).detach().requires_grad_(not trains) if not trains else None      # (1, T, d) the latents' way
+        h = (_decoder(model)(input_ids=ids) if trains else _decoder(model)(inputs_embeds=x)).last_hidden_state
     del h
     return sum(seen.values())
+
+
+def _decoder(model):
+    """The decoder without its LM head, of a HF causal LM or a LoraStudent (its adapter active)."""
+    if hasattr(model, "peft"):
+        decoder = model.peft.get_base_model().model
+        return lambda **kw: model._run(decoder, use_cache=False, **kw)
+    return lambda **kw: model.model(use_cache=False, **kw)
+
+
+def _adamw_temporary(n: int = 25) -> float:
+    """Peak RSS over the baseline of AdamW's second step (m and v exist by then) with foreach on, as on CUDA, over n
+    fp32 parameters of 1 M each: bytes a parameter."""
+    params = [torch.nn.Parameter(torch.randn(1000, 1000)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+    opt.step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _proc_bytes("VmRSS")
+    opt.step()
+    return (_proc_bytes("VmHWM") - base) / (n * 10**6)
 
 
 def _loss_peak(cfg, chunk: int) -> int:
@@ -422,12 +498,80 @@ def _loss_peak(cfg, chunk: int) -> int:
     return _proc_bytes("VmHWM") - base
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # the project, where `scripts` imports
+STEP_PEAK_TOKENS = 2048     # tokens of the forward and backward whose peak check_step_peaks measures
+
+
+def check_step_peaks(tokens: int = STEP_PEAK_TOKENS, layers: int = 3) -> dict:
+    """The plan against a measured peak for each mix (`plan_mixes`), with and without checkpointing: the resident
+    memory's high-water mark over its baseline while one side's forward and backward of `tokens` tokens run through
+    a random Qwen3's decoder (`layers` layers, a vocabulary of 1,000: the LM head is the loss's, checked on its own),
+    its gradients already allocated; against the plan's bytes for it: the tokens' saved activations and a layer's
+    backward (memory.activation_bytes_per_token, memory.backward_bytes_per_token), and a full student's weight casts
+    (memory.weight_cast_bytes). Each in a process of its own with glibc's mmap threshold fixed
+    (MALLOC_MMAP_THRESHOLD_), so that freed blocks leave the resident set and the high-water mark is this step's.
+    -> {mix: {checkpointing: (measured, planned)}}, bytes."""
+    import subprocess
+    out = {}
+    for name in plan_mixes(_peak_config(layers)):
+        for ckpt in (False, True):
+            code = f"from scripts import bench; print(bench._step_peak({name!r}, {ckpt}, {tokens}, {layers}))"
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 check=True)
+            out.setdefault(name, {})[ckpt] = tuple(map(int, res.stdout.split()[-2:]))
+    return out
+
+
+def _peak_config(layers: int):
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("qwen3", vocab_size=1000, hidden_size=192, intermediate_size=640,
+                               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=48)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _step_peak(name: str, ckpt: bool, tokens: int, layers: int) -> str:
+    """'measured planned': one mix's step peak (`check_step_peaks`), the second of two steps (the first allocates
+    the gradients)."""
+    cfg = _peak_config(layers)
+    build, mix, autocast = plan_mixes(cfg)[name]
+    model = build()
+    base = getattr(model, "peft", model)
+    if ckpt:
+        models.checkpointing(base)
+    trains = any(p.requires_grad for p in model.parameters())
+
+    def step():
+        ids = torch.randint(0, cfg.vocab_size, (1, tokens))
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast, cache_enabled=False):
+            model.train()
+            x = None if trains else base.get_input_embeddings()(ids).detach().requires_grad_()   # the latents' way
+            h = _decoder(model)(input_ids=ids) if trains else _decoder(model)(inputs_embeds=x)
+        h.last_hidden_state.float().square().mean().backward()
+    step()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                                                   # VmHWM back to the current RSS
+    before = _proc_bytes("VmRSS")
+    step()
+    planned = tokens * (memory.activation_bytes_per_token(cfg, ckpt, mix=mix) +
+                        memory.backward_bytes_per_token(cfg, mix)) + memory.weight_cast_bytes(base, mix)[ckpt]
+    return f"{_proc_bytes('VmHWM') - before} {planned}"
+
+
 def print_plan_check(tokens: int = 512, chunk: int = 256):
-    print("memory_plan's per-token terms against CPU measurements (Qwen3, d 192, 3 layers, V 151,936, bf16):")
-    print("| term | measured (bytes) | plan (bytes) | measured / plan |")
-    print("|---|---|---|---|")
-    for name, (got, plan) in check_plan(tokens, chunk).items():
-        print(f"| {name} | {got:,.0f} | {plan:,.0f} | {got / plan:.2f} |")
+    print("The plan's per-token terms against CPU measurements (Qwen3, d 192, 3 layers, V 151,936), one block a mix:")
+    for mix, terms in check_plan(tokens, chunk).items():
+        print(f"\n{mix}:\n| term | measured (bytes) | plan (bytes) | measured / plan |\n|---|---|---|---|")
+        for name, (got, plan) in terms.items():
+            print(f"| {name} | {got:,.0f} | {plan:,.0f} | {got / plan:.2f} |")
+    print(f"\nA forward and backward of {STEP_PEAK_TOKENS:,} tokens (3 layers, d 192): its peak (resident memory over the "
+          "baseline) against the plan's bytes for it:\n| mix | checkpointing | measured (MB) | plan (MB) | measured / plan |"
+          "\n|---|---|---|---|---|")
+    for mix, by_ckpt in check_step_peaks().items():
+        for ckpt, (got, plan) in by_ckpt.items():
+            print(f"| {mix} | {'on' if ckpt else 'off'} | {got / 1e6:.1f} | {plan / 1e6:.1f} | {got / plan:.2f} |")
 
 
 def headline_plans(gpus: int = 1) -> list:

@@ -55,7 +55,7 @@ def perturb_lora(peft, adapter):
                 p.normal_(0, 0.05)
 
 
-def models(tok, ckpt: bool, student_kind: str):
+def backbone_and_student(tok, ckpt: bool, student_kind: str):
     """θ̄ with the composer's LoRA, and a student: a full copy of θ̄ (made before the LoRA goes in, as train.py
     does) or a second LoRA adapter on θ̄ (--student-lora). ckpt: models.checkpointing on each, as --grad-ckpt."""
     base = tiny_qwen3(tok)
@@ -146,7 +146,7 @@ def test_real_model_tool_episodes_go_on_after_the_first_reply(tmp_path, capsys):
 def test_checkpointing_gives_the_same_gradients_also_after_an_evaluation(world, student_kind):
     results = {}
     for ckpt in (False, True):
-        base, student, comp = models(world["tok"], ckpt, student_kind)
+        base, student, comp = backbone_and_student(world["tok"], ckpt, student_kind)
         for evaluated in (False, True):
             if evaluated:
                 torch.manual_seed(2)
@@ -175,7 +175,7 @@ def count_layer_calls(layer, adapter_off):
 
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_teacher_encoder_and_student_layers_are_recomputed_in_the_backward(world, ckpt):
-    base, student, comp = models(world["tok"], ckpt, "full")
+    base, student, comp = backbone_and_student(world["tok"], ckpt, "full")
     torch.manual_seed(2)
     evaluation(comp, student, world)
     layer = base.model.layers[0]
@@ -245,7 +245,7 @@ def test_sampling_draws_from_hugging_faces_warped_distribution(temperature, top_
 def test_anchor_is_zero_at_step_zero_under_bf16_autocast(world):
     """train.py caches c_φ0 outside autocast and computes c_φ inside `precision` (bf16 autocast on CUDA); CPU
     autocast to bf16 stands in for the CUDA path here."""
-    _, _, comp = models(world["tok"], False, "full")
+    _, _, comp = backbone_and_student(world["tok"], False, "full")
     tasks, exps = [t.text for t in world["tasks"]], [[e["trace"] for e in es] for es in world["exps"]]
     with torch.no_grad():
         c0 = comp(tasks, exps)                                           # (B, J·K, d) Algorithm 1: cache c_φ0
