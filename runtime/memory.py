@@ -187,14 +187,15 @@ class Mix:
     lora_r: int = 0
 
 
-def step_mixes(elem: int, student_lora_r: int = 0, composer_r: int = 8) -> tuple:
+def step_mixes(elem: int, student_lora_r: int = 0, composer_r: int = 8, sharded: bool = False) -> tuple:
     """(student, teacher, encoder) `Mix`es of a run whose backbone θ̄ has `elem`-byte weights. bf16 (CUDA, or CPU's
     --dtype bfloat16): a full student is fp32 under bf16 autocast (`precision`), a LoRA student fp32 adapters on
     the bf16 base under it; the encoder runs θ̄ and the composer's fp32 LoRA with autocast off (composer.py). fp32
-    (the CPU): everything fp32, no autocast, nothing cast."""
+    (the CPU): everything fp32, no autocast, nothing cast. A full student FSDP2 shards (`sharded`, torchrun) computes
+    in the weights' dtype it gathers (parallel.shard_student: bf16 on CUDA), with nothing cast."""
     half = elem == 2
     student = (Mix(2, 2, "lora", 2 if half else 0, student_lora_r) if student_lora_r else
-               Mix(4, 2 if half else 4, "all", 2 if half else 0))
+               Mix(elem, elem, "all") if sharded else Mix(4, 2 if half else 4, "all", 2 if half else 0))
     return student, Mix(elem, elem, "none"), Mix(elem, elem, "lora", 4 if half else 0, composer_r)
 
 
@@ -538,7 +539,7 @@ def _plan(p: Planning, ranks: int = 0) -> MemoryPlan:
     args, config, foot = p.args, p.model.config, p.footprint_of(p.args, ranks)
     elem = next(p.model.parameters()).element_size()        # the precision forwards run in: bf16 2, fp32 4
     n, free = conversation_tokens(args, p.prompt), p.machine.limit - foot.backbone
-    mixes = step_mixes(elem, args.student_lora_r if args.student_lora else 0, p.trains.lora_r)
+    mixes = step_mixes(elem, args.student_lora_r if args.student_lora else 0, p.trains.lora_r, bool(foot.gathered[0]))
     costs = step_costs(config, elem, foot.trained, args.n_ret, args.loss_chunk, n, mixes)
     decoder = 0 if ranks > 1 else decoding_copy_bytes(args, p.model, elem)     # torchrun's ranks decode sharded
     costs = dataclasses.replace(costs, fixed=costs.fixed + elem * foot.gathered[0],

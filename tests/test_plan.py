@@ -154,7 +154,7 @@ def test_on_141_gb_the_plan_line_says_the_device_and_the_checkpoints_disk(config
     line = plan.line()
     assert line.startswith("memory plan: cuda 150.8 GB total, 149.7 GB free; the run fills at most 141.0 GB "
                            "(--memory), the 8.0 GB backbone included: 113.0 GB planned of the 133.0 GB beside it; ")
-    assert plan.grad_ckpt and "one 40960-token conversation trains in 107.6 GB" in line
+    assert plan.grad_ckpt and "one 40960-token conversation trains in 110.8 GB" in line
     foot = memory.footprint(args, model, train.trains(args, model.config))
     assert plan.checkpoint == foot.checkpoint and 12 * 4.02e9 < plan.checkpoint < 12 * 4.2e9
     assert line.endswith(f"checkpoints 2 × {plan.checkpoint / 1e9:.1f} GB on --out's disk (500.0 GB free)")
