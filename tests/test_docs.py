@@ -127,6 +127,7 @@ OUTSIDE = re.compile(r"DESIGN\.md|lopd-paper[\w-]*\.md|(?:^|[^\w/]|\.\./|/work/)
 # A path that starts at one of the repository's folders (or `paper`, which it does not have), read from the root;
 # `../` makes it relative to the file's folder. runs/ and OUT/ are outputs, not references: never checked.
 ROOTED = re.compile(r"(?<![\w./-])((?:\.\./)*(?:docs|tests|assets|\.ci|paper)/[\w.*<>{}/-]*)")
+OUTPUTS = ("runs/", "OUT/", "assets/offline")       # what a command writes (assets/offline/: python -m scripts.assets)
 LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")             # a markdown link or image: [text](target)
 CITED = re.compile(r',\s*"([^"\n]+)"')                        # `docs/design.md, "Correctness traps"`
 # A README section cited by name: `README "Run and test"`, `README.md, "Status"`, `README's "Reading order"` (the
@@ -200,6 +201,8 @@ def dangling(text: str, folder: str = "", markdown: bool = True) -> list[tuple[i
             found.append((line_of(text, m.start()), f"README.md has no heading {m.group(1)!r}"))
     for m in ROOTED.finditer(text):
         path = m.group(1).rstrip(".")                                   # a sentence may end right after a path
+        if path.startswith(OUTPUTS):
+            continue
         base = os.path.join(ROOT, folder) if path.startswith("../") else ROOT
         cited = CITED.match(text, m.end()) if path.endswith(".md") else None
         if why := check_target(base, path, cited and cited.group(1)):
@@ -213,7 +216,7 @@ def dangling_links(text: str, folder: str) -> list[tuple[int, str]]:
     found = []
     for m in LINK.finditer(text):
         target, _, anchor = m.group(1).partition("#")
-        if not target or "://" in target or target.startswith(("mailto:", "runs/", "OUT/")):
+        if not target or "://" in target or target.startswith(("mailto:", *OUTPUTS)):
             continue
         if why := check_target(os.path.join(ROOT, folder), target, anchor or None):
             found.append((line_of(text, m.start()), why))
@@ -242,6 +245,7 @@ def test_the_reference_check_can_fail():
     # what is not a reference to check: web addresses, anchors, outputs, placeholders, a cluster's shared disk
     fine = ("[web](https://x.org/y.md) [up](#roles-and-memory) [run](runs/toy/results.md) `runs/x/OUT.md`\n"
             "`docs/FILE.md`, `assets/toy-backbone-kK`, tests/fixtures/*.jsonl, --out /shared/runs/q8,\n"
+            "`assets/offline/qwen3-tokenizer/` (built by python -m scripts.assets),\n"
             '[design](docs/design.md#correctness-traps), docs/design.md, "Correctness traps".\n'
             'README "Run and test", README\'s "Reading order", README.md, "Status".\n')
     assert dangling(fine) == []

@@ -207,3 +207,25 @@ def test_a_random_qwen3_with_the_real_tokenizer_trains_and_evaluates_thinking(qw
     assert "| LOPD student |" in res["eval"][0]
     rows = [json.load(open(f)) for f in glob.glob(os.path.join(out, "eval_rows", "*.json"))]
     assert len(rows) >= 3 and all(r["key"]["settings"]["thinking"] for r in rows)     # train's rows, then eval's
+
+
+def test_the_cards_world_with_a_lora_student_plans_for_80_gb_and_trains_a_step(qwen3_tokenizer, tmp_path):
+    """The card's command with --student-lora on an 80 GB device given to the plan (--memory 80): a random Qwen3 with
+    Qwen3's vocabulary and real BPE, no --env (a real --model's world: EnvScaler, the release the tests write), its
+    prompt at its real length (the official system prompt and the environment's tool schemas through Qwen3's
+    template, thinking on). The plan line says the 80 GB, one LOPD step runs and is not skipped."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_envscaler import write_release
+    model, out = qwen3_folder(qwen3_tokenizer, str(tmp_path / "model")), str(tmp_path / "run")
+    release = write_release(tmp_path / "release", "roll", "jsonl")
+    res = run_all({"card": [sys.executable, "train.py", "--model", model, "--tasks", release, "--student-lora",
+                            "--memory", "80", "--out", out, *SMALL]}, tmp_path / "log")
+    said = res["card"][0]
+    assert json.load(open(os.path.join(out, "args.json")))["env"] == "envscaler"
+    plan = next(line for line in said.splitlines() if line.startswith("memory plan: "))
+    assert "the run fills at most 80.0 GB (--memory)" in plan and "thinking mode on" in said, said
+    rec = json.loads(open(os.path.join(out, "base_rollouts.jsonl")).readline())
+    text = AutoTokenizer.from_pretrained(model).decode(rec["ids"][:rec["prompt_len"]])
+    assert text.startswith("<|im_start|>system\n") and "# Tools\n" in text and rec["prompt_len"] > 300   # one tool
+    steps = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"stage": "lopd"' in x]
+    assert [s["step"] for s in steps] == [0] and steps[0]["skipped"] == 0
