@@ -2,9 +2,9 @@
 
 Every file is written into a temp file and renamed over its path (`atomic_open`): a kill leaves the old file or the
 new one. The joint stage saves a checkpoint every --save-every steps (`save_checkpoint`: the student, the composer,
-AdamW's states, β and the random streams), published by one rename after the previous one is kept; the cold start
-saves its own; the evaluation's rows are written one by one and read back after a kill (`read_row`). A run resumes
-with --resume on any number of ranks.
+AdamW's states, β and the random streams), published whole by a rename and then named in LATEST, the older one
+deleted last (`publish`); the cold start saves its own; the evaluation's rows are written one by one and read
+back after a kill (`read_row`). A run resumes with --resume on any number of ranks.
 
     python train.py --steps 4 --save-every 2 --out runs/a && python train.py --steps 4 --out runs/a --resume
     python -m pytest tests/test_train.py -q
