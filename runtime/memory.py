@@ -529,7 +529,7 @@ def memory_plan(p: Planning, ranks: int = 0) -> MemoryPlan:
         plan = _plan(p, ranks)
     except NoFit as err:
         where = budget_words(p.machine, p.footprint_of(p.args, ranks).backbone)
-        raise UserError(f"memory plan: {where}: {err.why}. {advice(p, err)}") from None
+        raise UserError(f"memory plan: {where}: {err.why}. {advice(p, err, ranks)}") from None
     check_disk(p, plan)
     return plan
 
@@ -580,24 +580,25 @@ def refusal(p: Planning, ranks: int = 0) -> NoFit | None:
     return None
 
 
-def advice(p: Planning, err: NoFit) -> str:
-    """What fits instead of the refused settings, each planned again before it is named: the longest --max-len
-    (only where one conversation leaves room), --grad-ckpt where it was turned off, --student-lora (said whether
-    it fits), more GPUs under torchrun (FSDP2 shards a full student; a GPU a rank, so not on a CPU, whose ranks
+def advice(p: Planning, err: NoFit, ranks: int = 0) -> str:
+    """What fits instead of the refused settings on `ranks` ranks (0: this job's), each planned again there before it
+    is named: the longest --max-len (only where one conversation leaves room), --grad-ckpt where it was turned off,
+    --student-lora (said whether it fits), more GPUs under torchrun (FSDP2 shards a full student; a GPU a rank, so not on a CPU, whose ranks
     share its memory), a larger device. Never a flag that cannot help."""
     args, out = p.args, []
     if (n := usable_max_len(p, err.largest)) and fits(_with(p, max_len=n, max_new_tokens=min(args.max_new_tokens,
-                                                                                             n // 2))):
+                                                                                             n // 2)), ranks):
         out.append(f"--max-len {n}")
-    if args.grad_ckpt is False and fits(_with(p, grad_ckpt=True)):
+    if args.grad_ckpt is False and fits(_with(p, grad_ckpt=True), ranks):
         out.append("--grad-ckpt")
-    lora = None if args.student_lora else lora_advice(_with(p, student_lora=True))
+    lora = None if args.student_lora else lora_advice(_with(p, student_lora=True), ranks)
     if lora:
         out.append(lora)
-    if p.machine.type == "cuda" and not args.student_lora and (gpus := fewest_gpus(p)):   # CPU ranks share one memory
+    gpus = fewest_gpus(p, ranks) if p.machine.type == "cuda" and not args.student_lora else 0  # CPU ranks share one
+    if gpus:                                                                                    # memory: none there
         out.append(f"torchrun --nproc-per-node {gpus} (FSDP2 shards the student)" if gpus <= 8 else
                    f"torchrun on {gpus} GPUs (FSDP2 shards the student; --nnodes × --nproc-per-node)")
-    if limit := smallest_limit(p):
+    if limit := smallest_limit(p, ranks):
         out.append(f"a {'card' if p.machine.type == 'cuda' else 'machine'} with {_size_up(limit)} free")
     said = "What fits: " + "; ".join(out) if out else "Nothing the plan knows fits"
     return said + (" (--student-lora does not fit either)" if lora == "" else "")
@@ -613,30 +614,31 @@ def usable_max_len(p: Planning, largest: int) -> int:
     return largest if largest >= p.prompt + min(p.args.max_new_tokens, largest // 2) else 0
 
 
-def lora_advice(p: Planning) -> str | None:
+def lora_advice(p: Planning, ranks: int = 0) -> str | None:
     """--student-lora (in `p`), planned: as given, or with the longest --max-len it leaves; "" where neither fits,
     None where the method cannot take it."""
-    if p.footprint_of(p.args, 0) is None:
+    if p.footprint_of(p.args, ranks) is None:
         return None
     try:
-        _plan(p)
+        _plan(p, ranks)
         return "--student-lora"
     except NoFit as err:
         n = usable_max_len(p, err.largest)
-        if n and fits(_with(p, max_len=n, max_new_tokens=min(p.args.max_new_tokens, n // 2))):
+        if n and fits(_with(p, max_len=n, max_new_tokens=min(p.args.max_new_tokens, n // 2)), ranks):
             return f"--student-lora --max-len {n}"
         return ""
 
 
-def fewest_gpus(p: Planning) -> int:
+def fewest_gpus(p: Planning, ranks: int = 0) -> int:
     """The fewest ranks, more than this job's, on which each rank's plan fits (0: none up to MOST_GPUS)."""
-    return next((n for n in range(max(2, parallel.world() + 1), MOST_GPUS + 1) if fits(p, n)), 0)
+    return next((n for n in range(max(2, (ranks or parallel.world()) + 1), MOST_GPUS + 1) if fits(p, n)), 0)
 
 
-def smallest_limit(p: Planning) -> int:
+def smallest_limit(p: Planning, ranks: int = 0) -> int:
     """The fewest bytes, in whole MB, the run must be able to fill (the backbone included) for its plan to fit (0:
     not even 100 TB): a bisection over `fits`, which only grows with the memory."""
-    grow = lambda mb: fits(dataclasses.replace(p, machine=dataclasses.replace(p.machine, limit=mb * 10**6)))  # noqa
+    grow = lambda mb: fits(dataclasses.replace(p, machine=dataclasses.replace(p.machine, limit=mb * 10**6)),  # noqa
+                           ranks)
     lo, hi = p.machine.limit // 10**6, 10**8
     if not grow(hi):
         return 0

@@ -233,3 +233,30 @@ def test_the_docs_smallest_real_model_command_runs_on_a_40960_context_model(tmp_
     assert f"(one {episode}-token conversation trains in " in res.stdout
     steps = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"stage": "lopd"' in x]
     assert [r["step"] for r in steps] == [0, 1]
+
+
+def test_a_refusal_on_eight_ranks_plans_its_suggestions_on_eight(config_only, tmp_path):
+    """memory_plan(p, ranks=8) of Qwen3-8B's full student on eight 80 GB cards: each suggestion it names fits on
+    eight ranks (the way `bench --where` asks), not on this process's one."""
+    argv = ["--model", config_only, "--out", str(tmp_path / "run"), "--dtype", "bfloat16", "--tasks", RELEASE[0]]
+    args = train.parse_args(argv)
+    cfg = Qwen3Config(architectures=["Qwen3ForCausalLM"], **{**QWEN3_4B, "hidden_size": 4096, "num_hidden_layers": 36,
+                                                               "intermediate_size": 12288})     # Qwen3-8B's shapes
+    model = models.meta_backbone(cfg, torch.bfloat16)
+    card_bytes = 81_559 * 2**20 - 10**9
+    machine = memory.Machine("cuda", total=81_559 * 2**20, free=card_bytes, limit=card_bytes, given=False,
+                             disk=10**12)
+    p = planning(args, model, machine, prompt=4096)
+    with pytest.raises(devices.UserError) as err:
+        memory.memory_plan(p, ranks=8)
+    fits = suggestions(str(err.value))
+    assert fits and all("torchrun" not in s or "nproc-per-node 8 " not in s for s in fits), fits
+    for s in fits:
+        if m := re.fullmatch(r"--max-len (\d+)", s):
+            assert memory.fits(dataclasses.replace(p, args=dataclasses.replace(args, max_len=int(m[1]),
+                                                   max_new_tokens=min(args.max_new_tokens, int(m[1]) // 2))), 8), s
+        elif m := re.fullmatch(r"a card with ([\d.]+) GB free", s):
+            card = lambda gb: dataclasses.replace(p, machine=dataclasses.replace(machine, limit=int(gb * 1e9)))  # noqa
+            assert memory.fits(card(float(m[1])), 8) and not memory.fits(card(float(m[1]) - 0.1), 8), s
+        elif s == "--student-lora":
+            assert memory.fits(dataclasses.replace(p, args=dataclasses.replace(args, student_lora=True)), 8), s
