@@ -113,10 +113,12 @@ class Check:
 # The guard, the files
 # ----------------------------------------------------------------------------------------------------------------
 def run(out: str, size: str | None = None, assets: str | None = None, work: str | None = None) -> bool:
-    """Every leg under its guard, their files under `out`. -> every leg ok?"""
+    """Every leg under its guard, their files under `out`; `work`: the scratch folder (default a temporary one,
+    removed after). -> every leg ok?"""
     os.makedirs(out, exist_ok=True)
     device, dtype = devices.pick_device("auto", "auto")
     chosen = SIZES[size or ("real" if device.type == "cuda" else "toy")]
+    made = work is None
     work = work or tempfile.mkdtemp(prefix="gpu-check-")
     check = Check(chosen, device, dtype, tokenizer_folder(assets, work), work)
     print(f"GPU check, {chosen.name} size on {device} ({dtype}); tokenizer: {check.tokenizer or 'none'}; "
@@ -125,6 +127,8 @@ def run(out: str, size: str | None = None, assets: str | None = None, work: str 
     results = {name: guarded(name, legs[name], check, chosen.budgets[name], out) for name in LEGS}
     check.models.clear()
     write_summary(out, chosen, results)
+    if made:                              # a scratch folder of its own (the saved model: 8 GB at the real size)
+        shutil.rmtree(work, ignore_errors=True)
     return all(r["ok"] for r in results.values())
 
 
