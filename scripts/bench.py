@@ -27,7 +27,8 @@
     python -m scripts.bench --loss --fused --vocab 151936 --rows 4096 --hidden 2560   # the chunked loss vs chunked CE
     python -m scripts.bench --arch qwen3-vocab --rollouts 32 --micro-batch 32 --tokens 256 --loss-chunk 256   # Qwen3's
                                             # vocabulary on CPU: the step's memory with and without --loss-chunk
-    python -m scripts.bench --gpu-check OUT         # a lent GPU's checks in one command (toy size on CPU without one;
+    python -m scripts.bench --gpu-check OUT         # a lent GPU's checks in one command, in legs (scripts/gpu_check.py;
+                                            # toy size on CPU without one, --gpu-check-size to choose;
                                             # its offline assets: python -m scripts.assets)
 
 Machines are noisy: every comparison is a ratio measured in one run, best of --repeats.
@@ -49,6 +50,7 @@ import lopd
 import losses
 import retrieval
 from runtime import devices, memory, models, parallel, serving
+from scripts.archs import ARCHS, CUDA_CONTEXT, H100_BYTES, H200_BYTES, PEAK_BF16, SMOLLM2, arch_config  # noqa: F401
 from worlds import code_benchmarks
 from worlds import sandbox
 from worlds import tool_world
@@ -288,30 +290,9 @@ def bench_dist_step(model_dir: str, rollouts: int, repeats: int):
 # ----------------------------------------------------------------------------------------------------------------
 # The paper's backbones as configs (random weights, no download) and the memory plan
 # ----------------------------------------------------------------------------------------------------------------
-ARCHS = {  # published config.json values of each backbone
-    "qwen3-4b": ("qwen3", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                               max_position_embeddings=40960)),
-    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
-                               max_position_embeddings=40960)),
-    "olmo3-7b": ("olmo3", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                               num_key_value_heads=32, vocab_size=100278, tie_word_embeddings=False)),
-}
-SMOLLM2 = ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
-                         max_position_embeddings=8192))     # the real-model tier's SmolLM2-135M-Instruct
-H200_BYTES = 143_771 * 2**20     # what nvidia-smi reports for one H200
-H100_BYTES = 81_559 * 2**20      # and for one H100 80 GB (HBM3)
+# ARCHS, SMOLLM2, arch_config, the cards' bytes and CUDA_CONTEXT: scripts/archs.py (shared with scripts/gpu_check.py)
 DISK_BYTES = 1000 * 10**9        # the disk --out is on, for the plans of --memory
-CUDA_CONTEXT = 1e9               # CUDA's own context and torch's workspaces, roughly
 GB = 1e9
-
-
-def arch_config(name: str):
-    from transformers import AutoConfig
-    kind, kw = SMOLLM2 if name == "smollm2-135m" else ARCHS[name]
-    return AutoConfig.for_model(kind, **kw)
 
 
 def param_counts(config, lora_r: int = 8, n_latents: int = 32) -> dict:
@@ -837,7 +818,6 @@ def print_where():
     print(*verdict_table(rows), "", *time_table(rows), "", "README:", "", *readme_table(rows), sep="\n")
 
 
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}   # dense bf16 FLOP/s
 
 
 def synthetic_episodes(tok, tasks, tokens: int, vocab: int, make_env):
@@ -1191,47 +1171,13 @@ def bench_pretrain(steps: int = 40):
     print(f"build + both evaluations: {build + evals:.0f} s (target: 120 s; {(build + evals) / 120:.1f}x over)")
 
 
-def gpu_check(out: str, timeout: int = 300, assets: str | None = None):
-    """The checks a lent GPU runs, in one command and nothing downloaded (random weights from the configs in ARCHS,
-    the toy world; prompts rendered by Qwen3's real tokenizer and template where `python -m scripts.assets` built
-    them into `assets`, default assets/offline, else by the toy tokenizer built offline): the chunked loss against a
-    chunked cross-entropy at Qwen3's vocabulary; one LOPD iteration of Qwen3-4B with long rollouts, full and LoRA
-    student (peak memory, generation tokens/s, step time, MFU, finite gradients with left-padded rows); a short
-    end-to-end toy run on the device whose every step must not be skipped, retrieving by the backbone's own
-    embeddings (MiniLM's package stays behind: scripts/assets.py). Without a GPU the same sequence runs at toy size
-    on CPU, a small Qwen3 with the whole vocabulary where the tokenizer is there (tests/test_assets.py runs it)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from transformers import AutoTokenizer
-    from scripts import assets as offline
-    cuda = torch.cuda.is_available()
-    folder = offline.offline_tokenizer(assets)
-    tok = AutoTokenizer.from_pretrained(folder) if folder else None
-    print(f"prompts: {'Qwen3 tokenizer and template from ' + folder if folder else 'the toy tokenizer'}")
-    small = "qwen3-vocab" if tok else "toy"
-    arch, rollouts, tokens, chunk = ("qwen3-4b", 8, 8192, 1024) if cuda else (small, 4, 48, 16)
-    bench_fused_loss(4096 if cuda else 64, 2560 if cuda else 32, 151936 if cuda else 1000, 20, chunk, 3 if cuda else 1)
-    for lora in (False, True):
-        bench_arch(arch, rollouts, tokens, 2, lora, True, chunk, tok)
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    run = os.path.join(out, "toy")
-    cmd = [sys.executable, "train.py", "--device", "cuda" if cuda else "cpu", "--out", run, "--n-train", "48",
-           "--n-test", "8", "--cold-steps", "5", "--steps", "3", "--rollouts-per-step", "8", "--micro-batch", "4",
-           "--eval-every", "0", "--loss-chunk", "32", "--embedder", "backbone"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
-    steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if done.returncode == 0 else []
-    skipped = [r["skipped"] for r in steps if r["stage"] == "lopd"]
-    ok = done.returncode == 0 and len(skipped) == 3 and not any(skipped)
-    print(f"end-to-end toy run on {'cuda' if cuda else 'cpu'}: exit {done.returncode}, LOPD steps {len(skipped)}, "
-          f"skipped {sum(skipped)} -> {'ok' if ok else 'FAILED'}")
-    if not ok:
-        print(done.stderr[-2000:])
-    return ok
+def gpu_check(out: str, size: str | None = None, assets: str | None = None, work: str | None = None) -> bool:
+    """The checks a lent GPU runs, in one command and nothing downloaded: scripts/gpu_check.py's legs (versions, the
+    card's plan, a LoRA LOPD step at real lengths, rollout tokens/s, train.py end to end), each guarded, its
+    figures in OUT/<leg>.json and OUT/summary.md; `size` real (CUDA's default) or toy (the CPU's: the tests').
+    -> every leg ok?"""
+    from scripts import gpu_check as check
+    return check.run(out, size, assets, work)
 
 
 def main(argv=None):
@@ -1271,6 +1217,8 @@ def main(argv=None):
     p.add_argument("--pretrain", action="store_true", help="toy backbone: SFT step time, build and vanilla eval")
     p.add_argument("--gpu-check", metavar="OUT", help="the lent GPU's checks in one command, files under OUT "
                    "(at toy size on CPU without a GPU)")
+    p.add_argument("--gpu-check-size", choices=("toy", "real"), help="--gpu-check's sizes (default: real on CUDA, "
+                   "toy on the CPU)")
     p.add_argument("--fused", action="store_true", help="--loss: the chunked objective from hidden states vs a "
                    "chunked cross-entropy (--rows, --hidden, --vocab, --loss-chunk)")
     p.add_argument("--rows", type=int, default=4096, help="--loss --fused: supervised rows")
@@ -1318,7 +1266,7 @@ def main(argv=None):
     if a.pretrain:
         bench_pretrain()
     if a.gpu_check:
-        raise SystemExit(0 if gpu_check(a.gpu_check) else 1)
+        raise SystemExit(0 if gpu_check(a.gpu_check, a.gpu_check_size) else 1)
     if not (a.loss or a.step or a.memory or a.arch or a.verifier or a.pretrain or a.rollout or a.dist_step
             or a.check_plan or a.engines or a.decode or a.where):
         p.print_help()

