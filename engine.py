@@ -51,7 +51,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import inject
 import losses
-from runtime import memory, models, parallel
+from runtime import memory, models, parallel, serving
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -846,6 +846,7 @@ def accumulate(eps, part_loss, micro_batch: int, token_budget: int = 0, *, rows=
     `optimizer_step` then drops the gradients). -> (each metric summed over the parts and ranks, finite everywhere?)"""
     rows = list(range(len(eps))) if rows is None else list(rows)
     totals, finite = {}, True
+    serving.rest()                  # --engine vllm on CUDA: the engine's weights and cache leave the device meanwhile
     for part in micro_batches(pick(eps, rows), micro_batch, token_budget):
         idx, weight = rows[part], 1.0
         if not idx:                                                  # torchrun: an idle pass

@@ -231,7 +231,7 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     planned = plan_before_loading(args, device, dtype, train_tasks)    # a run that cannot fit stops here
     model, tok = load_backbone(args, device, dtype)
     plan = fit_to_model(args, model, tok, device, planned)
-    serving.start_engine(args, model, args.model or toy_backbone(args), plan.free)
+    serving.start_engine(args, model, args.model or toy_backbone(args), plan)
     if record and parallel.rank() == 0:   # atomically: another rank may be reading it in check_same_world
         checkpoints.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
         checkpoints.write_json(os.path.join(args.out, "memory_plan.json"), dataclasses.asdict(plan))
@@ -530,8 +530,7 @@ def joint_training(run: engine.Run):
             m, spent = method.step(run, state, student, opts, step)
         run.log.clock.first("step", time.time() - t0, 1)      # the first step's says how long the run has left
         gens += spent
-        if serving.GENERATOR is not None:        # --engine vllm: the engine's weights follow the student's, checked
-            m["engine/gap"] = serving.GENERATOR.sync(student)
+        m.update(serving.follow(student))      # --engine vllm: the engine takes the student's weights, checked
         if args.eval_every and (step + 1) % args.eval_every == 0:
             m.update(drift_eval(args, student, run))
         run.log(args.method, step=step, generations=gens, seconds=round(time.time() - t0, 2), **m)

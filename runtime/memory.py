@@ -409,6 +409,7 @@ class MemoryPlan:
     machine: Machine | None = None     # what it was made for (`memory_plan`), and what it holds there:
     backbone: int = 0                  # θ̄'s bytes on the device
     checkpoint: int = 0                # one checkpoint's bytes; two are on disk while the next is written
+    engine: object = None              # --engine vllm: the engine's share (serving.EngineShare), said in the line
 
     def line(self) -> str:
         made = lambda k: "" if k in self.chosen else " (given)"                        # noqa: E731
@@ -417,7 +418,11 @@ class MemoryPlan:
         return (f"memory plan: {self.room_words()}; gradient checkpointing {'on' if self.grad_ckpt else 'off'}"
                 f"{made('grad_ckpt')}; {budget} a forward/backward{made('token_budget')} (one "
                 f"{self.conversation}-token conversation trains in {_size(self.longest)}); {self.gen_batch} "
-                f"conversations generate together{made('gen_batch')}{bound}{self.disk_words()}")
+                f"conversations generate together{made('gen_batch')}{bound}{self.engine_words()}{self.disk_words()}")
+
+    def engine_words(self) -> str:
+        """--engine vllm: the engine's share of the memory (`serving.EngineShare.words`)."""
+        return f"; {self.engine.words()}" if self.engine else ""
 
     def room_words(self) -> str:
         """Where the plan's bytes come from: the device's total and free, what the run may fill, the backbone."""
@@ -545,18 +550,43 @@ def _plan(p: Planning, ranks: int = 0) -> MemoryPlan:
     costs = dataclasses.replace(costs, fixed=costs.fixed + elem * foot.gathered[0],
                                 generating=elem * foot.gathered[1], decoder=decoder,
                                 casts=weight_cast_bytes(p.model, mixes[0], sharded=bool(foot.gathered[0])))
-    if args.engine == "vllm":           # the engine's own fp32 copy of the weights and its KV cache, for the whole run
-        kv, weights = serving.engine_kv_bytes(args, free), 4 * sum(t.numel() for t in p.model.parameters())
-        in_flight = min(args.max_len, args.max_env_steps * args.max_new_tokens)     # what a conversation's replies add
-        batch = vllm_batch(kv // kv_bytes_per_token(config, 4), in_flight)           # the engine's cache is fp32
-        costs = dataclasses.replace(costs, resident=costs.resident + weights + kv, engine_batch=batch)
+    engine, refused = None, None
+    if args.engine == "vllm":           # the engine's weights and KV cache: while generating, or for the whole run
+        costs, engine, refused = engine_costs(p, costs, free)
     given = {k: getattr(args, k) for k in ("grad_ckpt", "token_budget", "gen_batch")}
     if args.kv_budget and given["gen_batch"] is None and args.engine == "hf":     # vLLM's cache pages: above
         given["gen_batch"] = kv_budget_batch(config, args.kv_budget, n, elem)
     cap = CPU_TOKENS if p.machine.type == "cpu" else None    # a longer forward is no faster there
     plan = plan_memory(costs, free, n, given, cap=cap)
+    if refused:                         # the engine's refusal after training's: what does not train is said first
+        raise refused
     checkpoint = foot.checkpoint if args.steps else 0       # --steps 0: no joint stage, no checkpoint
-    return dataclasses.replace(plan, machine=p.machine, backbone=foot.backbone, checkpoint=checkpoint)
+    return dataclasses.replace(plan, machine=p.machine, backbone=foot.backbone, checkpoint=checkpoint, engine=engine)
+
+
+def engine_costs(p: Planning, costs: Costs, free: int) -> tuple:
+    """--engine vllm: `costs` with the engine's share (`serving.engine_share`) where it is held: where it sleeps
+    while the trainer steps (CUDA) only while generating, beside the trainer's resident states (and a sharded
+    student gathered whole), so a plan's peak is the larger of training without it and generating with it;
+    elsewhere resident for the whole run. Its generation batch pages its cache (`vllm_batch`). A NoFit ("generate")
+    where its cache holds less than one --max-len conversation, or it does not fit beside the trainer: returned, for
+    `_plan` to raise once training fits. -> (costs, the share, that NoFit or None)."""
+    args, params = p.args, sum(t.numel() for t in p.model.parameters())
+    beside = int(HEADROOM * free) - costs.resident - costs.generating - costs.decoder     # what generating leaves
+    share = serving.engine_share(args, p.model.config, params, p.machine.type, beside, free)
+    one, room, refused = args.max_len * share.kv_token, beside - share.weights - share.runtime, None
+    if share.kv < one or (share.sleeps and share.total > beside):
+        largest = max(0, min(share.kv, room) if share.sleeps else share.kv) // share.kv_token
+        need = costs.resident + (costs.generating if share.sleeps else 0) + share.weights + share.runtime + one
+        refused = NoFit(f"the vLLM engine's {share.dtype} weights ({_size(share.weights)}), its runtime "
+                        f"({_size(share.runtime)}) and a KV cache of one {args.max_len}-token conversation "
+                        f"({_size(one)}) need {_size(need)} to generate beside the trained states; its cache holds "
+                        f"{largest} tokens{' (--kv-budget)' if args.kv_budget else ''}", largest, free, need,
+                        "generate")
+    batch = vllm_batch(share.kv // share.kv_token, serving.in_flight(args))
+    held = ({"generating": costs.generating + share.total} if share.sleeps else
+            {"resident": costs.resident + share.total})
+    return dataclasses.replace(costs, engine_batch=batch, **held), share, refused
 
 
 def fits(p: Planning, ranks: int = 0) -> bool:

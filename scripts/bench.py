@@ -1085,7 +1085,12 @@ def bench_engines(rollouts: int, tokens: int, steps: int):
     for how in ("hf", "vllm"):                           # HF first: vLLM's start binds the process's threads
         gen = None
         if how == "vllm":
-            gen = serving.VLLMGenerator(path, model.config, model.config.max_position_embeddings, memory.GB)
+            device = model.device.type                   # the engine as a run's gets it: bf16 on CUDA, its share
+            total = memory.device_memory(model.device)[0]
+            share = (2 * model.num_parameters() + memory.GB + serving.ENGINE_RUNTIME.get(device, 0)) / total
+            settings = serving.engine_settings(device, memory.GB, model.config.max_position_embeddings, rollouts,
+                                               share)
+            gen = serving.VLLMGenerator(path, model.config, settings)
             gen.sync(model)
         cfg = engine.SampleConfig(max_new_tokens=tokens, max_len=8192, batch_size=rollouts, generator=gen)
         t0 = time.perf_counter()
@@ -1174,10 +1179,47 @@ def bench_pretrain(steps: int = 40):
 def gpu_check(out: str, size: str | None = None, assets: str | None = None, work: str | None = None) -> bool:
     """The checks a lent GPU runs, in one command and nothing downloaded: scripts/gpu_check.py's legs (versions, the
     card's plan, a LoRA LOPD step at real lengths, rollout tokens/s, train.py end to end), each guarded, its
-    figures in OUT/<leg>.json and OUT/summary.md; `size` real (CUDA's default) or toy (the CPU's: the tests').
-    -> every leg ok?"""
+    figures in OUT/<leg>.json and OUT/summary.md; then --engine vllm colocated, where vLLM is installed
+    (`gpu_check_vllm`). `size`: real (CUDA's default) or toy (the CPU's: the tests'). -> every leg ok?"""
     from scripts import gpu_check as check
-    return check.run(out, size, assets, work)
+    ok = check.run(out, size, assets, work)
+    return gpu_check_vllm(out, torch.cuda.is_available(), 300) and ok
+
+
+# What only a GPU shows of --engine vllm colocated with the trainer (runtime/serving.py; CPU tests check the rest)
+VLLM_GPU_CHECKS = ("vLLM's GPU worker starts beside the loaded backbone at the plan's gpu_memory_utilization",
+                   "the engine runs bf16 with CUDA graphs and sleep mode: asleep for each update, woken for the sync "
+                   "(engine/sleeps = engine/wakes = 1 a step)",
+                   "the sync check passes after every step within VLLM_LOW_TOLERANCE (a bf16 engine, a fp32 student)")
+
+
+def gpu_check_vllm(out: str, cuda: bool, timeout: int) -> bool:
+    """VLLM_GPU_CHECKS: two LOPD steps of the toy through train.py --engine vllm on the GPU, where vLLM is installed;
+    elsewhere said and skipped (True)."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    if not cuda or importlib.util.find_spec("vllm") is None:
+        print(f"--engine vllm on CUDA: not run ({'no GPU' if not cuda else 'vLLM not installed'}); it would check: "
+              + "; ".join(VLLM_GPU_CHECKS))
+        return True
+    run = os.path.join(out, "toy-vllm")
+    cmd = [sys.executable, "train.py", "--engine", "vllm", "--device", "cuda", "--out", run, "--n-train", "16",
+           "--n-test", "4", "--cold-steps", "2", "--steps", "2", "--rollouts-per-step", "4", "--micro-batch", "2",
+           "--eval-every", "0"]
+    done = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+                          text=True, timeout=timeout)
+    steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))] if done.returncode == 0 else []
+    steps = [s for s in steps if s["stage"] == "lopd"]
+    ok = len(steps) == 2 and all(s["engine/sleeps"] == s["engine/wakes"] == 1 and
+                                 s["engine/gap"] < serving.VLLM_LOW_TOLERANCE for s in steps)
+    print(f"--engine vllm on cuda: exit {done.returncode}, gaps {[s['engine/gap'] for s in steps]} -> "
+          f"{'ok' if ok else 'FAILED'}")
+    if not ok:
+        print(done.stderr[-2000:])
+    return ok
 
 
 def main(argv=None):

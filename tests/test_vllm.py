@@ -14,6 +14,7 @@ with the other, and two LOPD steps of the toy through torchrun train.py --engine
 Run: python -m pytest tests/test_vllm.py -q
 """
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -57,7 +58,7 @@ def llama(tmp_path_factory) -> str:
 def student_and_engine(llama):
     from transformers import AutoModelForCausalLM
     student = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
-    gen = serving.VLLMGenerator(llama, student.config, max_len=2048, kv_bytes=memory.GB // 4)
+    gen = serving.VLLMGenerator(llama, student.config, serving.engine_settings("cpu", memory.GB // 4, 2048, 8))
     gen.sync(student)
     return student, gen
 
@@ -69,6 +70,23 @@ def step(model, params=None):
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+def test_the_settings_are_vllms_own_and_a_cpu_engine_has_no_sleep_mode(student_and_engine):
+    """Every setting serving.engine_settings gives, on CUDA or a CPU, is a field of vLLM 0.32's EngineArgs (what
+    LLM(**kwargs) builds); vLLM's CPU platform has no sleep mode, so there the engine's sleep is only recorded, and
+    generating wakes it."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for device in ("cuda", "cpu"):
+        assert set(serving.engine_settings(device, memory.GB, 2048, 8, 0.5)) <= fields
+    assert not current_platform.is_sleep_mode_available()
+    student, gen = student_and_engine
+    gen.sleep()
+    assert not gen.awake and gen.naps[-1] == "sleep"
+    gen.generate(student, [[5, 6, 7]], engine.SampleConfig(max_new_tokens=2), [student.config.eos_token_id])
+    assert gen.awake and gen.naps[-2:] == ["sleep", "wake"]
 
 
 def test_sampled_logprobs_equal_hugging_faces_rescoring(student_and_engine):
@@ -164,6 +182,9 @@ def test_two_lopd_steps_of_the_toy_generate_with_the_engine(tmp_path):
     steps = lopd_run([], tmp_path / "toy")
     assert [s["step"] for s in steps] == [0, 1] and all(s["skipped"] == 0 for s in steps)
     assert all(0 <= s["engine/gap"] < serving.VLLM_TOLERANCE for s in steps)      # synced and checked every step
+    assert all(s["engine/sleeps"] == s["engine/wakes"] == 1 for s in steps)     # asleep for each update, woken after
+    plan = json.load(open(tmp_path / "toy" / "memory_plan.json"))["engine"]
+    assert plan["dtype"] == "float32" and not plan["sleeps"] and plan["kv"] == memory.GB // 2   # --kv-budget 0.5
 
 
 def test_two_lopd_steps_of_smollm2_generate_with_the_engine(smollm2, tmp_path):
@@ -193,7 +214,8 @@ def main(path, out):
     r, cfg = parallel.rank(), engine.SampleConfig(temperature=1.0, max_new_tokens=16)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()       # θ̄: replicated
     student = parallel.shard_student(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    gen = serving.VLLMGenerator(path, base.config, 2048, memory.GB // 8, seed=10007 * r, torchrun=True)
+    gen = serving.VLLMGenerator(path, base.config, serving.engine_settings("cpu", memory.GB // 8, 2048, 8),
+                                seed=10007 * r, torchrun=True)
     got = {"first": gen.sync(student)}
     opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
     ids = torch.randint(0, 500, (1, 16))

@@ -68,13 +68,13 @@ def test_qwen3_4b_full_on_one_80_gb_card_is_refused_for_what_its_conversation_ne
     assert printed["backbone, student short"][("Qwen3-4B, full",)][0] == f"no ({gb(cell):.1f})"
 
 
-def test_qwen3_4b_lora_on_one_80_gb_card_runs_the_plans_batch_and_vllm_is_refused_with_its_message(printed):
-    plan = memory.memory_plan(planning(lora=True))
-    assert printed["backbone, student"][("Qwen3-4B, LoRA", "HF")][0] == f"runs: {plan.gen_batch} conversations"
-    with pytest.raises(UserError) as refused:
-        memory.memory_plan(planning(lora=True, engine="vllm"))
-    need = re.search(r"needs ([\d.]+) GB to train", str(refused.value)).group(1)
-    assert printed["backbone, student"][("Qwen3-4B, LoRA", "vLLM")][0] == f"no ({need} GB)"
+def test_qwen3_4b_lora_on_one_80_gb_card_runs_the_plans_batch_with_either_engine(printed):
+    """--engine vllm too: its bf16 engine sleeps while the trainer steps (serving.engine_share), so the plan counts
+    it only while generating, and the table's batch is the plan's."""
+    for engine, name in (("hf", "HF"), ("vllm", "vLLM")):
+        plan = memory.memory_plan(planning(lora=True, engine=engine))
+        assert printed["backbone, student"][("Qwen3-4B, LoRA", name)][0] == f"runs: {plan.gen_batch} conversations"
+    assert "the vLLM engine" in plan.line() and "asleep while the trainer steps" in plan.line()
 
 
 def test_the_time_of_qwen3_4b_lora_on_one_80_gb_card_is_the_docs_arithmetic(printed):
