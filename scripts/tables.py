@@ -92,33 +92,44 @@ TABLES = {"table1": Table("Table 1, tool use", ("heldout", "envscaler", "bfcl", 
           "table2": Table("Table 2, code", ("heldout", "code"), ("Qwen3-4B", "Olmo3-7B"))}
 
 # ----------------------------------------------------------------------------------------------------------------
-# The paper's values: what its text quotes (our copy lacks the tables' cells), 0-100, with where each comes from.
+# The paper's values: what its text quotes (our copy lacks the tables' cells) and the cells the official README's
+# results table publishes (bingreeky/LOPD, Qwen3-4B and Qwen3-8B), 0-100, with where each comes from.
 # {table: {backbone: {row: {(benchmark, column): (value, source)}}}}; a source other than "§4.2" is marked * in the
-# tables (not quoted as a cell of this table). worlds/results.py holds some of them (tests/test_tables.py checks).
+# tables (not quoted as a cell of this table by the paper's text). worlds/results.py holds some of them
+# (tests/test_tables.py checks).
 # ----------------------------------------------------------------------------------------------------------------
 ENV, BFCL, ACE = ("EnvScaler", "reward"), ("BFCL-v3", "overall"), ("ACEBench", "overall")
 LCB, EVP = ("LiveCodeBench", "overall"), ("EvalPlus", "overall")
 INFERRED = "§4.2, backbone inferred: the sentence names the pair, 'with Qwen3-8B' ends it"
+README = "official README (bingreeky/LOPD), not in the paper's text"
+STRONGEST = "§4.2's strongest baseline, GRPO by the official README (bingreeky/LOPD)"
 PAPER = {
     "table1": {
         "Qwen3-4B": {
-            "vanilla": {ENV: (48.6, "Table 3: vanilla reward 0.486"),
+            "vanilla": {ENV: (48.6, "Table 3: vanilla reward 0.486; official README: 48.6"),
                         BFCL: (22.88, "§4.2"), ACE: (50.6, "§4.2")},   # "SDPO falls from 22.88 ... from 50.6 ..."
-            "grpo": {ENV: (61.1, "Figure 4: GRPO's final reward 0.611, 1,600 generations")},
+            # "it improves over the strongest competing method from 61.8 ... 25.25 ... 56.0" (Skill-SD ties the 56.0)
+            "grpo": {ENV: (61.8, STRONGEST), BFCL: (25.25, STRONGEST), ACE: (56.0, STRONGEST)},
+            "sdft": {ENV: (50.3, README), BFCL: (21.75, README), ACE: (50.0, README)},
+            "opsd": {ENV: (51.2, README), BFCL: (25.13, README), ACE: (48.6, README)},
             "sdpo": {BFCL: (15.75, "§4.2"), ACE: (38.0, "§4.2")},
-            "skillsd": {ENV: (58.8, "Figure 4: Skill-SD's final reward 0.588, 1,600 generations")},
+            "skillsd": {ENV: (59.1, README), BFCL: (24.63, README), ACE: (56.0, README)},
             "lopd": {ENV: (63.7, "§4.2"), BFCL: (27.38, "§4.2"), ACE: (60.6, "§4.2"),
                      ("ACEBench", "M-Step"): (56.6, "Figure 5 at n_ret = 3, which §4.3 says matches Table 1"),
                      ("ACEBench", "M-Turn"): (63.3, "Figure 5 at n_ret = 3, which §4.3 says matches Table 1")}},
         "Qwen3-8B": {
             # "gains ranging from 1.50 points on BFCL-v3 ... to 17.2 points on EnvScaler with the same backbone"
             "vanilla": {ENV: (49.2, "§4.2, derived: LOPD's 66.4 less its 17.2-point gain"), BFCL: (28.38, "§4.2"),
-                        ("BFCL-v3", "long_context"): (22.00, INFERRED)},
+                        ("BFCL-v3", "long_context"): (22.00, INFERRED), ACE: (54.6, README)},
+            # "compared with the strongest baseline results of 60.2/29.00/58.0": Skill-SD's 60.2, GRPO's 29.00, 58.0
+            "grpo": {ENV: (57.3, README), BFCL: (29.00, STRONGEST), ACE: (58.0, STRONGEST)},
             # "LOPD exceeds OPSD, SDFT, and Skill-SD by 14.4/10.2/6.2 points on EnvScaler and 10.0/8.0/6.7 on ACEBench"
             "opsd": {ENV: (52.0, "§4.2, derived: 66.4 − 14.4"), BFCL: (25.75, "§4.2"),
                      ("BFCL-v3", "long_context"): (29.00, INFERRED), ACE: (52.7, "§4.2, derived: 62.7 − 10.0")},
-            "sdft": {ENV: (56.2, "§4.2, derived: 66.4 − 10.2"), ACE: (54.7, "§4.2, derived: 62.7 − 8.0")},
-            "skillsd": {ENV: (60.2, "§4.2, derived: 66.4 − 6.2"), ACE: (56.0, "§4.2, derived: 62.7 − 6.7")},
+            "sdft": {ENV: (56.2, "§4.2, derived: 66.4 − 10.2"), BFCL: (26.88, README),
+                     ACE: (54.7, "§4.2, derived: 62.7 − 8.0")},
+            "skillsd": {ENV: (60.2, "§4.2, derived: 66.4 − 6.2"), BFCL: (27.38, README),
+                        ACE: (56.0, "§4.2, derived: 62.7 − 6.7")},
             "lopd": {ENV: (66.4, "§4.2"), BFCL: (29.88, "§4.2"), ACE: (62.7, "§4.2")}}},
     "table2": {
         "Qwen3-4B": {"vanilla": {LCB: (45.61, "§4.2")}, "opsd": {LCB: (40.24, "§4.2")},
