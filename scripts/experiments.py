@@ -297,7 +297,8 @@ def figure4_table(rows) -> str:
         lines.append(f"| {g} | " + " | ".join(f"{c[i][1]:.3f} ± {c[i][2]:.3f}" if i < len(c) else ""
                                                 for c in curves.values()) + " |")
     paper = [f"{method_name(m)} {v}" for m, v in PAPER_FIGURE4.items() if m in curves]
-    lines += ["", "Paper (Qwen3-4B, EnvScaler, 1,600 generations): " + ", ".join(paper) + "."] if paper else []
+    lines += ["", "Paper (Qwen3-4B, EnvScaler, §4.3: LOPD's by generation 576, the others' at 1,600): " +
+              ", ".join(paper) + "."] if paper else []
     bank = next((r["generations"] for r in rows if r["method"] == "lopd" and r["step"] == 0), 0)
     for other in ("grpo", "skillsd"):
         if "lopd" in curves and other in curves:

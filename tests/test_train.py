@@ -475,7 +475,8 @@ def test_figure4_command_writes_the_curves(runs, backbone, tmp_path):
     assert len({r["reward"] for r in rows if r["step"] == "0"}) == 1     # every curve starts at the same vanilla
     table = read(os.path.join(out, "figure4.md"))
     assert "| training generations | LOPD | GRPO | Skill-SD | OPSD | SDPO | SDFT |" in table
-    assert "Paper (Qwen3-4B, EnvScaler, 1,600 generations): LOPD 0.637, GRPO 0.611, Skill-SD 0.588." in table
+    assert ("Paper (Qwen3-4B, EnvScaler, §4.3: LOPD's by generation 576, the others' at 1,600): LOPD 0.637, "
+            "GRPO 0.611, Skill-SD 0.588.") in table
 
 
 def test_dial_command_at_tiny_size(runs, backbone, tmp_path):
