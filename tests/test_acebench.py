@@ -403,3 +403,39 @@ def test_smollm2_runs_both_regimes_with_itself_as_the_user(smollm2, tmp_path, ca
     turn = next(r for r in records if r["benchmark"] == "acebench:multi_turn")
     opening = turn["prompt"].split("Conversation history 1..t:\nuser:")[1]       # SmolLM2's line as the user
     assert opening.strip() and acebench.load_tasks(ACE, ["multi_turn"])[0].text not in opening
+
+
+def test_an_episodes_reward_is_its_in_order_milestone_share_or_1_when_it_passes(tasks):
+    """reward() is ACEBench's process score (worlds/acebench.py's Scoring; eval_main.agent_eval_process): multi_step 4
+    (4 milestones) with the first two as written, prose between them (recorded, matching nothing) and a wrong third
+    call fails end to end and scores 2/4 = 0.5; its replayed milestones pass end to end and score 1.0, though the
+    fourth, re-quoted, is not the milestone's text (3/4 by text)."""
+    task, log = step_task(tasks), {}
+    stones = task.answer["mile_stone"]
+    env = acebench.AceBenchWorld(log=log)
+    env.reset(task)
+    for reply in (stones[0], "Let me look.", stones[1], "[delete_message(message_id=3)]"):
+        assert not env.step(reply).done
+    assert env.step("finish conversation").done
+    assert env.process == [stones[0], "Let me look.", stones[1], "[delete_message(message_id=3)]"]
+    assert env.reward() == 0.5 and log[task.task_id]["passed"] is False and log[task.task_id]["process"] == 0.5
+    replies = acebench.milestone_replies(task)
+    assert replies[:3] == stones[:3] and replies[3] != stones[3]
+    env.reset(task)
+    for reply in replies:
+        env.step(reply)
+    assert env.step("finish conversation").done
+    assert env.reward() == 1.0 and log[task.task_id]["passed"] is True
+
+
+def test_multi_turn_keeps_the_state_only_once_a_call_list_ran_clean(tasks):
+    """Multi-turn: ACEBench's result (the state the checker reads) stays empty until a call list runs without an error
+    (worlds/acebench.py: "ACEBench keeps the state"), so an episode whose calls all failed is scored on no state."""
+    task = next(t for t in tasks if t.task_id == "agent_multi_turn_3")
+    env = acebench.AceBenchWorld(user=ScriptedUser(["Send a message to Frank."]))
+    env.reset(task)
+    r = env.step("[get_earliest_message_id(x=1)]")                       # an undeclared argument: an error
+    assert r.errors == 1 and env.final_state() == []
+    r = env.step("[get_earliest_message_id()]")
+    assert r.errors == 0 and any("MessageApi" in e for e in env.final_state())
+    env.close()

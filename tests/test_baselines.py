@@ -24,6 +24,30 @@ import losses  # noqa: E402
 from worlds import common, tool_world  # noqa: E402
 from test_lopd import SAMPLE, make_models, world  # noqa: E402,F401  (world is a fixture)
 
+# B.1's three context texts, copied from the paper's Appendix B.1 (each "Appended to ..." block; its placeholders
+# {gt_text}, {demo_text} and the skill's three fields as the paper names them). The paper prints each block as its own
+# paragraphs; what the code puts between the message and the block is its own separator: "\n\n" (OPSD's by
+# engine.Chat.context_prompt for the system message, SDFT's and Skill-SD's inside their templates, as baselines.py's
+# comment above SDFT_CONTEXT says: "Chat.context_prompt adds no separator there"). Written out here, never read from
+# baselines.py, so a change to the code's wording fails these tests.
+PAPER_OPSD = (
+    "The following is a reference plan for the upcoming task. Use it only as guidance for your own reasoning; you must "
+    "still interact with the environment to complete the task.\n\n"
+    "{gt_text}\n\n"
+    "After reading the reference solution above, make sure you truly understand the reasoning behind each step. Now, "
+    "using your own words and independent reasoning, derive the same final answer.")
+PAPER_SDFT = (
+    "This is an example for a response to the question:\n\n"
+    "{demo_text}\n\n"
+    "Now answer with a response of your own, including the thinking process.")
+PAPER_SKILLSD = (
+    "Here is a skill summary from a similar past task that may help guide your approach:\n\n"
+    "**What works:** {success_analysis}\n\n"
+    "**What to avoid:** {mistake_analysis}\n\n"
+    "**Suggested workflow:** {golden_workflow}\n\n"
+    "Now solve the current task using your own reasoning.")
+SEP = "\n\n"    # the code's separator between the message and the appended block (above)
+
 
 # ------------------------------------------------------------------------------------------------------------
 # GRPO
@@ -228,7 +252,7 @@ def test_sdft_teacher_reads_the_demonstration_appended_to_the_first_user_message
         [(_, own)] = [c for c in calls if c[0] is student]
         for task, ids, sid in zip(tasks, teacher, own):
             turns = _turns(tok.decode(ids))
-            demo = baselines.SDFT_CONTEXT.format(text=pool[task.task_id])
+            demo = SEP + PAPER_SDFT.format(demo_text=pool[task.task_id])          # B.1's words, written out
             assert turns["user"] == task.text + demo, turns["user"]           # appended to the task, nothing else
             assert "This is an example" not in turns["system"] and "This is an example" not in tok.decode(sid)
     calls.clear()
@@ -238,6 +262,43 @@ def test_sdft_teacher_reads_the_demonstration_appended_to_the_first_user_message
     [(_, teacher)] = [c for c in calls if c[0] is ema]
     ref = tok(pool[tasks[0].task_id], add_special_tokens=False)["input_ids"]
     assert any(teacher[0][i:i + len(ref)] == ref for i in range(len(teacher[0])))   # the toy: the trace in the span
+
+
+def test_opsd_teacher_reads_b1s_wording_appended_to_the_system_message(world, monkeypatch):
+    """OPSD's frozen teacher gets the paper's B.1 text ("Appended to system message", written out above) with the
+    task's pool trace, after the student's own system message; the student's prompt has none (paper B.1, OPSD)."""
+    student, comp = make_models(world)
+    tasks, tok = world["train"][8:10], world["tok"]
+    pool, _ = baselines.opsd_pool([], tasks, tool_world.ToolWorld)
+    calls = _spy_scoring(monkeypatch)
+    cfg = baselines.BaselineConfig(context="system", micro_batch=8, sample=SAMPLE)
+    baselines.opsd_step(student, comp.base_forward, world["chat"], tasks, pool=pool,
+                        opt=torch.optim.SGD(student.parameters(), lr=0.0), cfg=cfg)
+    [(_, own)] = [c for c in calls if c[0] is student]
+    [(_, teacher)] = [c for c in calls if c[0] is not student]
+    for task, ids, sid in zip(tasks, teacher, own):
+        mine, theirs = _turns(tok.decode(sid)), _turns(tok.decode(ids))
+        assert theirs["system"] == mine["system"] + SEP + PAPER_OPSD.format(gt_text=pool[task.task_id])
+        assert theirs["user"] == mine["user"] == task.text
+
+
+def test_the_three_b1_texts_render_as_the_paper_writes_them(world):
+    """Each text teacher's prompt, as a real model's placement renders it, holds B.1's block word for word (paper
+    B.1: OPSD in the system message, SDFT and Skill-SD appended to the first user message)."""
+    tok, chat, task = world["tok"], world["chat"], world["train"][0]
+    msgs = tool_world.ToolWorld().reset(task)
+    base = _turns(tok.decode(chat.prompt(msgs, None)))
+    trace = "1. find_customer(account=\"x\") -> c1\n2. cancel_order(order=\"O1\") -> ok"
+    got = _turns(tok.decode(chat.context_prompt(msgs, None, trace, baselines.OPSD_CONTEXT, "system")))
+    assert got["system"] == base["system"] + SEP + PAPER_OPSD.format(gt_text=trace)
+    got = _turns(tok.decode(chat.context_prompt(msgs, None, trace, baselines.SDFT_CONTEXT, "user")))
+    assert got["user"] == base["user"] + SEP + PAPER_SDFT.format(demo_text=trace)
+    skill = {"family": "f", "success_analysis": "look the customer up first", "mistake_analysis": "guessing ids",
+             "golden_workflow": trace}
+    text = baselines.skill_text(skill, "user")             # what skillsd_step hands the teacher on a real model
+    got = _turns(tok.decode(chat.context_prompt(msgs, None, text, "{text}", "user")))
+    assert got["user"] == base["user"] + SEP + PAPER_SKILLSD.format(**skill)
+    assert baselines.skill_text(skill, "span") == trace    # deviation 3 (baselines.py): the toy's span, the workflow
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -280,6 +341,67 @@ def test_ucb1_takes_a_never_pulled_arm_first_then_the_mean_plus_a_bonus_shrinkin
         pulls[k] += 1
         sums[k] += float(rng.random() < means[k])
     assert pulls.index(max(pulls)) == 2 and min(pulls) >= 2                     # it finds the best, explores all
+
+
+def test_ucb1_arm_value_is_the_mean_reward_plus_the_bonus_by_hand():
+    """An arm pulled three times for rewards 1, 0, 1 is worth its mean 2/3 (not the sum 2) plus c·√(ln N / n), c = √2
+    (UCB1, Auer et al. 2002; paper B.1: UCB1 with c = √2): here that mean makes the other arm win."""
+    bank = baselines.SkillBank()
+    for fam, tag in (("s1/cancel", "a"), ("s1/cancel", "b")):
+        bank.add({"step": -1, "event": "skill", "source": "test", **_skill(fam, tag)})
+    bank.add({"step": 0, "event": "pulls", "pulls": [[0, 1.0], [1, 0.5]]})
+    bank.add({"step": 1, "event": "pulls", "pulls": [[0, 0.0], [1, 0.5]]})
+    bank.add({"step": 2, "event": "pulls", "pulls": [[0, 1.0]]})
+    # arm 0: n = 3, rewards 1, 0, 1: mean 0.666667; arm 1: n = 2, rewards 0.5, 0.5: mean 0.5; N = 5, ln 5 = 1.609438
+    # bonus 0: √2·√(1.609438 / 3) = 1.414214 × 0.732447 = 1.035837 -> score 1.702504
+    # bonus 1: √2·√(1.609438 / 2) = 1.414214 × 0.897061 = 1.268636 -> score 1.768636
+    scores = baselines.ucb1_scores(bank.pulls, bank.reward, math.sqrt(2))
+    assert scores == pytest.approx([1.702504, 1.768636], abs=1e-6)
+    assert bank.select(type("T", (), {"variant": "s1", "schema": "cancel"})(), math.sqrt(2)) == 1   # a sum: arm 0
+
+
+def test_a_skills_pull_reward_is_the_mean_of_its_tasks_group():
+    """grow_skill_bank pulls each task's skill once for the mean of the task's G rewards, in [0, 1] as UCB1 assumes
+    (baselines.py, choice c): a group [1, 0, 0, 1] adds 0.5, not the sum 2."""
+    from types import SimpleNamespace
+    bank = baselines.SkillBank()
+    bank.add({"step": -1, "event": "skill", "source": "test", **_skill("s1/cancel", "a")})
+    task = SimpleNamespace(variant="s1", schema="cancel", text="t")
+    eps = [SimpleNamespace(task=task, trace="1. x() -> y", reward=r) for r in (1.0, 0.0, 0.0, 1.0)]
+    cfg = baselines.BaselineConfig(group=4, success=2.0)                  # no success: no new skill is written
+    baselines.grow_skill_bank(bank, lambda groups: [], [task], eps, [0], step=0, cfg=cfg)
+    assert (bank.pulls, bank.reward) == ([1], [0.5])
+
+
+@pytest.mark.parametrize("method", ["grpo", "skillsd"])
+def test_ppo_clip_gets_group_normalised_advantages_by_hand(world, monkeypatch, method):
+    """What PPO-clip receives: per group of G = 4, Â = (r − mean) / (std + 1e-4) with the unbiased sample std
+    (group_advantages' docstring, as TRL; paper B.1: GRPO's and Skill-SD's group-normalised advantages)."""
+    tasks = world["train"][8:10]
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]                 # two groups of 4, rows of a group adjacent
+    real_rollout, seen = engine.rollout, []
+
+    def rollout(*a, **kw):
+        eps = real_rollout(*a, **kw)
+        for e, r in zip(eps, rewards):
+            e.reward = r
+        return eps
+    monkeypatch.setattr(engine, "rollout", rollout)
+    real_ppo = baselines.ppo_clip_loss
+    monkeypatch.setattr(baselines, "ppo_clip_loss",
+                        lambda *a, **k: seen.append(a[2].detach().double().tolist()) or real_ppo(*a, **k))
+    student, _ = make_models(world)
+    cfg = baselines.BaselineConfig(group=4, context="span", micro_batch=8, sample=SAMPLE)
+    opt = torch.optim.SGD(student.parameters(), lr=0.0)
+    if method == "grpo":
+        baselines.grpo_step(student, world["chat"], tasks, opt, cfg)
+    else:
+        baselines.skillsd_step(student, world["chat"], tasks, _skill_bank(world), opt=opt, cfg=cfg)
+    # group [1, 0, 0, 1]: mean 0.5; unbiased variance (4 × 0.25) / 3 = 1/3, std 0.5773503; Â = ±0.5 / 0.5774503
+    a = 0.5 / (0.5773503 + 1e-4)                                         # 0.8658754 (the population std: 1.0)
+    # group [1, 1, 1, 1]: every reward the mean, Â = 0 (no signal)
+    assert seen == [pytest.approx([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0], abs=1e-5)]
+    assert a == pytest.approx(0.8658754, abs=1e-6)
 
 
 def _skill(family, tag):
@@ -421,7 +543,7 @@ def test_skillsd_step_teacher_reads_its_ucb1_skill_its_three_fields_and_its_sdl_
         own, teacher = [c for c in calls if c[0] is student]                  # the student, then its own teacher
         for i, (ids, sid) in enumerate(zip(teacher[1], own[1])):
             skill, turns = bank.skills[chosen[i // 2]], _turns(tok.decode(ids))
-            assert turns["user"] == tasks[i // 2].text + baselines.SKILLSD_CONTEXT.format(**skill)
+            assert turns["user"] == tasks[i // 2].text + SEP + PAPER_SKILLSD.format(**skill)   # B.1's words
             assert all(f"**{label}:** {skill[k]}" in turns["user"] for label, k in zip(
                 baselines.SKILL_LABELS, baselines.SKILL_FIELDS)) and "skill summary" not in tok.decode(sid)
     assert set(clips) == {(0.2, 0.28)} and m["loss/sdl"] != 0 and m["skipped"] == 0

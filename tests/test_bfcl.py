@@ -335,3 +335,45 @@ def test_bfcl_table_is_headed_by_what_it_holds():
     mixed = results.bfcl_table([multi, single], "m", single=bfcl.SINGLE_TURN)
     assert "multi-turn" not in mixed and "| simple | 2 | 1.000 | – |" in mixed
     assert "| mean | 4 | 0.750 | 0.750 |" in mixed          # accuracy over both; turns over the multi-turn row only
+
+
+def _steps(env, calls):
+    """Each call as a reply of its own (one step each) -> the StepResults."""
+    return [env.step(common.format_call(n, a)) for n, a in calls]
+
+
+def test_the_reward_is_the_fraction_of_turns_whose_prefix_passes(tasks):
+    """multi_turn_base_0 (4 turns) with its first two turns' ground truth and nothing after: turns 1 and 2 pass, 3 and
+    4 do not, so the reward is 2/4 = 0.5 and BFCL's task verdict is a fail (bfcl.py's module docstring, Scoring)."""
+    task = next(t for t in tasks if t.task_id == "multi_turn_base_0")
+    truth, log = bfcl.ground_truth_calls(task), {}
+    env = bfcl.BFCLWorld(log=log)
+    env.reset(task)
+    for turn in truth[:2]:
+        assert not any(r.done for r in _steps(env, turn))
+        assert env.step("Done.").user is not None
+    assert env.step("Done.").user is not None and env.step("Done.").done          # turns 3 and 4: no call
+    assert env.reward() == 2 / 4
+    assert log["multi_turn_base_0"] == {"passed": False, "turns_passed": 2, "turns": 4}
+
+
+def test_a_forced_quit_scores_0_for_the_task_even_after_turns_that_passed(tasks):
+    """BFCL's forced quit (more than max_steps steps in one turn) fails the whole task, as BFCL's multi-turn checker
+    scores it: turns 1 and 2 pass (2/4 with the quit switched off), then turn 2's third step at max_steps = 2 quits,
+    and the reward is 0 (bfcl.py's module docstring; the step count starts again at each turn)."""
+    task = next(t for t in tasks if t.task_id == "multi_turn_base_0")
+    truth, log = bfcl.ground_truth_calls(task), {}
+    env = bfcl.BFCLWorld(max_steps=2, log=log)
+    env.reset(task)
+    first = [r.done for r in _steps(env, truth[0][:2])] + [env.step(common.format_call(*truth[0][2])).done]
+    assert first == [False, False, True]                              # 3 steps in one turn: the limit is 2 a turn
+    env.reset(task)
+    both = [truth[0][:2], truth[0][2:]]                                # turn 1's three calls in two replies
+    env.step("\n".join(common.format_call(n, a) for n, a in both[0]))
+    env.step(common.format_call(*both[1][0]))
+    assert env.step("Done.").user is not None                          # turn 1 done, in 2 steps: no quit
+    assert [r.done for r in _steps(env, truth[1])] == [False, False]    # turn 2: 2 steps, the count started again
+    r = env.step(common.format_call(*truth[2][0]))                     # a third step in turn 2: forced quit
+    assert r.done and r.observations == ["Model has been forced to quit after 2 steps."]
+    assert env.reward() == 0.0
+    assert log["multi_turn_base_0"] == {"passed": False, "turns_passed": 0, "turns": 4}

@@ -17,6 +17,7 @@ without --env trains here, on --tasks DIR or the Hub's cache (written here in it
 
 Run: python -m pytest tests/test_envscaler.py -q
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -181,6 +182,52 @@ def test_the_step_cap_ends_the_episode_unscored(tasks):
     env.reset(tasks["lend-1"])
     assert not env.step(call("borrow", book_id="b1", user="ana")).done
     assert env.step(call("find_book", title="Dune")).done and env.reward() == 0.0
+
+
+def checked_by(task, checks):
+    """The task with another checklist (check_func sources), the rest of its scenario as it is."""
+    items = [{"check_item": f"check {i}", "check_func": f} for i, f in enumerate(checks)]
+    return dataclasses.replace(task, scenario={**task.scenario, "checklist_with_func": items})
+
+
+def test_only_a_check_that_returns_exactly_true_counts(tasks):
+    """A check counts only if it returns True itself: 1, "yes" and [0] are truthy but count 0, so 1 of 4 checks gives
+    0.25 (the official check runner's `result is True`, envscaler.py's module docstring)."""
+    task = checked_by(tasks["lend-1"], ["def check_func(s):\n    return True", "def check_func(s):\n    return 1",
+                                        "def check_func(s):\n    return 'yes'", "def check_func(s):\n    return [0]"])
+    env = world()
+    env.reset(task)
+    assert env.step("Task Completed").done and env.reward() == 0.25
+
+
+def test_the_checklist_reward_is_rounded_to_4_places(tasks):
+    """1 of 3 checks passing scores round(1/3, 4) = 0.3333 and 2 of 3 score 0.6667, not 0.333333... (the official
+    reward, envscaler.py's module docstring); an empty checklist scores 0."""
+    env = world()
+    for ana, want in ((False, 0.3333), (True, 0.6667)):
+        env.reset(checked_by(tasks["lend-1"], [CHECKS[0]["check_func"], CHECKS[1]["check_func"],
+                                               CHECKS[2]["check_func"]]))    # b1 held by ana, b2 as it was, "yes"
+        if ana:
+            env.step(call("borrow", book_id="b1", user="ana"))
+        assert env.step("Task Completed").done and env.reward() == want
+    env.reset(checked_by(tasks["lend-1"], []))
+    assert env.step("Task Completed").done and env.reward() == 0.0
+
+
+def test_steps_that_run_nothing_count_towards_the_step_cap(tasks):
+    """The cap counts every step, an invalid tool and a malformed call included: at max_steps = 2 either as the second
+    step ends the episode unscored, reward 0, where its checklist would give 0.75 (envscaler.py: the official episode
+    ends unscored at --max-env-steps); a completion before the cap is scored."""
+    for second in (call("_secret"), "<tool_call>\n{oops}\n</tool_call>"):     # an invalid tool; a malformed call
+        env = world(max_steps=2)
+        env.reset(tasks["lend-1"])
+        assert not env.step(call("borrow", book_id="b1", user="ana")).done
+        r = env.step(second)
+        assert r.done and r.errors == 1 and env.reward() == 0.0
+    env = world(max_steps=3)
+    env.reset(tasks["lend-1"])
+    assert not env.step(call("borrow", book_id="b1", user="ana")).done
+    assert env.step("Task Completed").done and env.reward() == 0.75         # scored before the cap: 3 of 4 checks
 
 
 def test_hostile_code_costs_its_episode_not_the_run(tasks):

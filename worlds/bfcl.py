@@ -19,8 +19,9 @@ classes and come back as tool messages; a reply without a call ends the turn, an
 arrives as the observation (`StepResult.user`). In the missing-function category the held-out functions arrive at
 their turn in a user message ("I have updated some more functions you can choose from. What about now?", after
 their schemas), as BFCL's prompting path sends them; the conversation is never re-rendered. More than `max_steps`
-steps in one turn ends the episode as failed (BFCL's forced quit; BFCL's limit is 20, Table 5 of the paper gives 30
-max steps, which a real model's run takes from --max-env-steps).
+steps in one turn ends the episode as failed, reward 0 whatever turns passed before it (BFCL's forced quit, which its
+multi-turn checker scores as a failed task; BFCL's limit is 20, Table 5 of the paper gives 30 max steps, which a
+real model's run takes from --max-env-steps).
 
 Scoring. BFCL's `multi_turn_checker` re-executes each turn's calls from a fresh state, against the ground truth's,
 and checks the instances' state and the execution results after every turn; a task is correct only if every turn
