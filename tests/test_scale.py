@@ -186,7 +186,9 @@ def test_under_vllm_the_generation_batch_follows_the_paged_cache_not_max_len(cap
     roomy = plan("--kv-budget", "20", "--engine", "vllm")                   # 434,027 tokens: 1,130 would fit
     assert roomy.gen_batch == memory.VLLM_MAX_SEQS == 256 and "(vLLM's max_num_seqs; " in roomy.line()
     given = plan("--kv-budget", "1", "--engine", "vllm", "--gen-batch", "8")
-    assert given.gen_batch == 8 and "8 conversations generate together (given); checkpoints" in given.line()
+    assert given.gen_batch == 8 and "8 conversations generate together (given); the vLLM engine 1.7 GB: its float32 " \
+        "weights 0.7 GB, a KV cache of 1.0 GB (21701 tokens); resident beside training (no sleep mode here); " \
+        "checkpoints" in given.line()                    # 4 bytes × 162.8 M parameters; --kv-budget 1; no sleep on a CPU
     hf_planned = plan()                  # no --kv-budget: --engine hf fills what training leaves, as it did
     assert hf_planned.gen_bound == "" and "conversations generate together; checkpoints" in hf_planned.line()
 
