@@ -4,7 +4,9 @@ train.prepare plans twice: on θ̄ built on the meta device from --model's confi
 are fetched, so that a run that cannot fit stops before the download in one line naming what does fit (each
 suggestion planned again); then beside the loaded backbone, for the budgets (tokens a forward/backward, the
 conversations that generate together, gradient checkpointing). Every term is bytes a token, a row or a parameter,
-checked against measurements by `python -m scripts.bench --check-plan` (docs/real-models.md, "What runs where").
+each side of a step in its own dtype mix (`Mix`), checked against measurements by `python -m scripts.bench
+--check-plan` (docs/real-models.md, "Memory at the paper's budgets"); `python -m scripts.bench --where` prints
+what it decides for Qwen3-4B and -8B on one and eight cards.
 
     python train.py --model Qwen/Qwen3-4B --memory 80      # plans for 80 GB before the download
     python -m pytest tests/test_plan.py tests/test_scale.py -q
@@ -296,9 +298,10 @@ def weight_cast_bytes(model, mix: Mix, sharded: bool = False) -> dict:
     return {False: mix.cast * per_layer * len(layers), True: mix.cast * per_layer}
 
 
-def kv_budget_batch(config, budget_gb: float, max_len: int, elem: int = 2) -> int:
-    """How many conversations of max_len tokens generate together within budget_gb of KV cache (at least one)."""
-    return max(1, int(budget_gb * GB // (kv_bytes_per_token(config, elem) * max_len)))
+def kv_budget_batch(config, budget_gb: float, max_len: int, elem: int = 2, mix: Mix | None = None) -> int:
+    """How many conversations of max_len tokens generate together within budget_gb of KV cache (at least one), each
+    token's keys and values in the generating model's `mix` (`kv_bytes_per_token`)."""
+    return max(1, int(budget_gb * GB // (kv_bytes_per_token(config, elem, mix) * max_len)))
 
 
 def vllm_batch(kv_tokens: int, in_flight: int) -> tuple[int, str]:
@@ -555,7 +558,7 @@ def _plan(p: Planning, ranks: int = 0) -> MemoryPlan:
         costs, engine, refused = engine_costs(p, costs, free)
     given = {k: getattr(args, k) for k in ("grad_ckpt", "token_budget", "gen_batch")}
     if args.kv_budget and given["gen_batch"] is None and args.engine == "hf":     # vLLM's cache pages: above
-        given["gen_batch"] = kv_budget_batch(config, args.kv_budget, n, elem)
+        given["gen_batch"] = kv_budget_batch(config, args.kv_budget, n, elem, mixes[0])   # the student's cache
     cap = CPU_TOKENS if p.machine.type == "cpu" else None    # a longer forward is no faster there
     plan = plan_memory(costs, free, n, given, cap=cap)
     if refused:                         # the engine's refusal after training's: what does not train is said first
