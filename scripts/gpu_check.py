@@ -56,6 +56,7 @@ from worlds import tool_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEGS = ("versions", "plan", "step", "rollout", "e2e")
+STUDENT_R = 64        # the step leg's LoRA student: train.py --student-lora-r's default
 GB = 1e9
 
 
@@ -347,7 +348,8 @@ def lora_models(check: Check):
         models.checkpointing(base)       # as the plan chooses for 40,960 tokens (without: 457 GB on Qwen3-4B)
         composer = Composer(base, tok, ComposerConfig(n_latents=32 if check.size.arch != "toy" else 2,
                                                       encode_batch_size=8))
-        check.models.update(base=base, composer=composer, student=models.lora_student(composer.peft, 64), tok=tok)
+        student = models.lora_student(composer.peft, STUDENT_R)
+        check.models.update(base=base, composer=composer, student=student, tok=tok)
     m = check.models
     return m["base"], m["composer"], m["student"], m["tok"]
 
@@ -426,7 +428,7 @@ def planned_step_bytes(base, student, composer, eps, loss_chunk: int) -> int:
     --student-lora has (memory.step_mixes), less the trained weights' 4 bytes a parameter (already there)."""
     trained = sum(p.numel() for p in [*student.parameters(), *composer.trainable_parameters()])
     elem = next(base.parameters()).element_size()
-    mixes = memory.step_mixes(elem, 64, composer.cfg.lora_r)
+    mixes = memory.step_mixes(elem, STUDENT_R, composer.cfg.lora_r)
     longest = max(len(e.ids) for e in eps)
     costs = memory.step_costs(base.config, elem, trained, 3, loss_chunk, longest, mixes)
     costs.casts = memory.weight_cast_bytes(base, mixes[0])
