@@ -161,8 +161,8 @@ class Args:
     tensorboard: str = arg("", "also write every metric as TensorBoard scalars here (pip install tensorboard)")
 
 
-# Where the toy world needs its own value, and why (what the alternatives measured: docs/toy-world.md, "The toy
-# defaults"). Real models take PAPER_DEFAULTS (B.2 and the official code); the rest of Args' defaults are both's.
+# Where the toy needs its own value, and why (docs/toy-world.md, "The toy defaults"). Real models take PAPER_DEFAULTS:
+# the paper's values, else the official configs' (step counts, 10,000 tokens a reply); other defaults are both's.
 TOY_DEFAULTS = {
     "latents": 8,          # fewer latent positions keep the teacher's CPU forward cheap
     "composer_input": "reference",   # the task names its shop: a task-conditional composer learns the shops'
@@ -180,8 +180,8 @@ TOY_DEFAULTS = {
     "loss_chunk": 0,       # full logits: the readable loss (a toy vocabulary needs no chunks)
     "gen_batch": 64, "token_budget": 0, "kv_budget": 0, "grad_ckpt": False,   # budgets a toy run needs no plan for
 }
-PAPER_DEFAULTS = {"latents": ComposerConfig.n_latents, "composer_input": "task+reference", "cold_steps": 500,
-                  "cold_lr": 1e-5, "steps": 200, "lr": 1e-5, "composer_lr": 1e-5, "max_new_tokens": 10000,
+PAPER_DEFAULTS = {"latents": ComposerConfig.n_latents, "composer_input": "task+reference", "cold_steps": 1000,
+                  "cold_lr": 1e-5, "steps": 100, "lr": 1e-5, "composer_lr": 1e-5, "max_new_tokens": 10000,
                   "max_env_steps": 30, "max_len": 40960, "eval_every": 0, "text_context": "system",
                   "loss_chunk": 1024}   # the budgets: the memory plan (`fit_to_model`)
 METHODS = {"lopd": lopd.METHOD, **baselines.METHODS}     # what --method runs: lopd, rft, grpo, opsd, sdpo, sdft, skillsd

@@ -724,8 +724,9 @@ def where_verdicts() -> list:
 
 
 def stage_hours(args, n_params: int, batch: int, ranks: int) -> dict:
-    """Hours of each stage at `args`' budgets (B.2's) for a backbone of `n_params` parameters generating `batch`
-    conversations at a time on each of `ranks` ranks (which split every stage), from the assumptions above."""
+    """Hours of each stage at `args`' budgets (a real model's: train.PAPER_DEFAULTS) for a backbone of `n_params`
+    parameters generating `batch` conversations at a time on each of `ranks` ranks (which split every stage), from
+    the assumptions above."""
     lora, step = args.student_lora, DECODE_STEP_S[args.engine]
     experience = args.n_ret * memory.EXPERIENCE_TOKENS
     per_second = MFU * PEAK_FLOPS

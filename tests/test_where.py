@@ -84,8 +84,8 @@ def test_the_time_of_qwen3_4b_lora_on_one_80_gb_card_is_the_docs_arithmetic(prin
     prefill = lambda n: n * (20_000 - 9_600) * 2 * N / flops   # noqa: E731  the rest of a 20,000-token conversation
     encoder = 3 * 512 * 8 * N                            # J × 512 experience tokens a rollout at 8·N
     hours = {"bank": (decode(4_700) + prefill(4_700)) / 3600,
-             "cold start": 500 * 8 * (20_000 * 6 * N + encoder) / flops / 3600,
-             "200 steps": (decode(6_400) + prefill(6_400) + 6_400 * (20_000 * 12 * N + encoder) / flops) / 3600,
+             "cold start": 1_000 * 8 * (20_000 * 6 * N + encoder) / flops / 3600,      # the official configs' counts
+             "100 steps": (decode(3_200) + prefill(3_200) + 3_200 * (20_000 * 12 * N + encoder) / flops) / 3600,
              "evaluation": (decode(600) + prefill(600)) / 3600}
     total = sum(hours.values())
     got = bench.stage_hours(planning(lora=True).args, N, batch, 1)
