@@ -34,10 +34,10 @@ Deviations from the paper (and choices it leaves open):
   2. One KL, two gradients. The official code runs a student phase (teacher top-M values under no_grad) and a
      composer phase (student values detached). Here one KL without detach gives both gradients (see
      `reverse_kl_topm`); the values and gradients are the same.
-  3. Normalisation. L_distill divides by the supervised-token count of the WHOLE batch (docs/design.md,
-     "Correctness traps"), for the student and the composer alike; the official composer phase divides each
-     trajectory by its own count and averages over trajectories. Eq. (10) writes the per-trajectory form for one
-     τ inside E_τ.
+  3. Normalisation. L_distill divides by the supervised-token count of the WHOLE batch (a choice, not a trap:
+     docs/design.md, "Correctness traps", after the list), for the student and the composer alike; the official
+     composer phase divides each trajectory by its own count and averages over trajectories. Eq. (10) writes the
+     per-trajectory form for one τ inside E_τ (kl_per="trajectory", `--kl-per trajectory`).
   4. Δ. Default per="trajectory" (eq. 12, which the official code also uses for the composer's loss).
      per="token" is Σ ω A δ / Σ ω over the batch: the value the official code feeds the dual step. Here the same Δ
      goes into the loss and into `dual_step`.
