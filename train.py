@@ -352,13 +352,13 @@ def load_splits(args: Args, record: bool = True):
     """Training and held-out tasks: the --tasks folder, or the environment's seeded splits (saved to OUT/tasks when
     `record`)."""
     cls = environment(args)
-    try:
-        if args.tasks:
-            return cls.read_splits(args, record)           # DIR/train.jsonl and test.jsonl, or the world's layout
-        train, test = cls.make_splits(args)                # the same on every rank (seeded)
+    try:       # DIR/train.jsonl and test.jsonl (or the world's layout), or the seeded splits, the same on every rank
+        train, test = cls.read_splits(args, record) if args.tasks else cls.make_splits(args)
     except NotImplementedError as err:                     # a world without a task source of that kind
         raise UserError(f"--env {args.env!r}: {err}") from None
-    if record and parallel.rank() == 0:
+    if problem := common.missing_task_field(args.env, train, test):     # one line now, not a stage's traceback
+        raise UserError(problem)
+    if record and not args.tasks and parallel.rank() == 0:
         os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
         for name, tasks in (("train", train), ("test", test)):
             cls.save_tasks(tasks, os.path.join(args.out, "tasks", name + ".jsonl"))

@@ -287,6 +287,20 @@ class StepResult:
     user: str | None = None       # a multi-turn task's next user message, once a reply has ended a turn (BFCL)
 
 
+TASK_FIELDS = ("task_id", "text", "variant", "schema")     # what every task holds (`Environment`'s docstring)
+
+
+def missing_task_field(world: str, *splits) -> str | None:
+    """The one-line error for the first task of `splits` that lacks one of TASK_FIELDS, naming the field and --env's
+    `world`, else None. train.load_splits asks as the splits are made, before a stage reads a field (the cold start
+    reads `schema`, retrieval `variant`)."""
+    for task in (t for split in splits for t in split):
+        if missing := [f for f in TASK_FIELDS if not hasattr(task, f)]:
+            return (f"--env {world!r}: its tasks ({type(task).__name__}) have no field {missing[0]!r}; every task "
+                    f"holds {', '.join(TASK_FIELDS)} ('' where it has no variant or schema; worlds/common.Environment)")
+    return None
+
+
 class Environment:
     """What the learner reads of an environment, all of it: lopd.py and train.py use nothing else, and find nothing
     by getattr. A world subclasses this, implements the three episode methods and the task source, and keeps or
