@@ -163,8 +163,8 @@ def env_error(spec: str, envs: dict) -> str | None:
     path = where if where.endswith(".py") else os.path.join(ROOT, *where.split(".")) + ".py"
     bound = names_bound(path) if os.path.isfile(path) else None
     if bound is not None and name not in bound[0]:
-        return (f"--env {spec!r}: {where} has no class {name!r}{did_you_mean(name, bound[1])}; its classes: "
-                f"{', '.join(bound[1]) or 'none'}")
+        return (f"--env {spec!r}: {where} has no class {name!r}{did_you_mean(name, bound[1])}; expected one of its "
+                f"classes ({', '.join(bound[1]) or 'none'}) that subclasses worlds.common.Environment")
     return None
 
 

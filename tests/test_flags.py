@@ -93,7 +93,7 @@ MISTAKES = [   # (script, argv, what the line says): issue 50's cases and their 
     ("train.py", ["--env", "my_wrld.py:Mine"], "--env 'my_wrld.py:Mine': no such file 'my_wrld.py' (did you mean "
                                                "'my_world.py'?)"),
     ("train.py", ["--env", "my_world.py:Mien"], "--env 'my_world.py:Mien': my_world.py has no class 'Mien' (did "
-                                                "you mean 'Mine'?); its classes: Mine"),      # parsed, not run
+                                                "you mean 'Mine'?); expected one of its classes (Mine)"),  # not run
     ("train.py", ["--env", "worlds.tool_world:ToolWrld"], "has no class 'ToolWrld' (did you mean 'ToolWorld'?)"),
     ("train.py", ["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
     ("train.py", ["--margin", "big"], "argument --margin: invalid float value: 'big'"),
