@@ -351,7 +351,7 @@ def sample_config(args: Args, temperature=None) -> engine.SampleConfig:
 
 
 def load_splits(args: Args, record: bool = True):
-    """Training and held-out tasks: the --tasks folder, or the world's seeded splits (saved to OUT/tasks if `record`)."""
+    """Training and held-out tasks: --tasks's folder, or the world's seeded splits (saved to OUT/tasks if `record`)."""
     cls = environment(args)
     try:       # DIR/train.jsonl and test.jsonl (or the world's layout), or the seeded splits, the same on every rank
         train, test = cls.read_splits(args, record) if args.tasks else cls.make_splits(args)

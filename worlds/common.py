@@ -1,5 +1,6 @@
-"""What every world shares: the interface the learner reads (`Environment`, `StepResult`), the loader of --env, the
-tool-call parsers of the model families, and the small helpers of task files and traces (paper A.3, A.5).
+"""What every world shares: the interface the learner reads (`Environment`, `StepResult`, a task's `TASK_FIELDS`),
+the loader of --env, the tool-call parsers of the model families, and the small helpers of task files and traces
+(paper A.3, A.5).
 
     python train.py --env my_world.py:MyWorld      # a world of your own: a subclass of Environment
     python -m pytest tests/test_envs.py tests/test_custom_env.py -q
