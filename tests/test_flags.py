@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import importlib
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -176,17 +177,19 @@ def test_the_script_itself_answers_in_well_under_a_second():
 def test_a_misspelt_world_class_or_bfcl_category_is_answered_in_under_a_second(tmp_path):
     """Issue 62's two slow errors, as a user types them: --env FILE.py:CLASS with the class misspelt (the file is
     parsed, not imported) and eval.py --tasks bfcl-v3:basee (the categories read from worlds/bfcl.py's source, which
-    tests/test_bfcl.py checks against bfcl-eval's files). One line, the closest name, well under a second."""
+    tests/test_bfcl.py checks against bfcl-eval's files). One line, the closest name, in well under a second of the
+    process's CPU time (its wall time is the machine's load: a minute behind busy cores, before the fix or after)."""
     folder = a_working_folder(tmp_path)
     (folder / "runs" / "toy" / "args.json").write_text("{}")
     for argv, says in ((["train.py", "--env", "my_world.py:Mien"], "(did you mean 'Mine'?)"),
                        (["eval.py", "--run", "runs/toy", "--tasks", "bfcl-v3:basee"], "(did you mean 'base'?)")):
-        t0 = time.monotonic()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], cwd=folder,
-                              capture_output=True, text=True, timeout=60)
-        seconds = time.monotonic() - t0
+                              capture_output=True, text=True, timeout=300)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
-        assert seconds < 1, seconds            # about 0.2 s; the scripts' imports alone take seconds
+        assert seconds < 1, seconds            # about 0.2 s; importing torch and transformers first took 5 s
     from worlds import bfcl
     assert preflight.bfcl_error("bfcl-v3:" + ",".join(bfcl.CATEGORIES + bfcl.SINGLE_TURN)) is None
     assert preflight.bfcl_error("bfcl-v3:single") is None and preflight.bfcl_error("bfcl-v3") is None
