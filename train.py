@@ -207,8 +207,8 @@ def _main(argv=None):
     rows = evaluate(args, run, student, run.test, cache=True)    # rows a killed evaluation finished: read back
     if parallel.rank() == 0:
         table = environment(args).results
-        results.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, table=table)
-        print("\n" + results.markdown_table(rows, table=table))
+        results.write_results(args.out, rows, {"seconds": round(time.time() - t0, 1)}, table=table, n=len(run.test))
+        print(f"\n{results.caption(table, len(run.test))}\n\n{results.markdown_table(rows, table=table)}")
         results.plot_curves(args.out)              # OUT/curves.png, from OUT/metrics.jsonl
         print(f"total {time.time() - t0:.0f}s; results in {args.out}/results.md")
     serving.close_engine()                  # --engine vllm: ends the process group too (torchrun's, under torchrun)
@@ -225,6 +225,8 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
         memory.replan(args)
     devices.seed_everything(args.seed)
     train_tasks, test_tasks = load_splits(args, record)  # a missing release costs no load; the plan reads prompts
+    if record:
+        say(devices.size_line(args, len(train_tasks), len(test_tasks)))     # first: what the run holds
     device, dtype = devices.pick_device(args.device, args.dtype)
     log = devices.Log(args.out, args.tensorboard, functools.partial(devices.stages_left, args, len(train_tasks),
                       len(test_tasks), drift_rows=2 if METHODS[args.method].trains_composer else 1))   # as drift_eval
@@ -349,16 +351,15 @@ def sample_config(args: Args, temperature=None) -> engine.SampleConfig:
 
 
 def load_splits(args: Args, record: bool = True):
-    """Training and held-out tasks: the --tasks folder, or the environment's seeded splits (saved to OUT/tasks when
-    `record`)."""
+    """Training and held-out tasks: --tasks's folder, or the world's seeded splits (saved to OUT/tasks if `record`)."""
     cls = environment(args)
-    try:
-        if args.tasks:
-            return cls.read_splits(args, record)           # DIR/train.jsonl and test.jsonl, or the world's layout
-        train, test = cls.make_splits(args)                # the same on every rank (seeded)
+    try:       # DIR/train.jsonl and test.jsonl (or the world's layout), or the seeded splits, the same on every rank
+        train, test = cls.read_splits(args, record) if args.tasks else cls.make_splits(args)
     except NotImplementedError as err:                     # a world without a task source of that kind
         raise UserError(f"--env {args.env!r}: {err}") from None
-    if record and parallel.rank() == 0:
+    if problem := common.missing_task_field(args.env, train, test):     # one line now, not a stage's traceback
+        raise UserError(problem)
+    if record and not args.tasks and parallel.rank() == 0:
         os.makedirs(os.path.join(args.out, "tasks"), exist_ok=True)
         for name, tasks in (("train", train), ("test", test)):
             cls.save_tasks(tasks, os.path.join(args.out, "tasks", name + ".jsonl"))

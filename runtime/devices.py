@@ -3,10 +3,10 @@
 `UserError` is bad input a user can fix: `one_line_errors` prints it as one line and exits with status 2 (train.py,
 eval.py). `pick_device` chooses cuda -> mps -> cpu and bf16 on CUDA (fp32 elsewhere); `precision` is the bf16
 autocast around the fp32 student beside the bf16 backbone, and the student's bf16 copy that generates under it is
-`models.decoding_copy`. `Log` writes metrics.jsonl (and TensorBoard), rank 0 speaking (`say`); `Clock` turns each
-stage's first batch into the time the run has left.
+`models.decoding_copy`. `Log` writes metrics.jsonl (and TensorBoard), rank 0 speaking (`say`); `size_line` says what
+a run holds before its first stage, and `Clock` turns each stage's first batch into the time the run has left.
 
-    python train.py --quick          # prints the device, then each stage's time left
+    python train.py --quick          # prints its size, the device, then each stage's time left
     python -m pytest tests/test_time_left.py tests/test_decode.py -q
 
 No deviation from the paper lives here.
@@ -220,6 +220,24 @@ class Clock:
 
 
 STAGES = ("bank", "cold start", "joint", "evaluation")     # the stages of train.py whose time the clock adds up
+
+
+def size_line(args, n_train: int, n_test: int) -> str:
+    """What a run of `args` (train.Args, resolved) holds, in the stages' own units, said before its first stage:
+    the base rollouts, the cold-start steps, the joint iterations and their rollouts, the --eval-every checks and
+    the final evaluation's rows of held-out tasks (vanilla, base + composer, and the student where there are
+    steps). Every rank's work together; how long it takes is said once each stage's first batch is timed (`Clock`)."""
+    def count(n, unit):                                       # 1 cold-start step, 60 iterations
+        return f"{n:,} {unit}{'s' * (n != 1)}"
+    checks = args.steps // args.eval_every if args.eval_every else 0
+    rollouts = "on the bank (no rollouts)" if args.method == "rft" else f"of {count(args.rollouts_per_step, 'rollout')}"
+    parts = [f"{count(n_train * args.bank_rollouts, 'base rollout')} ({n_train:,} tasks × {args.bank_rollouts})",
+             count(args.cold_steps, "cold-start step")]
+    parts += [f"{count(args.steps, args.method + ' iteration')} {rollouts}"] if args.steps else []
+    parts += [f"{count(checks, 'check')} on {min(args.eval_tasks, n_test):,} held-out tasks"] if checks else []
+    parts += [f"{3 if args.steps else 2} rows × {n_test:,} held-out tasks at the end"]
+    name = "quick run" if args.quick else "this run"
+    return f"{name}: {', '.join(parts)}; the time left is said after each stage's first batch"
 
 
 def stages_left(args, n_train: int, n_test: int, stage: str, done: int, *, drift_rows: int = 1) -> list[Stage]:

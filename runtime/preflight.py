@@ -14,10 +14,11 @@ One list of flags: train.py's `Args` (with CHOICES, POSITIVE and NON_NEGATIVE) a
 eval.py's `main` are read here from their source with `ast`, a name such as `lopd.LOPDConfig.margin` followed into
 the file that assigns it (`value_of`); nothing is copied, and train.py's parser is built by the same `parser_of`.
 Checked here: unknown flags (the closest one named), ints and floats, the choices and the positive settings, --env
-(a registered world, or a FILE.py that is there; left out, `default_world`'s), the paths that must exist (--model
-where it is a folder, --chat-template, --tasks of a shipped world, eval.py's --run and --tasks files), each with the
-closest name in the same folder. Left to the scripts: whatever needs a world's code, a model or torch (a user's FILE.py world is not
-imported here, nor a hub id looked up), and any value that the source alone does not give (`Unknown`).
+(a registered world, or a FILE.py that is there and binds CLASS; left out, `default_world`'s), the paths that must
+exist (--model where it is a folder, --chat-template, --tasks of a shipped world, eval.py's --run and --tasks files),
+each with the closest name in the same folder, and eval.py's BFCL-v3 categories (the closest named). Left to the
+scripts: whatever needs a world's code, a model or torch (a user's FILE.py world is parsed here, never run, nor a hub
+id looked up), and any value that the source alone does not give (`Unknown`).
 
 Also here, because they import no torch: the settings' pieces that train.py and eval.py build their command lines
 from (`default_world`, the world a run takes when --env is left out; `arg`, `OneLineParser`, `did_you_mean`,
@@ -151,20 +152,62 @@ def expected_worlds(envs) -> str:
 
 def env_error(spec: str, envs: dict) -> str | None:
     """--env's value against `envs` (worlds/common.ENVS): the one-line error for a name that is not registered (the
-    closest named) or a FILE.py that is not there, else None (worlds/common.environment_class imports the rest)."""
+    closest named), a FILE.py that is not there, or a CLASS that its source binds nowhere (the closest of its classes
+    named; the file is parsed, not run), else None (worlds/common.environment_class imports the rest)."""
     where, _, name = envs.get(spec, spec).rpartition(":")
     if not where or not name:
         close = difflib.get_close_matches(spec, list(envs), n=1, cutoff=0.6)
         return f"--env {spec!r}: " + (f"did you mean {close[0]!r}? " if close else "") + expected_worlds(envs)
     if where.endswith(".py") and not os.path.isfile(where):
         return f"--env {spec!r}: no such file {where!r}{close_path(where)}; {expected_worlds(envs)}"
+    path = where if where.endswith(".py") else os.path.join(ROOT, *where.split(".")) + ".py"
+    bound = names_bound(path) if os.path.isfile(path) else None
+    if bound is not None and name not in bound[0]:
+        return (f"--env {spec!r}: {where} has no class {name!r}{did_you_mean(name, bound[1])}; expected one of its "
+                f"classes ({', '.join(bound[1]) or 'none'}) that subclasses worlds.common.Environment")
     return None
+
+
+def names_bound(path: str) -> tuple[set, list] | None:
+    """(every name the file's source binds anywhere, its classes) without running it; None where the source cannot
+    say (it does not parse, or it imports *): the import then decides."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    names, classes = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+            classes += [node.name] if isinstance(node, ast.ClassDef) else []
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names, classes
+
+
+def bfcl_error(spec: str) -> str | None:
+    """--tasks bfcl-v3:CAT[,CAT] against the categories worlds/bfcl.py lists (read from its source: nothing of BFCL
+    loads): the one-line error for a category that is not one (the closest named), else None."""
+    name, _, cats = spec.partition(":")
+    if name != "bfcl-v3" or cats in ("", "single"):
+        return None
+    known = value_of(ast.Name("CATEGORIES"), "worlds.bfcl") + value_of(ast.Name("SINGLE_TURN"), "worlds.bfcl")
+    unknown = [c for c in cats.split(",") if c not in known]
+    if not unknown:
+        return None
+    return (f"--tasks {spec}: no BFCL-v3 category {unknown[0]!r}{did_you_mean(unknown[0], known)}; expected one of "
+            f"{', '.join(known)}, or single")
 
 
 def check_eval(p, a, rest: list, names: tuple, prefixes: tuple):
     """eval.py's command line, before any run is read: train.py's flags (`rest`) only after --model, the counts, the
-    --tasks files (those starting with `prefixes` name benchmarks, `names` are suggested), a run or a model with
-    tasks, the run's args.json. argparse's one line (exit 2) on a mistake."""
+    --tasks files (those starting with `prefixes` name benchmarks, `names` are suggested) and BFCL's categories, a
+    run or a model with tasks, the run's args.json. argparse's one line (exit 2) on a mistake."""
     if rest and not a.model:
         p.error(f"unrecognized arguments: {' '.join(rest)}")        # as parse_args says it: the closest flag named
     if a.n_test < 0 or (a.temperature is not None and a.temperature < 0):
@@ -174,6 +217,8 @@ def check_eval(p, a, rest: list, names: tuple, prefixes: tuple):
         hint = did_you_mean(missing[0], names) or close_path(missing[0])          # bfcl-v4 -> bfcl-v3
         p.error(f"--tasks: no such file {missing[0]!r}{hint}; give JSONL benchmark files, bfcl-v3, envscaler=DIR "
                 "or acebench=PATH")
+    if problem := next(filter(None, map(bfcl_error, a.tasks or ())), None):      # bfcl-v3:basee -> base
+        p.error(problem)
     if bool(a.run) == bool(a.model) or (a.model and not a.tasks):
         p.error("give --run DIR (a run of train.py), or --model ID_OR_FOLDER with --tasks (the model as released)")
     if a.run and not os.path.isfile(os.path.join(a.run, "args.json")):

@@ -160,7 +160,12 @@ def test_train_py_runs_it_end_to_end(spec, toy_backbone_dir, tmp_path):
     table = (out / "results.md").read_text()
     for row in ("vanilla", "base + composer", "LOPD student"):
         assert f"| {row} |" in table, table
-    assert table.startswith("Held-out tasks\n") and "(" not in table      # no EnvScaler values for another world
+    assert table.startswith("Held-out tasks, 3 a row\n") and "(" not in table     # no EnvScaler values: not the toy
+    # the run said its size first (the flags above, and --bank-rollouts' default 2), and its table under the caption
+    assert res.stdout.splitlines()[0].startswith(
+        "this run: 24 base rollouts (12 tasks × 2), 1 cold-start step, 2 lopd iterations of 2 rollouts, 3 rows × 3 "
+        "held-out tasks at the end"), res.stdout[:500]
+    assert "\nHeld-out tasks, 3 a row\n\n| row | reward | full pass |" in res.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "lopd"] == [0, 1]
     bank = next(r for r in rows if r["stage"] == "bank")
@@ -182,7 +187,8 @@ def test_a_wrong_env_is_one_line_and_status_2(value, spec, capsys):
 @pytest.mark.parametrize("body, says", [
     ("from worlds import common\nclass W(common.Environment):\n    def reset(self, task):\n        return []\n",
      "does not implement step, reward"),
-    ("from worlds import common\nundefined_name\n", "NameError: name 'undefined_name' is not defined"),
+    ("from worlds import common\nundefined_name\nclass W(common.Environment):\n    pass\n",      # W is there: runs
+     "NameError: name 'undefined_name' is not defined"),
     ("from worlds import common\ndef broken(:\n", "SyntaxError"),
 ])
 def test_a_broken_world_file_is_one_line_before_any_model_loads(body, says, tmp_path, capsys):

@@ -338,3 +338,15 @@ def test_eq13_is_built_by_keyword_and_no_private_name_crosses_a_file():
                 crossing.append(f"{m}:{n.lineno}: {n.value.id}.{n.attr}")
     assert not bad, f"Eq13 built positionally: {bad}"
     assert not crossing, crossing
+
+
+def test_every_column_of_the_results_table_is_defined_in_the_glossary():
+    """Issue 62: "full pass" and "1st-step len" were defined nowhere. Each column worlds/results.py prints (Table 3's
+    and a code world's) has a row of its own in docs/glossary.md's "The results table"."""
+    from worlds import results
+    text = open(os.path.join(ROOT, "docs", "glossary.md"), encoding="utf-8").read()
+    section = text[text.index("## The results table"):]
+    section = section[:section.index("\n## ", 1)]
+    defined = {name.strip() for cell in re.findall(r"^\| ([^|]+) \|", section, flags=re.M) for name in cell.split(",")}
+    columns = ["row"] + [c for _, c in results.COLUMNS + results.CODE_COLUMNS]
+    assert set(columns) <= defined, set(columns) - defined

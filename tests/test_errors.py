@@ -10,6 +10,7 @@ from transformers import BertConfig, DistilBertConfig
 
 import engine
 import train
+from worlds import common
 from worlds import toy_backbone as toy
 
 FAST = ["--env", "tools", "--n-train", "2", "--n-test", "1", "--bank-rollouts", "1", "--device", "cpu"]
@@ -86,6 +87,48 @@ def test_a_tokenizer_without_chat_template_is_named_and_the_flag_fixes_it(tmp_pa
                              str(tmp_path / "t.jinja")])
     _, tok = train.load_backbone(args, "cpu", None)
     assert tok.chat_template == template
+
+
+DAYS = """from dataclasses import dataclass
+from worlds import common
+
+
+@dataclass
+class Day:                  # a task with three of the four fields: no schema
+    task_id: str
+    text: str
+    variant: str
+
+
+class Days(common.Environment):
+    def reset(self, task):
+        return [{"role": "user", "content": task.text}]
+
+    def step(self, reply):
+        return common.StepResult([], True)
+
+    def reward(self):
+        return 1.0
+
+    @classmethod
+    def make_splits(cls, args):
+        days = [Day(f"d{i}", f"plan day {i}", "") for i in range(args.n_train + args.n_test)]
+        return days[:args.n_train], days[args.n_train:]
+"""
+
+
+def test_a_world_whose_tasks_lack_a_field_is_one_line_when_the_splits_are_made(tmp_path, capsys):
+    """Issue 62: the cold start read `schema` and died in a traceback (AttributeError: 'Day' object has no attribute
+    'schema'); the splits are checked as they are made, against the four fields worlds/common.Environment names."""
+    (tmp_path / "days.py").write_text(DAYS)
+    spec = f"{tmp_path / 'days.py'}:Days"
+    line = one_line_exit(capsys, ["--out", str(tmp_path / "run"), *FAST, "--env", spec])
+    assert line == (f"error: --env {spec!r}: its tasks (Day) have no field 'schema'; every task holds task_id, text, "
+                    "variant, schema ('' where it has no variant or schema; worlds/common.Environment)")
+    assert not (tmp_path / "run" / "base_rollouts.jsonl").exists()          # before any stage ran
+    (tmp_path / "days.py").write_text(DAYS.replace("    variant: str\n", "    variant: str\n    schema: str = ''\n"))
+    common.environment_class.cache_clear()                                   # the fixed file, loaded anew
+    assert common.missing_task_field(spec, *train.load_splits(train.parse_args(["--env", spec]), False)) is None
 
 
 def test_a_bug_still_raises_with_its_traceback(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import importlib
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -92,6 +93,9 @@ MISTAKES = [   # (script, argv, what the line says): issue 50's cases and their 
     ("train.py", ["--env", "tool"], "--env 'tool': did you mean 'tools'? expected tools or code or bfcl or envscaler"),
     ("train.py", ["--env", "my_wrld.py:Mine"], "--env 'my_wrld.py:Mine': no such file 'my_wrld.py' (did you mean "
                                                "'my_world.py'?)"),
+    ("train.py", ["--env", "my_world.py:Mien"], "--env 'my_world.py:Mien': my_world.py has no class 'Mien' (did "
+                                                "you mean 'Mine'?); expected one of its classes (Mine)"),  # not run
+    ("train.py", ["--env", "worlds.tool_world:ToolWrld"], "has no class 'ToolWrld' (did you mean 'ToolWorld'?)"),
     ("train.py", ["--seed", "abc"], "argument --seed: invalid int value: 'abc'"),
     ("train.py", ["--margin", "big"], "argument --margin: invalid float value: 'big'"),
     ("train.py", ["--steps", "-1"], "--steps must be at least 0, got -1"),
@@ -104,6 +108,9 @@ MISTAKES = [   # (script, argv, what the line says): issue 50's cases and their 
                                        "'runs/toy'?)"),
     ("eval.py", ["--run", "runs/toy", "--tasks", "bfcl-v4"], "--tasks: no such file 'bfcl-v4' (did you mean "
                                                              "'bfcl-v3'?)"),
+    ("eval.py", ["--run", "runs/toy", "--tasks", "bfcl-v3:basee"], "--tasks bfcl-v3:basee: no BFCL-v3 category "
+                                                                  "'basee' (did you mean 'base'?)"),
+    ("eval.py", ["--run", "runs/toy", "--tasks", "bfcl-v3:base,miss_fnc"], "'miss_fnc' (did you mean 'miss_func'?)"),
     ("eval.py", ["--run", "runs/toy", "--n-test", "-1"], "--n-test and --temperature must be at least 0"),
     ("eval.py", ["--run", "runs/toy", "--world-chek"], "unrecognized arguments: --world-chek (did you mean "
                                                        "'--world-check'?)"),
@@ -116,7 +123,7 @@ def a_working_folder(tmp_path):
     """What the mistakes above are close to: a run folder, a task folder, a world's file."""
     (tmp_path / "runs" / "toy").mkdir(parents=True)
     (tmp_path / "data" / "envscaler").mkdir(parents=True)
-    (tmp_path / "my_world.py").write_text("")
+    (tmp_path / "my_world.py").write_text("from worlds import common\n\n\nclass Mine(common.Environment):\n    pass\n")
     return tmp_path
 
 
@@ -165,6 +172,28 @@ def test_the_script_itself_answers_in_well_under_a_second():
         seconds = time.monotonic() - t0
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and says in done.stderr
         assert seconds < 3, seconds
+
+
+def test_a_misspelt_world_class_or_bfcl_category_is_answered_in_under_a_second(tmp_path):
+    """Issue 62's two slow errors, as a user types them: --env FILE.py:CLASS with the class misspelt (the file is
+    parsed, not imported) and eval.py --tasks bfcl-v3:basee (the categories read from worlds/bfcl.py's source, which
+    tests/test_bfcl.py checks against bfcl-eval's files). One line, the closest name, in well under a second of the
+    process's CPU time (its wall time is the machine's load: a minute behind busy cores, before the fix or after)."""
+    folder = a_working_folder(tmp_path)
+    (folder / "runs" / "toy" / "args.json").write_text("{}")
+    for argv, says in ((["train.py", "--env", "my_world.py:Mien"], "(did you mean 'Mine'?)"),
+                       (["eval.py", "--run", "runs/toy", "--tasks", "bfcl-v3:basee"], "(did you mean 'base'?)")):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], cwd=folder,
+                              capture_output=True, text=True, timeout=300)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
+        assert seconds < 1, seconds            # about 0.2 s; importing torch and transformers first took 5 s
+    from worlds import bfcl
+    assert preflight.bfcl_error("bfcl-v3:" + ",".join(bfcl.CATEGORIES + bfcl.SINGLE_TURN)) is None
+    assert preflight.bfcl_error("bfcl-v3:single") is None and preflight.bfcl_error("bfcl-v3") is None
+    assert "did you mean" not in preflight.bfcl_error("bfcl-v3:zzzz")          # nothing close: none named
 
 
 def test_the_early_check_reads_the_flags_as_python_does():

@@ -697,3 +697,30 @@ def test_quick_is_the_same_pipeline_small_and_flags_beside_it_win():
     same = {f.name for f in dataclasses.fields(train.Args)} - set(train.QUICK) - {"quick"}
     assert all(getattr(quick, k) == getattr(plain, k) for k in same)
     assert plain.steps == 60 and plain.n_train == 1000                 # the check can fail: the default run differs
+
+
+def test_the_size_line_counts_what_the_resolved_args_hold():
+    """Issue 62: a run says its size before its first stage (`devices.size_line`, printed by `prepare`), each number
+    the resolved settings', worked out here from QUICK, the defaults and the flags."""
+    from runtime import devices
+    q, d = train.QUICK, train.parse_args([])
+    quick = train.parse_args(["--quick"])
+    assert devices.size_line(quick, q["n_train"], q["n_test"]) == (
+        f"quick run: {q['n_train'] * d.bank_rollouts} base rollouts ({q['n_train']} tasks × {d.bank_rollouts}), "
+        f"{q['cold_steps']} cold-start steps, {q['steps']} lopd iterations of {q['rollouts_per_step']} rollouts, "
+        f"3 rows × {q['n_test']} held-out tasks at the end; the time left is said after each stage's first batch")
+    # the default run: TOY_DEFAULTS' steps and checks, thousands written with a comma
+    line = devices.size_line(d, d.n_train, d.n_test)
+    checks = train.TOY_DEFAULTS["steps"] // train.TOY_DEFAULTS["eval_every"]
+    assert line.startswith(f"this run: {d.n_train * d.bank_rollouts:,} base rollouts ({d.n_train:,} tasks × "
+                           f"{d.bank_rollouts}), {train.TOY_DEFAULTS['cold_steps']} cold-start steps, "
+                           f"{train.TOY_DEFAULTS['steps']} lopd iterations of {d.rollouts_per_step} rollouts, "
+                           f"{checks} checks on {d.eval_tasks} held-out tasks, 3 rows × {d.n_test} held-out tasks")
+    # from the flags, not constants: another command, other numbers; RFT rolls nothing out; no steps, no student row
+    other = train.parse_args(["--quick", "--n-train", "7", "--bank-rollouts", "3", "--cold-steps", "1",
+                              "--method", "rft", "--steps", "40", "--eval-every", "20", "--eval-tasks", "9"])
+    assert devices.size_line(other, 7, 5).startswith(
+        "quick run: 21 base rollouts (7 tasks × 3), 1 cold-start step, 40 rft iterations on the bank (no rollouts), "
+        "2 checks on 5 held-out tasks, 3 rows × 5 held-out tasks at the end")
+    assert "iteration" not in devices.size_line(train.parse_args(["--steps", "0"]), 10, 4)
+    assert "2 rows × 4 held-out tasks" in devices.size_line(train.parse_args(["--steps", "0"]), 10, 4)

@@ -1,5 +1,6 @@
-"""What every world shares: the interface the learner reads (`Environment`, `StepResult`), the loader of --env, the
-tool-call parsers of the model families, and the small helpers of task files and traces (paper A.3, A.5).
+"""What every world shares: the interface the learner reads (`Environment`, `StepResult`, a task's `TASK_FIELDS`),
+the loader of --env, the tool-call parsers of the model families, and the small helpers of task files and traces
+(paper A.3, A.5).
 
     python train.py --env my_world.py:MyWorld      # a world of your own: a subclass of Environment
     python -m pytest tests/test_envs.py tests/test_custom_env.py -q
@@ -285,6 +286,20 @@ class StepResult:
     n_calls: int = 0
     errors: int = 0
     user: str | None = None       # a multi-turn task's next user message, once a reply has ended a turn (BFCL)
+
+
+TASK_FIELDS = ("task_id", "text", "variant", "schema")     # what every task holds (`Environment`'s docstring)
+
+
+def missing_task_field(world: str, *splits) -> str | None:
+    """The one-line error for the first task of `splits` that lacks one of TASK_FIELDS, naming the field and --env's
+    `world`, else None. train.load_splits asks as the splits are made, before a stage reads a field (the cold start
+    reads `schema`, retrieval `variant`)."""
+    for task in (t for split in splits for t in split):
+        if missing := [f for f in TASK_FIELDS if not hasattr(task, f)]:
+            return (f"--env {world!r}: its tasks ({type(task).__name__}) have no field {missing[0]!r}; every task "
+                    f"holds {', '.join(TASK_FIELDS)} ('' where it has no variant or schema; worlds/common.Environment)")
+    return None
 
 
 class Environment:

@@ -79,17 +79,25 @@ def markdown_table(rows: dict, paper=PAPER_TABLE3, table: str = "table3") -> str
     return head + "\n".join(lines) + "\n"
 
 
-def write_results(out: str, rows: dict, extra: dict | None = None, table: str = "table3", name: str = "results"):
-    """OUT/NAME.json (every row's summary) and OUT/NAME.md (the table), each written atomically; a pass@1 run's rows
-    hold pass@1 and reply length only. The training run's are results.*; eval.py names its own."""
+def caption(table: str = "table3", n: int | None = None) -> str:
+    """The line above a results table: what its rows were scored on (`n` held-out tasks each, where given) and
+    where the paper's values are. The columns are defined in docs/glossary.md, "The results table"."""
+    each = "" if n is None else f", {n:,} a row"
+    return (f"Held-out problems{each}, pass@1 (one program each, every test must pass)" if table == "pass@1" else
+            f"Held-out toy tasks{each} (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)" if table == "table3"
+            else f"Held-out tasks{each}")
+
+
+def write_results(out: str, rows: dict, extra: dict | None = None, table: str = "table3", name: str = "results",
+                  n: int | None = None):
+    """OUT/NAME.json (every row's summary) and OUT/NAME.md (the table under its `caption`, `n` tasks a row), each
+    written atomically; a pass@1 run's rows hold pass@1 and reply length only. The training run's are results.*;
+    eval.py names its own."""
     if table == "pass@1":
         rows = code_rows(rows)
     checkpoints.write_json(os.path.join(out, name + ".json"), {"rows": rows, **(extra or {})})
     with checkpoints.atomic_open(os.path.join(out, name + ".md")) as f:
-        f.write("Held-out problems, pass@1 (one program each, every test must pass)\n\n" if table == "pass@1" else
-                "Held-out toy tasks (paper Table 3 values, EnvScaler / Qwen3-4B, in brackets)\n\n" if table == "table3"
-                else "Held-out tasks\n\n")
-        f.write(markdown_table(rows, table=table))
+        f.write(caption(table, n) + "\n\n" + markdown_table(rows, table=table))
 
 
 # ----------------------------------------------------------------------------------------------------------------
