@@ -7,7 +7,7 @@
     torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-8B   # data parallel on 8 GPUs, one node
 
 The file reads in the order a run does: `Args` (every setting, grouped), `main`, then the stages, each cached in
---out so that a rerun skips what is finished (--resume: a cold start or joint stage goes on; finished rows read back):
+--out so that a rerun continues where a kill stopped it (each reuse said in a line; --no-resume: stages 4-5 anew):
   1. backbone      the toy backbone (worlds/toy_backbone.py) or --model; what depends on it (`fit_to_model`)
   2. base rollouts the base model on the world's training tasks (worlds/)
   3. bank          successful rollouts -> experience bank + FAISS index + cached query embeddings (retrieval.py)
@@ -155,7 +155,7 @@ class Args:
     dist_timeout: float = arg(360, "minutes a collective waits for the slowest rank under torchrun")
     save_every: int = arg(10, "write a checkpoint every N iterations")
     cold_save_every: int = arg(50, "write a cold-start checkpoint every N steps (OUT/cold_ckpt, until φ0 is written)")
-    resume: bool = arg(False, "continue the cold start and the joint stage from their checkpoints, if present")
+    resume: bool = arg(True, "continue the cold start and joint stage from OUT's checkpoints (--no-resume: anew)")
     unsafe_no_sandbox: bool = arg(False, "run the world's untrusted code (programs, environments, checkers) WITHOUT "
                                          "the kernel's confinement (worlds/sandbox.py), limits only: it may wreck it")
     tensorboard: str = arg("", "also write every metric as TensorBoard scalars here (pip install tensorboard)")
@@ -169,8 +169,7 @@ TOY_DEFAULTS = {
                                      # conventions from the name and ignores the reference (composer.py, dev. 5)
     "cold_steps": 500,     # ours (A.2 gives no count): shorter cold starts collapsed the latents to one prompt
     "cold_lr": 1e-3,       # a 0.5 M-parameter model trained from scratch needs a far larger step than 1e-5
-    "steps": 60,
-    "lr": 1e-4,            # ditto for the student
+    "steps": 60, "lr": 1e-4,   # lr: ditto for the student
     "composer_lr": 1e-5,   # the paper's: a larger rate first lowered the teacher's own reward
     "max_new_tokens": 64,
     "max_env_steps": 10,   # toy procedures take 2-6 calls (+ commit + "Task Completed")
@@ -233,6 +232,8 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     planned = plan_before_loading(args, device, dtype, train_tasks)    # a run that cannot fit stops here
     model, tok = load_backbone(args, device, dtype)
     plan = fit_to_model(args, model, tok, device, planned)
+    if record:     # every setting resolved: one that would join two runs stops here, before args.json is replaced
+        checkpoints.check_same_run(args)
     serving.start_engine(args, model, args.model or toy_backbone(args), plan)
     if record and parallel.rank() == 0:   # atomically: another rank may be reading it in check_same_world
         checkpoints.write_json(os.path.join(args.out, "args.json"), dataclasses.asdict(args))
@@ -370,7 +371,7 @@ def base_rollouts(args, model, tok, train, log):
     """Stage 2: args.bank_rollouts rollouts of the base model per training task (checkpoints.cached)."""
     path = os.path.join(args.out, "base_rollouts.jsonl")
     by_id = {t.task_id: t for t in train}
-    if checkpoints.cached(path):
+    if checkpoints.reuse("base rollouts", path):
         return [engine.Episode.from_record(r, by_id[r["task_id"]]) for r in map(json.loads, open(path))]
     t0 = time.time()
     tasks = parallel.shard([t for t in train for _ in range(args.bank_rollouts)])   # this rank's slice (1 process: all)
@@ -391,7 +392,7 @@ def base_rollouts(args, model, tok, train, log):
 def build_retriever(args, model, tok, episodes, train, test, log):
     """Stage 3: the experience bank of successful training rollouts, indexed; queries cached for all tasks."""
     path = os.path.join(args.out, "bank")
-    if checkpoints.cached(os.path.join(path, "meta.json")):
+    if checkpoints.reuse("bank and retriever", path, "meta.json"):
         return retrieval.Retriever.load(path)
     cands = [retrieval.make_entry(e.task.task_id, e.task.text, e.trace, e.reward,
                                   {"variant": e.task.variant, "schema": e.task.schema, "episode": i})
@@ -436,15 +437,15 @@ def cold_start_step(args, composer, chat, retriever, episodes, tasks_by_id, entr
 
 def cold_start(args, model, tok, retriever, episodes, train, log, composer=None) -> Composer:
     """Stage 4: φ0. The backbone stays frozen; only the LoRA ψ and the QFormer χ learn (cached in OUT/composer0; a
-    checkpoint every --cold-save-every steps, which --resume goes on from). A given `composer` (an ablation variant
+    checkpoint every --cold-save-every steps, which a rerun goes on from). A given `composer` (an ablation variant
     with its own --retrieval; the caller resets it to composer_init first) is trained in place, or set to φ0."""
     path = os.path.join(args.out, "composer0")
-    if checkpoints.cached(os.path.join(path, "composer.json")):
+    if checkpoints.reuse("cold start (φ0)", path, "composer.json"):
         if composer is None:
             return Composer.load(path, model, tok)
         checkpoints.reset_composer(composer, path)
         return composer
-    resumed = checkpoints.latest_checkpoint(args.out, checkpoints.COLD_CKPT) if args.resume else None   # a killed run's
+    resumed = checkpoints.continue_from(args, checkpoints.COLD_CKPT)    # a killed run's checkpoint, said in a line
     if composer is None:
         composer = Composer(model, tok, ComposerConfig(n_latents=args.latents,
                                                        task_conditional=args.composer_input == "task+reference"))
@@ -519,9 +520,8 @@ def joint_training(run: engine.Run):
     run.task_rng, start = random.Random(args.seed + 2), 0
     gens = len(run.episodes) if method.uses_bank else 0     # honest budgets: the bank's rollouts count
     devices.seed_everything(args.seed + 3)   # the joint stage's randomness does not depend on which stages were cached
-    ckpt = checkpoints.latest_checkpoint(args.out) if args.resume else None
-    if ckpt:
-        start, gens = checkpoints.load_checkpoint(ckpt, student, composer, opts, state, run.task_rng)   # says so
+    if ckpt := checkpoints.continue_from(args):       # a killed or finished run's checkpoint, said in a line
+        start, gens = checkpoints.load_checkpoint(ckpt, student, composer, opts, state, run.task_rng)
     serving.serve(student)                   # --engine vllm: the student's weights, on every rank at once
     run.log.clock.enter("joint", start)
     for step in tqdm(range(start, args.steps), desc=args.method.upper(), initial=start, total=args.steps,

@@ -4,9 +4,12 @@ Every file is written into a temp file and renamed over its path (`atomic_open`)
 new one. The joint stage saves a checkpoint every --save-every steps (`save_checkpoint`: the student, the composer,
 AdamW's states, β and the random streams), published whole by a rename and then named in LATEST, the older one
 deleted last (`publish`); the cold start saves its own; the evaluation's rows are written one by one and read
-back after a kill (`read_row`). A run resumes with --resume on any number of ranks.
+back after a kill (`read_row`). A rerun of the same command continues: each cached stage it reuses is one line
+(`reuse`), an unfinished cold start or joint stage goes on from its checkpoint on any number of ranks
+(`continue_from`), and a rerun whose settings would join two runs into one stops in one line (`check_same_run`);
+--no-resume starts the two stages over.
 
-    python train.py --steps 4 --save-every 2 --out runs/a && python train.py --steps 4 --out runs/a --resume
+    python train.py --steps 4 --save-every 2 --out runs/a     # killed, then the same command again: it continues
     python -m pytest tests/test_train.py -q
 
 No deviation from the paper lives here.
@@ -80,6 +83,15 @@ def absolute_paths(args):
         if getattr(args, name) and (name, getattr(args, name)) != ("tasks", "hf"):   # hf: the Hub, not a folder
             setattr(args, name, os.path.abspath(getattr(args, name)))
     return args
+
+
+def reuse(what: str, folder: str, marker: str = "") -> bool:
+    """Is this stage's output in OUT (`cached`: folder/marker, the file written last)? If so, one line says it is
+    reused and from where."""
+    found = cached(os.path.join(folder, marker) if marker else folder)
+    if found:
+        say(f"{what}: reusing {folder}")
+    return found
 
 
 def check_same_world(out: str, **now):
@@ -174,7 +186,7 @@ def latest_checkpoint(out: str, folder: str = "ckpt"):
 
 def load_checkpoint(path, student, composer, opts, state: dict, task_rng):
     """Restore what save_checkpoint wrote into the live objects, the method's `state` included (its numbers, its
-    EMA teacher), said in one line; returns (step, generations)."""
+    EMA teacher; `continue_from` has said where from); returns (step, generations)."""
     models.load_student_weights(student, os.path.join(path, "student"))
     if state.get("ema") is not None:
         models.load_student_weights(state["ema"], os.path.join(path, "ema_teacher"))
@@ -187,7 +199,6 @@ def load_checkpoint(path, student, composer, opts, state: dict, task_rng):
     state.update(saved["state"])
     rngs = saved.get("rng_ranks") or []       # the same number of ranks resumes each rank's own streams
     set_rng_state(rngs[parallel.rank()] if len(rngs) == parallel.world() else saved["rng"], task_rng)
-    say(f"resumed from {path} at step {saved['step']}")
     return saved["step"], saved["generations"]
 
 
@@ -224,13 +235,13 @@ def resume_cold_start(path, composer, opts, task_rng) -> int:
         opt.load_state_dict(state)
     rngs = saved["rng_ranks"]                 # the same number of ranks resumes each rank's own streams
     set_rng_state(rngs[parallel.rank()] if len(rngs) == parallel.world() else saved["rng"], task_rng)
-    say(f"resumed the cold start from {path} at step {saved['step']}")
     return saved["step"]
 
 
 def drop_cold_checkpoints(out: str):
     """OUT/cold_ckpt removed (φ0 is written: nothing resumes from them)."""
     shutil.rmtree(os.path.join(out, COLD_CKPT), ignore_errors=True)
+
 
 
 # Stage 6's rows (train.evaluate with cache): each row's summary goes to OUT/eval_rows/ once the row is finished, under
@@ -282,11 +293,14 @@ def _row_path(out: str, key: dict) -> str:
 
 
 def read_row(out: str, key: dict | None) -> dict | None:
-    """The row written under `key` (on every rank), or None: no key, or not finished yet."""
+    """The row written under `key` (on every rank), said in one line, or None: no key, or not finished yet."""
     if key is None or not cached(_row_path(out, key)):
         return None
     saved = json.load(open(_row_path(out, key)))
-    return saved["row"] if saved["key"] == key else None
+    if saved["key"] != key:
+        return None
+    say(f"evaluation, {key['row']}: reusing {_row_path(out, key)}")
+    return saved["row"]
 
 
 def write_row(out: str, key: dict | None, row: dict):
@@ -303,3 +317,52 @@ def reset_composer(composer, path: str):
     from safetensors.torch import load_file
     set_peft_model_state_dict(composer.peft, load_peft_weights(os.path.join(path, "composer")), "composer")
     composer.qformer.load_state_dict(load_file(os.path.join(path, "qformer.safetensors")))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A rerun of the same command: where an unfinished stage goes on, and which changed settings stop it
+# ----------------------------------------------------------------------------------------------------------------
+def continue_from(args, folder: str = "ckpt"):
+    """The checkpoint the joint stage (`folder` ckpt) or the cold start (COLD_CKPT) goes on from: OUT/<folder>'s
+    latest, said in one line with its step; None where there is none. --no-resume (args.resume False) removes it
+    instead, so that a kill of the run that starts over cannot be continued from the run it replaces. Every rank
+    gets the same answer (nodes without a shared --out all start over)."""
+    path = latest_checkpoint(args.out, folder)
+    if not parallel.all_true(path is not None):
+        return None
+    stage, flag = ("cold start", "cold_steps") if folder == COLD_CKPT else ("joint stage", "steps")
+    if not args.resume:
+        say(f"{stage}: starting over at step 0 (--no-resume); removing {path}")
+        if parallel.rank() == 0:
+            shutil.rmtree(os.path.join(args.out, folder), ignore_errors=True)
+        return None
+    step = int(os.path.basename(path).removeprefix("step-"))
+    total = getattr(args, flag)
+    say(f"{stage}: finished ({step} steps, --{flag.replace('_', '-')} {total}): reusing {path} (--no-resume trains "
+        "it again)" if step >= total else f"{stage}: continuing from {path} at step {step} of {total} (--no-resume "
+        "starts over)")
+    return path
+
+
+# What a rerun may change and still continue OUT's checkpoints: where and how often it writes and evaluates, how far
+# it goes, and how this machine runs it (device, precision, engine, the memory plan's budgets). Any other setting
+# changes what is trained, and continuing under it would join two runs into one.
+RERUN_MAY_CHANGE = UNKEYED + ("quick", "steps", "cold_steps", "engine", "compile_decode", "device", "dtype", "memory",
+                              "micro_batch", "token_budget", "kv_budget", "gen_batch", "loss_chunk", "grad_ckpt",
+                              "unsafe_no_sandbox")
+
+
+def check_same_run(args):
+    """A rerun that would continue a checkpoint in OUT (the cold start's or the joint stage's) with settings other
+    than OUT/args.json's, RERUN_MAY_CHANGE aside: a UserError naming each difference and the two ways on. Called with
+    every setting resolved, before args.json is replaced; the same on every rank."""
+    pointers = [cached(os.path.join(args.out, folder, "LATEST")) for folder in ("ckpt", COLD_CKPT)]  # each rank: both
+    saved = os.path.join(args.out, "args.json")
+    if not args.resume or not any(pointers) or not os.path.isfile(saved):
+        return
+    old, now = json.load(open(saved)), dataclasses.asdict(args)
+    changed = [k for k, v in now.items() if k in old and k not in RERUN_MAY_CHANGE and old[k] != v]
+    if changed:
+        what = ", ".join(f"--{k.replace('_', '-')} {old[k]!r} (now {now[k]!r})" for k in changed)
+        raise UserError(f"--out {args.out!r} holds a checkpoint of a run with {what}: continuing it would join two "
+                        "runs; --no-resume starts its checkpointed stages over there, or give another --out")

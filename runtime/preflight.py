@@ -64,15 +64,16 @@ def did_you_mean(value, allowed) -> str:
 
 def parser_of(cls, description: str, notes: dict | None = None, add_help: bool = True) -> argparse.ArgumentParser:
     """An argparse parser with a flag per field of the dataclass `cls` (--field-name, its metadata's help, `notes`
-    appended by name): bool fields are switches, `bool | None` ones --x / --no-x (None: decided later)."""
+    appended by name): bool fields are switches (--x), those that default to True --x / --no-x, and `bool | None`
+    ones --x / --no-x (None: decided later)."""
     p = OneLineParser(description=description, add_help=add_help)
     for f in dataclasses.fields(cls):
         flag, doc = "--" + f.name.replace("_", "-"), f.metadata["help"]
         doc += f" ({notes[f.name]})" if notes and f.name in notes else ""
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool) and f.default is not True:
             p.add_argument(flag, action="store_true", help=doc)
-        elif f.type == "bool | None":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=doc)
+        elif f.type in ("bool", bool, "bool | None"):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=doc)
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             p.add_argument(flag, type=typ, default=f.default, help=doc + f" (default: {f.default})")

@@ -26,9 +26,9 @@ eval.py's benchmarks run in a process of their own on the row's folder (`python 
 which scores the row's latest checkpoint, or θ̄ for Vanilla), and the table reads back the JSON file it wrote.
 
 Resuming: each cell (method × seed × benchmark) is written atomically to ROW/cells/KEY_all.json (KEY_firstN.json
-with --bench-tasks N) when done, and a rerun reads it back instead of scoring again; the joint stages resume from
-their checkpoints (train.py --resume). A killed table continues from its finished cells; a finished one is rewritten
-from them without loading a model; a larger --steps continues each run and scores it again.
+with --bench-tasks N) when done, and a rerun reads it back instead of scoring again; the joint stages continue
+from their checkpoints (as a rerun of train.py does). A killed table continues from its finished cells; a finished
+one is rewritten from them without loading a model; a larger --steps continues each run and scores it again.
 Outputs: OUT/tableN.csv (one line per seed, row and column), tableN.md (mean ± std over seeds; per column the best in
 bold, the second best in italic), tableN.png (green and light green, as the paper's captions say).
 

@@ -149,6 +149,7 @@ VALID = [   # commands the early check must let through, as argparse reads them 
     ("train.py", []), ("train.py", ["--quick", "--no-thinking", "--ste", "3", "--method=grpo", "--env", "code"]),
     ("train.py", ["--model", "Qwen/Qwen3-4B", "--thinking"]), ("train.py", ["--env", "envscaler", "--tasks", "hf"]),
     ("train.py", ["--env", "my_world.py:Mine", "--model", "runs/toy"]), ("train.py", ["--help"]),
+    ("train.py", ["--no-resume"]), ("train.py", ["--resume"]),
     ("eval.py", ["--run", "runs/toy", "--show"]), ("eval.py", ["--model", "org/name", "--tasks", "bfcl-v3",
                                                                "--max-new-tokens", "512"]), ("eval.py", ["-h"]),
 ]
@@ -161,6 +162,13 @@ def test_a_valid_command_goes_on_to_the_scripts_imports(script, argv, tmp_path):
     (a_working_folder(tmp_path) / "runs" / "toy" / "args.json").write_text("{}")
     status, lines, _ = run_without_torch(script, argv, tmp_path)
     assert status == 1 and "imported before the command line was checked" in lines[-1], lines
+
+
+def test_a_rerun_continues_unless_told_not_to():
+    """--resume is on by default (a rerun of the same command continues its checkpoints); --no-resume turns it off,
+    and --resume, as older commands give it, is still accepted."""
+    import train
+    assert [train.parse_args(argv).resume for argv in ([], ["--no-resume"], ["--resume"])] == [True, False, True]
 
 
 def test_the_script_itself_answers_in_well_under_a_second():

@@ -2,7 +2,7 @@
 
 Run: python -m pytest tests/test_train.py -q      (under a minute on 2 idle CPU cores)
 A tiny toy backbone folder is built once (it holds toy_backbone.json, so train.py applies TOY_DEFAULTS to it).
-The runs that must be separate processes (two seeded runs, one SIGKILLed and resumed, eval.py) are real
+The runs that must be separate processes (two seeded runs, one SIGKILLed and rerun, eval.py) are real
 `python train.py ...` commands at tiny size: 30 training tasks, 2 cold-start steps, 3 LOPD steps; independent
 ones are started together to use both cores. Bad-input cases call `train.main(argv)` in-process.
 """
@@ -94,14 +94,14 @@ def backbone(toy_backbone_dir):
 @pytest.fixture(scope="module")
 def runs(backbone, tmp_path_factory):
     """a, b: two uninterrupted runs with the same seed; c: the same run SIGKILLed after its first checkpoint, then
-    resumed with --resume (its cached stages, backbone excepted, come from the killed run)."""
+    the same command again, no flag added (its cached stages, backbone excepted, come from the killed run)."""
     root = tmp_path_factory.mktemp("runs")
     a, b, c = (str(root / name) for name in "abc")
     procs = [start(train_cmd(backbone, out), out + "-log") for out in (a, b, c)]
     killed_at = kill_after_first_checkpoint(procs[2], c)
     finish(procs[0])
     finish(procs[1])
-    _, resumed_log, _ = finish(start(train_cmd(backbone, c, "--resume"), c + "-resume-log"))
+    _, resumed_log, _ = finish(start(train_cmd(backbone, c), c + "-rerun-log"))
     return dict(a=a, b=b, c=c, killed_at=killed_at, resumed_log=resumed_log)
 
 
@@ -161,9 +161,22 @@ def test_same_seed_gives_identical_metrics(runs):
         assert untimed(ra) == untimed(rb)
 
 
-def test_sigkill_then_resume_matches_the_uninterrupted_run(runs):
-    assert 1 <= runs["killed_at"] < STEPS, "the kill must land after a checkpoint and before the run's end"
-    assert f"at step {runs['killed_at']}" in runs["resumed_log"]
+def reused_lines(log: str, out: str, stages) -> dict:
+    """{stage: how many lines of `log` say it was reused from OUT/<its folder or file>}"""
+    return {stage: log.splitlines().count(f"{stage}: reusing {os.path.join(out, where)}") for stage, where in stages}
+
+
+CACHED = (("base rollouts", "base_rollouts.jsonl"), ("bank and retriever", "bank"), ("cold start (φ0)", "composer0"))
+
+
+def test_sigkill_then_the_same_command_continues_the_uninterrupted_run(runs):
+    """The command rerun as it was after a kill in the joint stage says in one line where it continues, and one line
+    for each cached stage it reuses, and ends with the uninterrupted run's records."""
+    at, c = runs["killed_at"], runs["c"]
+    assert 1 <= at < STEPS, "the kill must land after a checkpoint and before the run's end"
+    assert (f"joint stage: continuing from {os.path.join(c, 'ckpt', f'step-{at:06d}')} at step {at} of {STEPS} "
+            "(--no-resume starts over)") in runs["resumed_log"].splitlines()
+    assert reused_lines(runs["resumed_log"], c, CACHED) == dict.fromkeys(dict(CACHED), 1)
     # steps after the checkpoint may have been logged twice (before the kill, and again after resuming): the
     # resumed run's record, the last one, is the one that counts
     last = {r["step"]: untimed(r) for r in records(runs["c"], "lopd")}
@@ -206,7 +219,7 @@ COLD_STEPS = 30
 @pytest.fixture(scope="module")
 def cold_runs(backbone, tmp_path_factory):
     """d: a run of COLD_STEPS cold-start steps, a checkpoint every 2, then no joint stage (--steps 0); e: the same
-    run SIGKILLed in its cold start after its first checkpoint, then resumed with --resume."""
+    run SIGKILLed in its cold start after its first checkpoint, then the same command again, no flag added."""
     root = tmp_path_factory.mktemp("cold")
     d, e = str(root / "d"), str(root / "e")
     flags = ("--cold-steps", str(COLD_STEPS), "--cold-save-every", "2", "--steps", "0", "--n-test", "2")
@@ -214,19 +227,22 @@ def cold_runs(backbone, tmp_path_factory):
     killed_at = kill_after_first_checkpoint(procs[1], e, folder=checkpoints.COLD_CKPT)
     killed_in_cold_start = not os.path.exists(os.path.join(e, "composer0"))
     finish(procs[0])
-    _, resumed_log, _ = finish(start(train_cmd(backbone, e, *flags, "--resume"), e + "-resume-log"))
+    _, resumed_log, _ = finish(start(train_cmd(backbone, e, *flags), e + "-rerun-log"))
     return dict(d=d, e=e, killed_at=killed_at, killed_in_cold_start=killed_in_cold_start, resumed_log=resumed_log)
 
 
-def test_a_cold_start_killed_and_resumed_matches_the_uninterrupted_one(cold_runs):
-    """The cold start SIGKILLed after a checkpoint goes on from it with --resume (composer, AdamW state, the batch
-    sampler's and the global RNG streams, the step) and ends with the uninterrupted run's records and φ0, bit for
-    bit; its checkpoints are gone once φ0 is written, and φ before training (composer_init) is the killed run's."""
+def test_a_cold_start_killed_and_rerun_matches_the_uninterrupted_one(cold_runs):
+    """The cold start SIGKILLed after a checkpoint goes on from it when the same command is run again, saying so in
+    one line (composer, AdamW state, the batch sampler's and the global RNG streams, the step), and ends with the
+    uninterrupted run's records and φ0, bit for bit; its checkpoints are gone once φ0 is written, and φ before
+    training (composer_init) is the killed run's."""
     from safetensors.torch import load_file
     d, e = cold_runs["d"], cold_runs["e"]
     assert cold_runs["killed_in_cold_start"] and 2 <= cold_runs["killed_at"] < COLD_STEPS
-    assert f"resumed the cold start from {os.path.join(e, checkpoints.COLD_CKPT)}" in cold_runs["resumed_log"]
-    assert f"at step {cold_runs['killed_at']}" in cold_runs["resumed_log"]
+    at, log = cold_runs["killed_at"], cold_runs["resumed_log"]
+    assert (f"cold start: continuing from {os.path.join(e, checkpoints.COLD_CKPT, f'step-{at:06d}')} at step {at} "
+            f"of {COLD_STEPS} (--no-resume starts over)") in log.splitlines()
+    assert reused_lines(log, e, CACHED) == {"base rollouts": 1, "bank and retriever": 1, "cold start (φ0)": 0}
     last = {(r["stage"], r.get("step")): untimed(r) for r in records(e)}      # a step logged twice: the resumed one
     assert last == {(r["stage"], r.get("step")): untimed(r) for r in records(d)}
     assert [r["step"] for r in records(e, "cold_start")][-1] == COLD_STEPS - 1
@@ -358,6 +374,34 @@ def test_frozen_composer_run(runs, backbone, tmp_path):
     train.main(train_cmd(backbone, out, "--freeze-composer", "--steps", "1")[2:])
     lopd = records(str(out), "lopd")
     assert len(lopd) == 1 and lopd[0]["loss/anchor"] == 0.0
+
+
+def test_a_finished_run_rerun_reuses_every_stage_and_a_changed_one_says_how_to_go_on(runs, backbone, tmp_path, capsys):
+    """A finished run's command again (in a copy of its folder) trains and rolls out nothing: each cached stage, the
+    finished joint stage and each evaluation row is one line. Under a changed --lr the same folder stops in one line
+    naming the change and --no-resume, args.json untouched; with --no-resume it trains from step 0, the old
+    checkpoint removed first."""
+    out = str(tmp_path / "again")
+    shutil.copytree(runs["a"], out)                       # copy2: the files keep their times (the rows' keys)
+    cmd, n, ckpt = train_cmd(backbone, out)[2:], len(records(out)), os.path.join(out, "ckpt", f"step-{STEPS:06d}")
+    capsys.readouterr()
+    train.main(cmd)
+    log = capsys.readouterr().out
+    assert (f"joint stage: finished ({STEPS} steps, --steps {STEPS}): reusing {ckpt} (--no-resume trains it again)"
+            in log.splitlines())
+    assert reused_lines(log, out, CACHED) == dict.fromkeys(dict(CACHED), 1)
+    rows = re.findall(rf"^evaluation, (.+): reusing {re.escape(os.path.join(out, checkpoints.ROWS_DIR))}", log, re.M)
+    assert rows == ["vanilla", "base + composer", "student"] and len(records(out)) == n, log
+    with pytest.raises(SystemExit) as stop:
+        train.main(cmd + ["--lr", "0.01"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("error: ") == 1, err
+    assert "--lr 0.0001 (now 0.01)" in err and "--no-resume" in err and "another --out" in err
+    assert json.loads(read(os.path.join(out, "args.json")))["lr"] == 1e-4 and os.path.isdir(ckpt)
+    train.main(cmd + ["--lr", "0.01", "--no-resume", "--steps", "1"])
+    assert f"joint stage: starting over at step 0 (--no-resume); removing {ckpt}" in capsys.readouterr().out
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["LATEST", "step-000001"]
+    assert [r["step"] for r in records(out, "lopd")] == [*range(STEPS), 0]
 
 
 def test_generation_counter_counts_the_bank_rollouts(runs):
