@@ -3,6 +3,7 @@
     python -m scripts.experiments ablations                   # the ablation table: LOPD variants and controls, 3 seeds
     python -m scripts.experiments figure4                     # reward against generations: LOPD, GRPO, Skill-SD (+3)
     python -m scripts.experiments figure4 --env code --seeds 1 --seed 2 # any train.py flag after the experiment's name
+    python -m scripts.experiments figure4 --shops 16 --seeds 5 # the many-shops world (docs/results.md, "Many shops")
     python -m scripts.experiments dial                        # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
     python -m scripts.experiments absorb                      # the official code's settings one at a time, 3 seeds
     python -m scripts.experiments course                      # the walk-through's staged path: OPSD -> ... -> LOPD
@@ -18,7 +19,10 @@ table (and figure) into --out:
               the retrieval controls and RFT; the student alone and the teacher at the end, mean ± std over seeds.
   figure4     OUT/figure4.csv, figure4.md, figure4.png: the student's held-out reward every 10 steps on one rollout
               budget for the curves Figure 4 draws (LOPD, GRPO, Skill-SD), then OPSD, SDPO and SDFT as further
-              rows, and where LOPD reaches GRPO's and Skill-SD's final rewards (the abstract's efficiency claim).
+              rows, and where LOPD reaches GRPO's and Skill-SD's final rewards (the abstract's efficiency claim);
+              the 95% intervals at the end and LOPD's paired gaps; the plot on training generations and, beside it,
+              with the bank's rollouts. Seed folders are named by seed (OUT/seed3 for --seed 3), so processes
+              of `--seed K --seeds 1` fill one OUT and `--seeds N` then reads them all back.
   dial        OUT/dial.csv, dial.md, dial.png: the difficulty dial. For K = 1..4 hidden conventions per shop
               (train.py --conventions, each K with its own shipped backbone): LOPD, GRPO and RFT from one base,
               bank and φ0 per seed, the gaps LOPD − GRPO and LOPD − RFT at the end, how often GRPO's groups held
