@@ -666,7 +666,7 @@ def _check(p, a: Args):
     if METHODS[a.method].keeps_ema and a.student_lora:
         p.error(f"--method {a.method} keeps an EMA copy of a full student; it does not support --student-lora")
     if (a.conventions != 2 or a.shops) and not issubclass(environment(a), tool_world.ToolWorld):
-        raise UserError("--conventions and --shops set the generated tool world; they take --env tools and no --tasks")
+        raise UserError("--conventions and --shops set the generated tool world: each takes --env tools and no --tasks")
     if environment(a).check_args(a):
         raise UserError(environment(a).check_args(a))
     sandbox.require_for(environment(a), a.unsafe_no_sandbox, f"--env {a.env}")

@@ -616,7 +616,7 @@ class ToolWorld(Environment):
     @classmethod
     def check_args(cls, args) -> str | None:
         if (args.conventions != 2 or args.shops) and args.tasks:
-            return "--conventions and --shops set the generated tool world; they take no --tasks"
+            return "--conventions and --shops set the generated tool world: each takes no --tasks"
         try:
             shops(args.conventions, args.shops)
         except ValueError as e:
