@@ -27,29 +27,40 @@ Deviations from the papers
    LOPD's latents go (`engine.Chat.context_prompt`, "span"): the toy learned to read a reference only there, and
    only a trace. Real models get the B.1 system-message wording (OPSD), a reprompt appended to the task (SDPO), and
    B.1's wordings appended to the first user message (SDFT, Skill-SD; --text-context chooses only span or not).
-   Skill-SD's span holds its skill's suggested workflow alone (a trace of a success of the family); the other two
-   fields are still written and logged.
+   Skill-SD's span holds its skill's suggested workflow alone (the trace of the best attempt it was written from);
+   the other two fields are still written and logged.
 4. RFT spends no rollouts of its own: it re-reads the bank (its generations are the bank's).
 5. Skill-SD's skills on the toy backbone, which cannot write prose: `toy_skill`, a deterministic summary of the
    family's traces. A real model's are written by the frozen base θ̄ (`SKILL_WRITER_PROMPT`).
 
-Choices B.1 leaves open (Skill-SD, arXiv 2604.10674: its abstract and project page, k1xe.github.io/skill-sd, say
-that each completed trajectory is summarised into a skill (success patterns, mistake analysis, a golden workflow),
-that skills condition only the teacher, that the teacher is synchronised with the improving student, and that the
-reverse KL is importance-weighted to make its gradient right; its method section and code were not open to us)
+Choices B.1 leaves open (Skill-SD, arXiv 2604.10674. What we could read of it, its abstract and its project page
+k1xe.github.io/skill-sd, says that "completed trajectories are summarized into compact natural language skills that
+describe successful behaviors, mistakes, and workflows" ("each completed trajectory", the page says: successes and
+failures alike), that skills condition only the teacher, that the teacher is synchronised with the improving student,
+that the reverse KL is importance-weighted to make its gradient right, and that skills are retrieved by a UCB bandit;
+its method section and code were not open to us, so how an arm is valued is ours. B.1 says only "each task selects
+one skill from a skill bank via UCB1 (c = √2)" and "skills are distilled from rollout trajectories".)
 ------------------------------------------------------------------------------------------------------------------
 a. The teacher is the student itself behind its skill, detached (sg[θ]): the closest synchronisation (every step)
    and no second copy of the model in memory.
 b. Skills belong to a task family, the task's `variant` and `schema` ("" where a world has none), B.1's "similar
    past task": one per family from the base rollouts at setup (the bank's, already counted as generations), then
-   after each step one per task whose group has a success, from its G rollouts (a group rather than each
-   trajectory: one generation per task). The writer is the frozen base θ̄ (nothing we could read names Skill-SD's),
-   greedy, thinking off, from the family's best successes and worst failures; every skill is appended to
-   OUT/skill_bank.jsonl, which --resume replays.
-c. UCB1's arms are the task's family's skills (every skill where its family has none); one pull per task, its
-   reward the mean reward of the task's G student rollouts (in [0, 1], as UCB1 assumes; a signal every step has
-   without extra rollouts); a step's tasks all choose from the bank as it stood at the step's start, so that every
-   rank chooses alike.
+   after each step one per task from its G rollouts, whether or not the group has a success (the paper summarises
+   every completed trajectory; a group rather than each trajectory: one generation per task). The writer is the
+   frozen base θ̄ (nothing we could read names Skill-SD's), greedy, thinking off, from the family's best attempts
+   and worst failures; every skill is appended to OUT/skill_bank.jsonl, which --resume replays.
+c. UCB1's arms are the task's family's skills (every skill where its family has none); a step's tasks all choose
+   from the bank as it stood at the step's start, so that every rank chooses alike. An arm's reward must be
+   something the skill changes: the student's rollouts never see the skill (they are sampled from the plain
+   prompt), so their reward measures the task, not the skill. What the skill does change is the teacher: on each
+   rollout, its edge e = mean over ω of log πT(a) − log πθ(a), the skill's effect on the same model's log-probs
+   (`skill_edges`), which is where λ_sdl's reverse KL pulls the student. A pull's reward is the fraction of the
+   group's pairs of rollouts with different rewards that the edge orders as the rewards do (ties ½; `skill_value`):
+   1 when the skill's teacher favours every better rollout over every worse one, ½ when it cannot tell them apart,
+   0 when it favours the failures. It lies in [0, 1] as UCB1 assumes, costs no rollout, and depends on how the
+   rewards order the rollouts, not on how high they are (a hard task and an easy one value the same skill alike);
+   per token, so that a failure that runs long does not weigh more. A group whose rewards are all equal orders
+   nothing: no pull is counted for it.
 d. The importance-weighted sampled-token reverse KL is Σ ω·ρ·sg[log πθ(a) − log πT(a)] / Σ ω, ρ = πθ(a)/π_old(a):
    its value estimates KL(πθ ‖ πT) at the sampled ids, and its gradient, through ρ, is the reverse KL's
    score-function gradient (without ρ the sampled-token KL's gradient, ∇log πθ(a), is zero in expectation). PPO-clip
@@ -359,7 +370,7 @@ SKILL_LABELS = ("What works", "What to avoid", "Suggested workflow")     # the w
 SKILL_WRITER_PROMPT = (
     "Below are attempts at tasks of one kind, each with its outcome and its actions. Distill them into a skill for "
     "future attempts at similar tasks.\n\n{attempts}\n\nAnswer with exactly three lines and nothing else:\n"
-    "What works: <what the successful attempts did that made them succeed>\n"
+    "What works: <what the successful attempts did that made them succeed; if none did, what the best got right>\n"
     "What to avoid: <the mistakes of the failed attempts>\n"
     "Suggested workflow: <the steps to follow, in order>")
 SKILL_WRITER_TOKENS = 512
@@ -391,6 +402,30 @@ def skillsd_loss(logp, logp_old, logp_teacher, advantages, mask, *, clip=(0.2, 0
     return ppo + sdl_weight * sdl, {"loss/ppo": ppo.item(), "loss/sdl": sdl.item()}, clipped
 
 
+def skill_edges(logp, logp_teacher, mask):
+    """Each rollout's skill edge (choice c): the mean over its ω tokens of log πT(a) − log πθ(a), what reading the
+    skill does to the same model's log-probs of the student's own ids.
+
+    logp (B, T) log πθ(a_t), logp_teacher (B, T) the skill teacher's, mask ω (B, T) -> (B,) fp32, no gradient."""
+    gap = (fp32(logp_teacher) - fp32(logp)).detach() * mask                   # (B, T)
+    return gap.sum(1) / mask.sum(1).clamp(min=1)                                # (B,)
+
+
+def skill_value(rewards, edges):
+    """One pull's reward for a skill (choice c): over the pairs of a group's rollouts whose rewards differ, the
+    fraction whose skill edges are ordered as their rewards are (a tie in the edges counts ½). -> a float in
+    [0, 1], or None where every reward is equal (no pair: nothing the skill could order).
+
+    rewards, edges: G floats each, one per rollout of the task's group."""
+    right = pairs = 0.0
+    for i in range(len(rewards)):
+        for j in range(len(rewards)):
+            if rewards[i] > rewards[j]:                    # i the better rollout: does the skill's teacher agree?
+                pairs += 1
+                right += 1.0 if edges[i] > edges[j] else 0.5 if edges[i] == edges[j] else 0.0
+    return right / pairs if pairs else None
+
+
 def ucb1_scores(pulls, rewards, c: float = math.sqrt(2)) -> list:
     """UCB1 (Auer et al., 2002) over arms pulled n_i times for a summed reward R_i: R_i / n_i + c·√(ln N / n_i),
     N = Σ n_i; an arm never pulled scores +inf (it goes first)."""
@@ -410,12 +445,12 @@ def task_family(task) -> str:
 
 
 def family_attempts(eps, success: float = 1.0) -> list:
-    """Episodes by task family, each attempt (task text, trace, reward, succeeded?), for the families with a
-    success (a skill's workflow is a success's). -> [(family, attempts)], families in first-seen order."""
+    """Episodes by task family, each attempt (task text, trace, reward, succeeded?), every family whether or not
+    it has a success (choice b). -> [(family, attempts)], families in first-seen order."""
     groups = {}
     for e in eps:
         groups.setdefault(task_family(e.task), []).append((e.task.text, e.trace, e.reward, e.reward >= success))
-    return [(f, a) for f, a in groups.items() if any(ok for *_, ok in a)]
+    return list(groups.items())
 
 
 def _actions(trace: str) -> list:
@@ -424,29 +459,40 @@ def _actions(trace: str) -> list:
             if line.strip()]
 
 
+def _best_first(attempts) -> list:
+    """Attempts best first: successes, then by reward, then the shortest trace."""
+    return sorted(attempts, key=lambda a: (not a[3], -a[2], len(a[1])))
+
+
 def toy_skill(attempts) -> dict:
     """The toy backbone's skill writer (it cannot write prose): the three fields from the traces alone. What works:
-    the actions every success took; what to avoid: actions of failures that no success took; the workflow: the
-    trace of the best success (highest reward, then shortest). attempts as `family_attempts` gives them."""
-    wins = sorted((a for a in attempts if a[3]), key=lambda a: (-a[2], len(a[1])))
+    the actions every success took (with no success, those of the best attempt); what to avoid: actions of failures
+    that no success took; the workflow: the trace of the best attempt (a success if any, the highest reward, then
+    the shortest; a failed group's is its nearest miss, a skill whose teacher the bandit learns to value by what it
+    does: choice c). attempts as `family_attempts` gives them."""
+    best = _best_first(attempts)[0]
+    wins = [a for a in attempts if a[3]]
     fails = [a for a in attempts if not a[3]]
     won = [set(_actions(a[1])) for a in wins]
-    common = [x for x in dict.fromkeys(_actions(wins[0][1])) if all(x in w for w in won)]
+    common = [x for x in dict.fromkeys(_actions(best[1])) if all(x in w for w in won)]
     bad = sorted({x for a in fails for x in _actions(a[1])} - set().union(*won))
-    return {"success_analysis": f"{len(wins)} of {len(attempts)} attempts succeeded; every success called "
-                                + (", ".join(common) or "no action in common"),
+    done = (f"every success called {', '.join(common) or 'no action in common'}" if wins else
+            f"the best (reward {best[2]:.2f}) called {', '.join(common) or 'nothing'}")
+    return {"success_analysis": f"{len(wins)} of {len(attempts)} attempts succeeded; {done}",
             "mistake_analysis": ("failures called " + ", ".join(bad) + ", which no success did") if bad else
                                 ("no failed attempt" if not fails else "the failures called nothing new"),
-            "golden_workflow": wins[0][1]}
+            "golden_workflow": best[1]}
 
 
 def skill_prompt(attempts, per_kind: int = 2, chars: int = 2000) -> str:
-    """SKILL_WRITER_PROMPT for one family: its best `per_kind` successes and worst `per_kind` failures, each trace
-    cut at `chars` characters."""
-    wins = sorted((a for a in attempts if a[3]), key=lambda a: (-a[2], len(a[1])))[:per_kind]
-    fails = sorted((a for a in attempts if not a[3]), key=lambda a: a[2])[:per_kind]
+    """SKILL_WRITER_PROMPT for one family: its best `per_kind` attempts (successes first) and its worst `per_kind`
+    failures not among them, each trace cut at `chars` characters."""
+    order = _best_first(attempts)
+    top = order[:per_kind]
+    worst = sorted(order[per_kind:], key=lambda a: a[2])
+    shown = top + [a for a in worst if not a[3]][:per_kind]
     shown = [f"Attempt {i}: {'success' if ok else 'failure'} (reward {r:.2f})\nTask: {text}\nActions:\n{trace[:chars]}"
-             for i, (text, trace, r, ok) in enumerate(wins + fails, 1)]
+             for i, (text, trace, r, ok) in enumerate(shown, 1)]
     return SKILL_WRITER_PROMPT.format(attempts="\n\n".join(shown))
 
 
@@ -487,8 +533,9 @@ def skill_writer(run: engine.Run):
 @dataclass
 class SkillBank:
     """Skill-SD's skill bank: each skill its three fields, its family and its source, and UCB1's statistics per skill
-    (pulls: the tasks that chose it; reward: their summed rewards). Every event (a skill written, a step's pulls) is
-    appended to `path` (OUT/skill_bank.jsonl, rank 0), which a reader opens and --resume replays."""
+    (pulls: the tasks that chose it and could value it; reward: the sum of their `skill_value`s). Every event (a
+    skill written, a step's pulls) is appended to `path` (OUT/skill_bank.jsonl, rank 0), which a reader opens and
+    --resume replays."""
     path: str = ""
     skills: list = field(default_factory=list)
     pulls: list = field(default_factory=list)
@@ -499,7 +546,7 @@ class SkillBank:
         """UCB1 over the task's family's skills (over every skill where its family has none)."""
         arms = [i for i, s in enumerate(self.skills) if s["family"] == task_family(task)] or range(len(self.skills))
         if not arms:
-            raise ValueError("Skill-SD's skill bank is empty: no rollout has succeeded to write a skill from")
+            raise ValueError("Skill-SD's skill bank is empty: no rollout to write a skill from")
         return arms[ucb1_choice([self.pulls[i] for i in arms], [self.reward[i] for i in arms], c)]
 
     def apply(self, event: dict):
@@ -557,7 +604,8 @@ def skillsd_step(student, chat: engine.Chat, tasks, bank: SkillBank, *, opt, cfg
     """Skill-SD: G rollouts per task from the task alone; each task chooses one skill by UCB1 (`SkillBank.select`);
     the teacher, the student itself detached (choice a), reads it appended to its first user message; the loss is
     PPO-clip on group-normalised Â plus λ_sdl times the importance-weighted sampled-token reverse KL
-    (`skillsd_loss`). -> (metrics, episodes, each task's skill index); the bank's update is `grow_skill_bank`'s."""
+    (`skillsd_loss`). -> (metrics, episodes, each task's pull [skill index, `skill_value` or None]); the bank's
+    update is `grow_skill_bank`'s."""
     G, where = cfg.group, user_or_span(cfg)
     group_tasks = [t for t in tasks for _ in range(G)]                                     # rows of a group adjacent
     with parallel.gathered(student):
@@ -566,32 +614,38 @@ def skillsd_step(student, chat: engine.Chat, tasks, bank: SkillBank, *, opt, cfg
     chosen = [bank.select(t, cfg.ucb_c) for t in tasks]                                   # one skill per task
     texts = [skill_text(bank.skills[k], where) for k in chosen for _ in range(G)]
     device, n_tokens = next(student.parameters()).device, engine.supervised_tokens(eps)
+    edges = {}                                                                             # row -> its skill edge
 
     def part_loss(idx):
         part = engine.pick(eps, idx)
         logp, _, omega = engine.student_logprobs(student, chat.tokenizer, part, device, cfg.loss_chunk)   # (b, Tc)
         logp_t = _teacher_token_logprobs(student, chat, part, engine.pick(texts, idx), where=where,
                                          loss_chunk=cfg.loss_chunk)                                       # (b, Tc)
+        for i, e in zip(idx, skill_edges(logp, logp_t, omega).tolist()):
+            edges.setdefault(i, e)                             # a torchrun idle pass re-scores a row: keep the first
         loss, terms, clipped = skillsd_loss(logp, logp.detach(), logp_t, adv[idx].to(device), omega,
                                             clip=cfg.skill_clip, sdl_weight=cfg.sdl_weight, n_tokens=n_tokens)
         return loss, {**terms, "skillsd/clip_frac": clipped * float(omega.sum()) / n_tokens}
     m, ok = engine.update(student, (opt, None), eps, part_loss, cfg)
+    rows = [range(i * G, (i + 1) * G) for i in range(len(chosen))]                        # each task's group
+    pulls = [[k, skill_value([eps[j].reward for j in r], [edges[j] for j in r])] for k, r in zip(chosen, rows)]
     return {"reward/student": engine.summarize_all(eps)["reward"], **m, "skipped": int(not ok),
-            "tokens": n_tokens}, eps, chosen
+            "tokens": n_tokens}, eps, pulls
 
 
-def grow_skill_bank(bank: SkillBank, write, tasks, eps, chosen, *, step: int, cfg: BaselineConfig) -> dict:
-    """After a Skill-SD step (choices b, c): each task's skill pulled once, its reward the mean of the task's G
-    rollouts; then a skill for each task whose group has a success, written by `write` from the group. Every rank's,
-    gathered in rank order, so that every rank holds the same bank. -> metrics."""
+def grow_skill_bank(bank: SkillBank, write, tasks, eps, pulls, *, step: int, cfg: BaselineConfig) -> dict:
+    """After a Skill-SD step (choices b, c): each task's skill pulled once for its `skill_value` (`skillsd_step`'s
+    pulls; a group that orders nothing, value None, counts no pull); then a skill for each task, written by `write`
+    from its group, successes or not. Every rank's, gathered in rank order, so that every rank holds the same bank.
+    -> metrics."""
     G = cfg.group
-    pulls = [[k, sum(e.reward for e in eps[i * G:(i + 1) * G]) / G] for i, k in enumerate(chosen)]
-    bank.add({"step": step, "event": "pulls", "pulls": parallel.gather(pulls)})
+    valued = parallel.gather([[k, v] for k, v in pulls if v is not None])
+    bank.add({"step": step, "event": "pulls", "pulls": valued})
     groups = [g for i in range(len(tasks)) for g in family_attempts(eps[i * G:(i + 1) * G], cfg.success)]
     new = parallel.gather([{"family": f, **s} for (f, _), s in zip(groups, write(groups) if groups else [])])
     for skill in new:
         bank.add({"step": step, "event": "skill", "source": f"step {step}", **skill})
-    return {"skillsd/new_skills": len(new), "skillsd/skills": len(bank.skills)}
+    return {"skillsd/new_skills": len(new), "skillsd/skills": len(bank.skills), "skillsd/valued_pulls": len(valued)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -684,8 +738,8 @@ def skillsd_train_step(run: engine.Run, state: dict, student, opts, step: int):
         state["skills"] = SkillBank.replay(state["skills"].path, state.pop("replay"), before=step)
     cfg, bank = baseline_config(run.args, run.sample), state["skills"]
     tasks = run.tasks(step, cfg.group)
-    m, eps, chosen = skillsd_step(student, run.chat, tasks, bank, opt=opts[0], cfg=cfg)
-    m.update(grow_skill_bank(bank, skill_writer(run), tasks, eps, chosen, step=step, cfg=cfg))
+    m, eps, pulls = skillsd_step(student, run.chat, tasks, bank, opt=opts[0], cfg=cfg)
+    m.update(grow_skill_bank(bank, skill_writer(run), tasks, eps, pulls, step=step, cfg=cfg))
     return m, run.args.rollouts_per_step // cfg.group * cfg.group
 
 

@@ -78,6 +78,7 @@ class Args:
     seed: int = arg(0, "seeds random, numpy and torch (and the toy world's tasks)")
     method: str = arg("lopd", "lopd (Algorithm 1) | rft (control, no rollouts) | grpo | opsd | sdpo | sdft | skillsd")
     conventions: int = arg(2, "hidden conventions per shop of the generated tool world, 1-4 (the dial; 2 elsewhere)")
+    shops: int = arg(0, "shops of the generated tool world: 0 = 2^K; 5-64 = the many-shops world (docs/toy-world.md)")
     n_train: int = arg(1000, "generated training tasks (toy world)")
     n_test: int = arg(200, "generated held-out tasks (toy world; the paper's EnvScaler test split has 200)")
     # -- the paper's hyperparameters (B.1, B.2; the toy's own values are in TOY_DEFAULTS)
@@ -219,7 +220,7 @@ def prepare(args: Args, record: bool = True) -> engine.Run:
     """Stages 1-4 (each cached in OUT) -> the run the joint stage and evaluation read. `record`: write args.json once
     every setting is resolved; a finished run read back (`load_run`) writes nothing and plans memory anew."""
     os.makedirs(args.out, exist_ok=True)
-    checkpoints.check_same_world(args.out, env=args.env, conventions=args.conventions)
+    checkpoints.check_same_world(args.out, env=args.env, conventions=args.conventions, shops=args.shops)
     if not record:
         memory.replan(args)
     devices.seed_everything(args.seed)
@@ -284,7 +285,7 @@ def load_backbone(args: Args, device, dtype):
     path = args.model or toy_backbone(args)
     models.check_causal_lm(path)
     if environment(args).toy_world == "tools" and not args.tasks:      # a toy backbone knows its world's tools
-        toy.check_conventions(path, args.conventions)
+        toy.check_conventions(path, args.conventions, args.shops)
     tok = models.load_tokenizer(path, args.chat_template)
     if not tok.chat_template:
         raise UserError(f"--model {path!r}: its tokenizer has no chat template (a base checkpoint?); give one with "
@@ -315,11 +316,11 @@ def thinks_by_default(args: Args, tok) -> bool:
 
 
 def toy_backbone(args: Args) -> str:
-    """The toy backbone of the world (and --conventions): shipped, or built once into OUT (worlds/toy_backbone.py)."""
+    """The toy backbone of the world (and --conventions, --shops): shipped, or built once into OUT (worlds/toy_backbone.py)."""
     world = environment(args).toy_world
     if world is None:
         raise UserError(f"--env {args.env!r} has no toy backbone (its toy_world is None): give --model")
-    return toy.backbone_for(args.out, world, args.conventions)
+    return toy.backbone_for(args.out, world, args.conventions, args.shops)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -665,8 +666,8 @@ def _check(p, a: Args):
         p.error(f"--rollouts-per-step {a.rollouts_per_step} must be a multiple of --group {a.group}")
     if METHODS[a.method].keeps_ema and a.student_lora:
         p.error(f"--method {a.method} keeps an EMA copy of a full student; it does not support --student-lora")
-    if a.conventions != 2 and not issubclass(environment(a), tool_world.ToolWorld):
-        raise UserError("--conventions sets the generated tool world's difficulty; it takes --env tools and no --tasks")
+    if (a.conventions != 2 or a.shops) and not issubclass(environment(a), tool_world.ToolWorld):
+        raise UserError("--conventions and --shops set the generated tool world: each takes --env tools and no --tasks")
     if environment(a).check_args(a):
         raise UserError(environment(a).check_args(a))
     sandbox.require_for(environment(a), a.unsafe_no_sandbox, f"--env {a.env}")

@@ -3,6 +3,7 @@
     python -m scripts.experiments ablations                   # the ablation table: LOPD variants and controls, 3 seeds
     python -m scripts.experiments figure4                     # reward against generations: LOPD, GRPO, Skill-SD (+3)
     python -m scripts.experiments figure4 --env code --seeds 1 --seed 2 # any train.py flag after the experiment's name
+    python -m scripts.experiments figure4 --shops 16 --seeds 5 # the many-shops world (docs/results.md, "Many shops")
     python -m scripts.experiments dial                        # LOPD, GRPO, RFT as hidden conventions grow (K = 1..4)
     python -m scripts.experiments absorb                      # the official code's settings one at a time, 3 seeds
     python -m scripts.experiments course                      # the walk-through's staged path: OPSD -> ... -> LOPD
@@ -18,7 +19,10 @@ table (and figure) into --out:
               the retrieval controls and RFT; the student alone and the teacher at the end, mean ± std over seeds.
   figure4     OUT/figure4.csv, figure4.md, figure4.png: the student's held-out reward every 10 steps on one rollout
               budget for the curves Figure 4 draws (LOPD, GRPO, Skill-SD), then OPSD, SDPO and SDFT as further
-              rows, and where LOPD reaches GRPO's and Skill-SD's final rewards (the abstract's efficiency claim).
+              rows, and where LOPD reaches GRPO's and Skill-SD's final rewards (the abstract's efficiency claim);
+              the 95% intervals at the end and LOPD's paired gaps; the plot on training generations and, beside it,
+              with the bank's rollouts. Seed folders are named by seed (OUT/seed3 for --seed 3), so processes
+              of `--seed K --seeds 1` fill one OUT and `--seeds N` then reads them all back.
   dial        OUT/dial.csv, dial.md, dial.png: the difficulty dial. For K = 1..4 hidden conventions per shop
               (train.py --conventions, each K with its own shipped backbone): LOPD, GRPO and RFT from one base,
               bank and φ0 per seed, the gaps LOPD − GRPO and LOPD − RFT at the end, how often GRPO's groups held
@@ -253,7 +257,8 @@ def figure4(args: train.Args, seeds: int = 3):
     if not args.model:
         args = dataclasses.replace(args, model=train.toy_backbone(args))
     args = dataclasses.replace(args, **CURVE)
-    seeded = [dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}")) for i in range(seeds)]
+    seeded = [dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{args.seed + i}"))
+              for i in range(seeds)]      # seed folders by seed: `--seed 3 --seeds 1` adds seed3 beside seed0-2
     rows = [r for a in seeded for r in figure4_seed(a)]
     with open(os.path.join(args.out, "figure4.csv"), "w") as f:
         f.write("method,seed,step,generations,training_generations,reward\n")
@@ -267,7 +272,7 @@ def figure4(args: train.Args, seeds: int = 3):
 
 
 def _curves(rows) -> dict:
-    """{method: [(training generations, mean reward over seeds, std)]} at each evaluated step."""
+    """{method: [(training generations, mean reward over seeds, sample std)]} at each evaluated step."""
     out = {}
     for m in dict.fromkeys(r["method"] for r in rows):
         steps = sorted({r["step"] for r in rows if r["method"] == m})
@@ -275,9 +280,27 @@ def _curves(rows) -> dict:
         for s in steps:
             vals = [r["reward"] for r in rows if r["method"] == m and r["step"] == s]
             gen = next(r["training_generations"] for r in rows if r["method"] == m and r["step"] == s)
-            pts.append((gen, float(np.mean(vals)), float(np.std(vals))))
+            pts.append((gen, float(np.mean(vals)), tables.sample_std(vals)))
         out[m] = pts
     return out
+
+
+def final_rewards(rows, method: str) -> dict:
+    """{seed: the method's reward at its last evaluated step}."""
+    mine = [r for r in rows if r["method"] == method]
+    last = max(r["step"] for r in mine)
+    return {r["seed"]: r["reward"] for r in mine if r["step"] == last}
+
+
+def paired_line(rows, other: str) -> str:
+    """LOPD − `other` at the end, per seed paired, as mean and 95% interval, and which side of 0 the interval is."""
+    a, b = final_rewards(rows, "lopd"), final_rewards(rows, other)
+    seeds = sorted(set(a) & set(b))
+    mean, s, half = tables.interval([a[k] - b[k] for k in seeds])
+    side = ("above 0: LOPD ahead" if mean - half > 0 else "below 0: LOPD behind" if mean + half < 0
+            else "contains 0: not separated")
+    return (f"LOPD − {method_name(other)} at the end, paired over {len(seeds)} seeds: {mean:+.3f} ± {s:.3f}, 95% "
+            f"interval [{mean - half:+.3f}, {mean + half:+.3f}] ({side}).")
 
 
 def method_name(method: str) -> str:
@@ -300,11 +323,33 @@ def figure4_table(rows) -> str:
     lines += ["", "Paper (Qwen3-4B, EnvScaler, §4.3: LOPD's by generation 576, the others' at 1,600): " +
               ", ".join(paper) + "."] if paper else []
     bank = next((r["generations"] for r in rows if r["method"] == "lopd" and r["step"] == 0), 0)
+    lines += ["", "At the end, mean ± sample std [95% interval]: " + "; ".join(
+        "{} {:.3f} ± {:.3f} [{:.3f}, {:.3f}]".format(method_name(m), *end_interval(rows, m)) for m in curves) + "."]
     for other in ("grpo", "skillsd"):
         if "lopd" in curves and other in curves:
-            lines += ["", reach_line(curves, other, bank)]
+            lines += ["", reach_line(curves, other, bank), "", paired_line(rows, other)]
+    lines += ["", pool_line(rows)]
     seeds = len({r["seed"] for r in rows})
-    return "\n".join(lines) + f"\n\n{seeds} seeds; mean ± std over seeds; the student alone on held-out tasks.\n"
+    return "\n".join(lines) + (f"\n\n{seeds} seeds; mean ± sample std (ddof = 1) over seeds; the student alone on "
+                               "held-out tasks.\n")
+
+
+def end_interval(rows, method: str) -> tuple:
+    """(mean, s, low, high) of the method's final rewards over seeds."""
+    mean, s, half = tables.interval(list(final_rewards(rows, method).values()))
+    return mean, s, mean - half, mean + half
+
+
+def pool_line(rows) -> str:
+    """Which methods' generations also count rollouts made before their first step (the bank, or the pool it
+    seeds), and how many: the curves' axis leaves them out, the CSV's `generations` column and the plot's right
+    panel count them."""
+    pools = {r["method"]: r["generations"] for r in rows if r["step"] == 0 and r["generations"]}
+    if not pools:
+        return "No method read rollouts made before its first step."
+    return ("Rollouts made before the first step, left out of the axis above and counted in the plot's right panel: "
+            + ", ".join(f"{method_name(m)} {n}" for m, n in pools.items()) + " (the base's rollouts that built the "
+            "bank; the other methods read none).")
 
 
 def reach_line(curves: dict, other: str, bank: int) -> str:
@@ -320,23 +365,27 @@ def reach_line(curves: dict, other: str, bank: int) -> str:
 
 
 def plot_figure4(rows, path: str, title: str = "Figure 4 at toy scale"):
-    """Reward against training generations, one line per method: Figure 4's three solid, the further rows dashed
-    (skipped with a message without matplotlib)."""
+    """Reward against generations, one line per method: Figure 4's three solid, the further rows dashed; on the
+    left the training generations, on the right every generation, the bank's rollouts included for the methods
+    that read it (skipped with a message without matplotlib)."""
     plt = _pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    pools = {r["method"]: r["generations"] for r in rows if r["step"] == 0}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for m, pts in _curves(rows).items():
         g, mean, std = (np.array(x) for x in zip(*pts))
         drawn = m in FIGURE4_DRAWN
-        ax.plot(g, mean, marker="o" if drawn else ".", linestyle="-" if drawn else "--", label=method_name(m),
-                alpha=1.0 if drawn else 0.6)
-        if drawn:
-            ax.fill_between(g, mean - std, mean + std, alpha=0.15)
-    ax.set_xlabel("training generations (rollouts)")
-    ax.set_ylabel("held-out reward, student alone")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+        for ax, x in zip(axes, (g, g + pools.get(m, 0))):
+            ax.plot(x, mean, marker="o" if drawn else ".", linestyle="-" if drawn else "--", label=method_name(m),
+                    alpha=1.0 if drawn else 0.6)
+            if drawn:
+                ax.fill_between(x, mean - std, mean + std, alpha=0.15)
+    axes[0].set_xlabel("training generations (rollouts)")
+    axes[1].set_xlabel("generations, the bank's rollouts included")
+    axes[0].set_ylabel("held-out reward, student alone (± sample std)")
+    fig.suptitle(title)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")

@@ -191,7 +191,7 @@ def table(name: str, args: train.Args, runs: Runs, seeds: int = 3, *, specs=None
     check_methods(args)
     rows = []                                        # one dict per seed, row, column
     for i in range(seeds):
-        seeded = dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{i}"))
+        seeded = dataclasses.replace(args, seed=args.seed + i, out=os.path.join(args.out, f"seed{args.seed + i}"))
         for row, cols in table_seed(seeded, benches, runs, opts).items():
             rows += [dict(row=row, seed=seeded.seed, heading=h, column=c, value=v, tasks=n) for h, c, v, n in cols]
     backbone = paper_backbone(name, args.model)
@@ -409,16 +409,54 @@ def pooled(columns: list) -> list:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The table: mean ± std over seeds, the best and second best per column, the paper's values
+# The table: mean ± sample std over seeds, the best and second best per column, the paired gaps, the paper's values
 # ----------------------------------------------------------------------------------------------------------------
+# Statistics over seeds. A cell is the mean and the SAMPLE standard deviation s (ddof = 1: with 3 seeds the
+# population std understates the spread by a factor √(2/3)). At the end of the curves, the 95% interval of a mean,
+#     mean ± t(0.975, n − 1) · s / √n,
+# and, for two methods run on the same seeds (the same θ̄, tasks and bank), of their paired per-seed difference.
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def sample_std(vals) -> float:
+    """s with ddof = 1 (0 for one value)."""
+    return float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+
+
+def interval(vals) -> tuple:
+    """(mean, s, half-width of the 95% t interval) over seeds; the half-width is nan for one seed. Beyond 11 seeds
+    t is taken as 2.228 (df = 10), a slight overstatement."""
+    n = len(vals)
+    half = T975[min(n - 1, 10)] * sample_std(vals) / np.sqrt(n) if n > 1 else float("nan")
+    return float(np.mean(vals)), sample_std(vals), float(half)
+
+
 def summarize(rows: list) -> tuple:
-    """-> ([(heading, column)] in order, {row: {(heading, column): (mean, std) over the seeds}})."""
+    """-> ([(heading, column)] in order, {row: {(heading, column): (mean, sample std) over the seeds}})."""
     columns = list(dict.fromkeys((r["heading"], r["column"]) for r in rows))
     summary = {}
     for row in dict.fromkeys(r["row"] for r in rows):
         vals = {c: [r["value"] for r in rows if r["row"] == row and (r["heading"], r["column"]) == c] for c in columns}
-        summary[row] = {c: (float(np.mean(v)), float(np.std(v))) for c, v in vals.items() if v}
+        summary[row] = {c: (float(np.mean(v)), sample_std(v)) for c, v in vals.items() if v}
     return columns, summary
+
+
+def paired_gaps(rows: list, against=("grpo", "skillsd")) -> list:
+    """Lines "LOPD − GRPO, heading: column: mean ± s, 95% interval [lo, hi] (side)" per column, each over the seeds
+    both rows scored (paired: same θ̄, tasks and bank per seed); none with fewer than 2 seeds."""
+    out = []
+    for other in [o for o in against if any(r["row"] == o for r in rows) and any(r["row"] == "lopd" for r in rows)]:
+        for h, c in dict.fromkeys((r["heading"], r["column"]) for r in rows):
+            cell = {(r["row"], r["seed"]): r["value"] for r in rows if (r["heading"], r["column"]) == (h, c)}
+            seeds = sorted({s for (row, s) in cell if row == "lopd"} & {s for (row, s) in cell if row == other})
+            if len(seeds) < 2:
+                continue
+            mean, s, half = interval([cell["lopd", k] - cell[other, k] for k in seeds])
+            side = ("above 0: LOPD ahead" if mean - half > 0 else "below 0: LOPD behind" if mean + half < 0
+                    else "contains 0: not separated")
+            out.append(f"LOPD − {LABELS[other]}, {h}: {c}: {mean:+.1f} ± {s:.1f} over {len(seeds)} seeds, 95% "
+                       f"interval [{mean - half:+.1f}, {mean + half:+.1f}] ({side}).")
+    return out
 
 
 def ranks(summary: dict, column) -> dict:
@@ -455,7 +493,7 @@ def markdown(name: str, rows: list, args: train.Args, backbone) -> str:
     marks, quoted = {c: ranks(summary, c) for c in columns}, quoted_columns(name, backbone)
     who = "the toy backbone" if train.is_toy(args) else os.path.basename(args.model.rstrip("/"))
     seeds = len({r["seed"] for r in rows})
-    lines = [f"{TABLES[name].title}: {who}, --env {args.env}, {seeds} seed{'s' * (seeds > 1)}; 0-100, mean ± std "
+    lines = [f"{TABLES[name].title}: {who}, --env {args.env}, {seeds} seed{'s' * (seeds > 1)}; 0-100, mean ± sample std "
              "over seeds; per column **best**, *second best*" +
              (f"; the paper's {backbone} values in brackets" if backbone else ""), "",
              "| method | " + " | ".join(f"{h}: {c}" for h, c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
@@ -466,7 +504,8 @@ def markdown(name: str, rows: list, args: train.Args, backbone) -> str:
             text = {"best": f"**{text}**", "second": f"*{text}*"}.get(marks[c].get(row), text)
             cells.append(text + (f" ({paper_cell(name, backbone, row, c)})" if c in quoted else ""))
         lines.append(f"| {LABELS[row]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + paper_block(name, backbone) + "\n"
+    gaps = paired_gaps(rows)
+    return "\n".join(lines) + "\n\n" + ("\n".join(gaps) + "\n\n" if gaps else "") + paper_block(name, backbone) + "\n"
 
 
 def paper_block(name: str, backbone) -> str:

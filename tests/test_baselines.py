@@ -360,25 +360,83 @@ def test_ucb1_arm_value_is_the_mean_reward_plus_the_bonus_by_hand():
     assert bank.select(type("T", (), {"variant": "s1", "schema": "cancel"})(), math.sqrt(2)) == 1   # a sum: arm 0
 
 
-def test_a_skills_pull_reward_is_the_mean_of_its_tasks_group():
-    """grow_skill_bank pulls each task's skill once for the mean of the task's G rewards, in [0, 1] as UCB1 assumes
-    (baselines.py, choice c): a group [1, 0, 0, 1] adds 0.5, not the sum 2."""
+def test_a_skills_edge_is_the_teachers_mean_log_prob_gain_over_the_rollouts_own_tokens_by_hand():
+    """skill_edges: per rollout, the mean over its ω tokens of log πT(a) − log πθ(a) (baselines.py, choice c); rows of
+    3 and 1 tokens, so a sum would not pass as the mean, and a token off ω counts nothing."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -9.0], [-0.2, -3.0, -3.0, -3.0]])
+    logp_t = torch.tensor([[-0.4, -2.5, 0.0, 5.0], [-1.2, 7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    # row 0: gains 0.6, −0.5, 0.5 on ω (the 4th, +14, is off ω): mean 0.6 / 3 = 0.2; row 1: −1.0 on its one token
+    assert baselines.skill_edges(logp, logp_t, mask).tolist() == pytest.approx([0.2, -1.0], abs=1e-6)
+
+
+def test_a_skills_value_is_how_its_teacher_orders_the_groups_rollouts_not_how_hard_the_task_was():
+    """skill_value (choice c): over a group's pairs with different rewards, the fraction the skill's edges order as the
+    rewards do, ½ for a tie. By hand, with graded rewards; then the two things a reward mean would get wrong: an easy
+    task and a hard one value the same skill alike, and a skill whose teacher favours the failures loses."""
+    rewards = [1.0, 0.25, 0.5, 0.0]
+    # better-worse pairs (6): (0,1) (0,2) (0,3) (2,1) (2,3) (1,3)
+    # edges [0.3, −0.1, 0.3, −0.2]: agree, tie ½, agree, agree, agree, agree -> 5.5 / 6
+    assert baselines.skill_value(rewards, [0.3, -0.1, 0.3, -0.2]) == pytest.approx(5.5 / 6)
+    # edges [0.3, 0.4, 0.3, −0.2]: (0,1) 0.3 < 0.4 no, tie ½, agree, (2,1) no, agree, agree -> 3.5 / 6
+    assert baselines.skill_value(rewards, [0.3, 0.4, 0.3, -0.2]) == pytest.approx(3.5 / 6)
+    # the same teacher edges on an easy task (3 of 4 succeed) and a hard one (1 of 4): the same value, 1, although
+    # the rollouts' mean rewards (0.75 and 0.25, what the bandit used to average) differ
+    edges = [0.5, 0.4, 0.1, -0.3]
+    assert baselines.skill_value([1.0, 1.0, 1.0, 0.0], edges) == baselines.skill_value([1.0, 0.0, 0.0, 0.0], edges) == 1
+    # the same rollouts, a skill whose teacher favours the failures: 0, though the rewards (and their mean) are equal
+    assert baselines.skill_value([1.0, 1.0, 1.0, 0.0], [-x for x in edges]) == 0
+    assert baselines.skill_value([0.5, 0.5, 0.5, 0.5], edges) is None            # equal rewards: nothing to order
+
+
+def test_grow_skill_bank_pulls_for_each_tasks_value_and_writes_a_skill_from_a_failed_group_too():
+    """grow_skill_bank pulls each task's skill for its value, skips a group that ordered nothing (still logging the
+    step's pulls event), and writes one skill per task from its group whether or not the group succeeded (the paper:
+    every completed trajectory is summarised; baselines.py, choice b): a failed group's toy skill shows its best
+    attempt. UCB1's arm value is then the mean of the values, not their sum."""
     from types import SimpleNamespace
     bank = baselines.SkillBank()
     bank.add({"step": -1, "event": "skill", "source": "test", **_skill("s1/cancel", "a")})
     task = SimpleNamespace(variant="s1", schema="cancel", text="t")
-    eps = [SimpleNamespace(task=task, trace="1. x() -> y", reward=r) for r in (1.0, 0.0, 0.0, 1.0)]
-    cfg = baselines.BaselineConfig(group=4, success=2.0)                  # no success: no new skill is written
-    baselines.grow_skill_bank(bank, lambda groups: [], [task], eps, [0], step=0, cfg=cfg)
-    assert (bank.pulls, bank.reward) == ([1], [0.5])
+    near = "1. find_customer(account=\"A1\") -> c1\n2. delete_order(order=\"O1\") -> error"
+    traces, rewards = ["1. x() -> y", near, "1. x() -> y\n2. z() -> w", "1. x() -> y"], [0.0, 0.5, 0.25, 0.0]
+    eps = [SimpleNamespace(task=task, trace=t, reward=r) for t, r in zip(traces, rewards)]
+    seen = []
+
+    def writer(groups):
+        seen.extend(groups)
+        return [baselines.toy_skill(a) for _, a in groups]
+    cfg = baselines.BaselineConfig(group=4, success=1.0)                  # no rollout succeeds
+    grown = baselines.grow_skill_bank(bank, writer, [task, task, task], eps * 3, [[0, 0.75], [0, None], [0, 0.25]],
+                                      step=0, cfg=cfg)
+    assert (bank.pulls, bank.reward) == ([2, 0, 0, 0], [1.0, 0.0, 0.0, 0.0])     # None counts no pull
+    assert grown == {"skillsd/new_skills": 3, "skillsd/skills": 4, "skillsd/valued_pulls": 2}
+    assert [f for f, _ in seen] == ["s1/cancel"] * 3 and not any(ok for _, a in seen for *_, ok in a)
+    assert bank.skills[1]["golden_workflow"] == near                               # the nearest miss, reward 0.5
+    assert bank.skills[1]["success_analysis"].startswith("0 of 4 attempts succeeded; the best (reward 0.50)")
+    assert "find_customer, delete_order" in bank.skills[1]["success_analysis"]
+    # the arm's value: mean 1.0 / 2 = 0.5 (a sum would be 1.0) + √2·√(ln 2 / 2) = 0.832555; the new skills first
+    assert baselines.ucb1_scores(bank.pulls[:1], bank.reward[:1], math.sqrt(2)) == pytest.approx([0.5 + 0.832555],
+                                                                                               abs=1e-6)
+
+
+def test_the_skill_writer_shows_a_failed_group_its_best_attempts_and_worst_failures():
+    attempts = [("t1", "1. a() -> x", 0.0, False), ("t2", "1. b() -> x", 0.75, False),
+                ("t3", "1. c() -> x\n2. d() -> y", 0.5, False), ("t4", "1. e() -> x", 0.25, False),
+                ("t5", "1. f() -> x", 0.1, False)]
+    prompt = baselines.skill_prompt(attempts)
+    # the best two (0.75, 0.5), then the worst two failures not shown yet (0.0, 0.1); 0.25 is left out
+    order = [prompt.index(f"Task: t{i}") for i in (2, 3, 1, 5)]
+    assert order == sorted(order) and "Task: t4" not in prompt and "success (" not in prompt
+    assert baselines.toy_skill(attempts)["golden_workflow"] == "1. b() -> x"
 
 
 @pytest.mark.parametrize("method", ["grpo", "skillsd"])
 def test_ppo_clip_gets_group_normalised_advantages_by_hand(world, monkeypatch, method):
     """What PPO-clip receives: per group of G = 4, Â = (r − mean) / (std + 1e-4) with the unbiased sample std
     (group_advantages' docstring, as TRL; paper B.1: GRPO's and Skill-SD's group-normalised advantages)."""
-    tasks = world["train"][8:10]
-    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]                 # two groups of 4, rows of a group adjacent
+    tasks = world["train"][8:11]
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.25, 1.0, 0.0, 0.75]   # three groups of 4, rows adjacent
     real_rollout, seen = engine.rollout, []
 
     def rollout(*a, **kw):
@@ -391,7 +449,7 @@ def test_ppo_clip_gets_group_normalised_advantages_by_hand(world, monkeypatch, m
     monkeypatch.setattr(baselines, "ppo_clip_loss",
                         lambda *a, **k: seen.append(a[2].detach().double().tolist()) or real_ppo(*a, **k))
     student, _ = make_models(world)
-    cfg = baselines.BaselineConfig(group=4, context="span", micro_batch=8, sample=SAMPLE)
+    cfg = baselines.BaselineConfig(group=4, context="span", micro_batch=12, sample=SAMPLE)
     opt = torch.optim.SGD(student.parameters(), lr=0.0)
     if method == "grpo":
         baselines.grpo_step(student, world["chat"], tasks, opt, cfg)
@@ -400,8 +458,11 @@ def test_ppo_clip_gets_group_normalised_advantages_by_hand(world, monkeypatch, m
     # group [1, 0, 0, 1]: mean 0.5; unbiased variance (4 × 0.25) / 3 = 1/3, std 0.5773503; Â = ±0.5 / 0.5774503
     a = 0.5 / (0.5773503 + 1e-4)                                         # 0.8658754 (the population std: 1.0)
     # group [1, 1, 1, 1]: every reward the mean, Â = 0 (no signal)
-    assert seen == [pytest.approx([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0], abs=1e-5)]
-    assert a == pytest.approx(0.8658754, abs=1e-6)
+    # group [0.25, 1, 0, 0.75]: mean 0.5, deviations −0.25, 0.5, −0.5, 0.25; unbiased variance 0.625 / 3, std
+    # 0.4564355 (the population std: 0.3952847); Â = deviation / 0.4565355 = ∓0.5476026, ±1.0952052
+    b, c = 0.25 / (0.4564355 + 1e-4), 0.5 / (0.4564355 + 1e-4)
+    assert seen == [pytest.approx([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0, -b, c, -c, b], abs=1e-5)]
+    assert (a, b, c) == pytest.approx((0.8658754, 0.5476026, 1.0952052), abs=1e-6)
 
 
 def _skill(family, tag):
@@ -538,7 +599,8 @@ def test_skillsd_step_teacher_reads_its_ucb1_skill_its_three_fields_and_its_sdl_
                                        clip=1e9, sample=SAMPLE)
         calls.clear()
         torch.manual_seed(0)
-        m, eps, chosen = baselines.skillsd_step(student, world["chat"], tasks, bank, opt=opt, cfg=cfg)
+        m, eps, pulls = baselines.skillsd_step(student, world["chat"], tasks, bank, opt=opt, cfg=cfg)
+        chosen = [k for k, _ in pulls]
         grads.append(store)
         own, teacher = [c for c in calls if c[0] is student]                  # the student, then its own teacher
         for i, (ids, sid) in enumerate(zip(teacher[1], own[1])):
@@ -555,13 +617,50 @@ def test_skillsd_step_teacher_reads_its_ucb1_skill_its_three_fields_and_its_sdl_
 
     def toy_writer(groups):
         return [baselines.toy_skill(a) for _, a in groups]
-    grown = baselines.grow_skill_bank(bank, toy_writer, tasks, eps, chosen, step=0, cfg=cfg)
-    assert grown == {"skillsd/new_skills": 2, "skillsd/skills": n + 2}       # success = 0: each group writes one
+    grown = baselines.grow_skill_bank(bank, toy_writer, tasks, eps, pulls, step=0, cfg=cfg)
+    assert grown["skillsd/new_skills"] == 2 and grown["skillsd/skills"] == n + 2       # each group writes one
     for k in set(chosen):
-        rows = [j for j, c in enumerate(chosen) if c == k]
-        assert bank.pulls[k] == len(rows)
-        assert bank.reward[k] == pytest.approx(sum(eps[2 * j].reward + eps[2 * j + 1].reward for j in rows) / 2)
+        values = [v for c, v in pulls if c == k and v is not None]
+        assert bank.pulls[k] == len(values) and bank.reward[k] == pytest.approx(sum(values))
     assert [s["family"] for s in bank.skills[n:]] == [baselines.task_family(t) for t in tasks]
+
+
+def test_skillsd_step_values_each_tasks_skill_by_its_teachers_edges_on_the_groups_rollouts_by_hand(world,
+                                                                                                   monkeypatch):
+    """The pull skillsd_step hands the bank for each task: skill_value of the group's rewards and of the edges
+    log πT − log πθ the loss itself saw, both written out here (loops over tokens and pairs); graded rewards, so
+    neither a mean reward nor a sum passes. The teacher reads the skill: its edges are not zero."""
+    tasks = world["train"][8:10]
+    rewards = [1.0, 0.0, 0.5, 0.0, 0.25, 0.25, 0.25, 0.25]             # two groups of 4; the second orders nothing
+    real_rollout, seen = engine.rollout, []
+
+    def rollout(*a, **kw):
+        eps = real_rollout(*a, **kw)
+        for e, r in zip(eps, rewards):
+            e.reward = r
+        return eps
+    monkeypatch.setattr(engine, "rollout", rollout)
+    real_loss = baselines.skillsd_loss
+    monkeypatch.setattr(baselines, "skillsd_loss", lambda logp, old, logp_t, adv, mask, **k: seen.append(
+        (logp.detach().double(), logp_t.double(), mask.double())) or real_loss(logp, old, logp_t, adv, mask, **k))
+    student, _ = make_models(world)
+    cfg = baselines.BaselineConfig(group=4, context="span", micro_batch=3, sample=SAMPLE)    # parts split groups
+    torch.manual_seed(0)
+    _, _, pulls = baselines.skillsd_step(student, world["chat"], tasks, _skill_bank(world),
+                                         opt=torch.optim.SGD(student.parameters(), lr=0.0), cfg=cfg)
+    edges = []
+    for logp, logp_t, mask in seen:
+        for b in range(logp.shape[0]):
+            gain = [float(logp_t[b, t] - logp[b, t]) for t in range(logp.shape[1]) if mask[b, t]]
+            edges.append(sum(gain) / len(gain))
+    assert len(edges) == 8 and any(abs(e) > 1e-4 for e in edges)
+    right = pairs = 0.0
+    for i in range(4):
+        for j in range(4):
+            if rewards[i] > rewards[j]:
+                pairs += 1
+                right += 1.0 if edges[i] > edges[j] else (0.5 if edges[i] == edges[j] else 0.0)
+    assert pairs == 5 and pulls[0][1] == pytest.approx(right / pairs, abs=1e-9) and pulls[1][1] is None
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -115,16 +115,45 @@ def _dial_shops(k: int, names) -> dict:
             for n, bits in zip(names, itertools.product((True, False), repeat=k))}
 
 
-# RULES[shop] for the shops of every K (names are unique across worlds, so a task's shop names its world).
+# The many-shops world (train.py --shops N, N > 4; scripts/experiments.py figure4 --shops N): the K = 2 world with N
+# shops instead of 4, each shop's two conventions drawn by two fair coins of its own (seeded by its name, so a shop
+# keeps its rules in every N; the N-shop world is the first N of MANY_SHOP_NAMES). With 4 shops, outcome RL learns
+# the 4 rule pairs from any few hundred rollouts; with N shops it must learn each shop's pair from that shop's own
+# rollouts, about 1/N of its budget, while a same-shop reference in the bank shows the pair from the first step.
+# The base still applies each convention at chance, so its success rate does not depend on N.
+def _many_shop_names(n: int = 64) -> tuple:
+    """n pronounceable names (consonant-vowel-consonant-vowel), seeded, none shared with another world's."""
+    cv = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    names = sorted({a + b for a in cv for b in cv} - set(SHOP_NAMES) - {x for v in _DIAL_NAMES.values() for x in v})
+    return tuple(random.Random(0).sample(names, n))
+
+
+MANY_SHOP_NAMES = _many_shop_names()
+
+
+def _many_shops(names) -> dict:
+    """{shop: {"verify": bool, "commit": bool}}: two fair coins per shop, seeded by its name."""
+    coins = {n: random.Random(f"shop {n}") for n in names}
+    return {n: {"verify": coins[n].random() < 0.5, "commit": coins[n].random() < 0.5} for n in names}
+
+
+# RULES[shop] for the shops of every world (names are unique across worlds, so a task's shop names its world).
 RULES = {n: r for k in WORLD_CONVENTIONS
          for n, r in _dial_shops(k, SHOP_NAMES if k == 2 else _DIAL_NAMES[k]).items()}
+RULES.update(_many_shops(MANY_SHOP_NAMES))
 
 
-def shops(conventions: int = 2) -> list[str]:
-    """The shops of the world with `conventions` hidden conventions, sorted (K = 2: sorted(SHOPS))."""
+def shops(conventions: int = 2, n_shops: int = 0) -> list[str]:
+    """The shops of the world with `conventions` hidden conventions, sorted (K = 2: sorted(SHOPS)); with
+    n_shops > 2^K the many-shops world's first n_shops (K = 2 only). n_shops 0 or 2^K: the dial's world."""
     if conventions not in WORLD_CONVENTIONS:
         raise ValueError(f"--conventions {conventions}: the tool world has 1 to 4 conventions per shop")
-    return sorted(n for n, r in RULES.items() if len(r) == conventions)
+    if n_shops in (0, 2 ** conventions):
+        return sorted(n for n, r in RULES.items() if len(r) == conventions and n not in MANY_SHOP_NAMES)
+    if conventions != 2 or not 4 < n_shops <= len(MANY_SHOP_NAMES):
+        raise ValueError(f"--shops {n_shops}: the many-shops world takes 5 to {len(MANY_SHOP_NAMES)} shops and "
+                         f"--conventions 2 (0 or 4: the default world)")
+    return sorted(MANY_SHOP_NAMES[:n_shops])
 
 
 def world_of(shop: str) -> int:
@@ -300,8 +329,8 @@ SCHEMAS = {
 
 
 def make_task(rng: random.Random, task_id: str, shop: str | None = None, schema: str | None = None,
-              conventions: int = 2) -> Task:
-    shop = shop or rng.choice(shops(conventions))
+              conventions: int = 2, n_shops: int = 0) -> Task:
+    shop = shop or rng.choice(shops(conventions, n_shops))
     schema = schema or rng.choice(sorted(SCHEMAS))
     db = _random_db(rng)
     template, build = SCHEMAS[schema]
@@ -310,15 +339,15 @@ def make_task(rng: random.Random, task_id: str, shop: str | None = None, schema:
     return Task(task_id, shop, schema, text, db, goal, checklist)
 
 
-def make_splits(seed: int = 0, n_train: int = 1000, n_test: int = 200, conventions: int = 2):
+def make_splits(seed: int = 0, n_train: int = 1000, n_test: int = 200, conventions: int = 2, n_shops: int = 0):
     """Seeded, disjoint train and test splits (disjoint by task text, the thing a model sees) of the world with
-    `conventions` conventions per shop. The test split is drawn first, so that its schemas stay balanced: a schema
+    `conventions` conventions per shop (and `n_shops` shops: see `shops`). The test split is drawn first, so that its schemas stay balanced: a schema
     with few distinct texts (upgrade: 4 shops × 10 accounts) runs out in the training split, not in the test split."""
     rng = random.Random(seed)
     seen, splits = set(), {"test": [], "train": []}
     for split, n in (("test", n_test), ("train", n_train)):
         while len(splits[split]) < n:
-            task = make_task(rng, f"{split}-{len(splits[split]):05d}", conventions=conventions)
+            task = make_task(rng, f"{split}-{len(splits[split]):05d}", conventions=conventions, n_shops=n_shops)
             if task.text not in seen:
                 seen.add(task.text)
                 splits[split].append(task)
@@ -574,7 +603,7 @@ class ToolWorld(Environment):
 
     @classmethod
     def make_splits(cls, args) -> tuple[list, list]:
-        return make_splits(args.seed, args.n_train, args.n_test, conventions=args.conventions)
+        return make_splits(args.seed, args.n_train, args.n_test, conventions=args.conventions, n_shops=args.shops)
 
     @classmethod
     def load_tasks(cls, path: str) -> list:
@@ -586,8 +615,12 @@ class ToolWorld(Environment):
 
     @classmethod
     def check_args(cls, args) -> str | None:
-        if args.conventions != 2 and args.tasks:
-            return "--conventions sets the generated tool world's difficulty; it takes no --tasks"
+        if (args.conventions != 2 or args.shops) and args.tasks:
+            return "--conventions and --shops set the generated tool world: each takes no --tasks"
+        try:
+            shops(args.conventions, args.shops)
+        except ValueError as e:
+            return str(e)
         return None
 
 

