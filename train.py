@@ -15,8 +15,7 @@ The file reads in the order a run does: `Args` (every setting, grouped), `main`,
   5. joint         --steps iterations of --method: Algorithm 1 (lopd.py) or a baseline (baselines.py)
   6. evaluation    vanilla / base + composer / student on held-out tasks (`evaluate`, Table 3; worlds/results.py)
 and last the command line (`parse_args`, `resolve_defaults`); stages 2, 4-6 say the time left (devices.Clock).
-Devices, seeds, torchrun, checkpoints, the memory plan and the student's construction are engineering: runtime/.
-eval.py and scripts/experiments.py load runs through `load_args` and `load_run` (they import train.py, not reverse).
+Engineering (devices, seeds, torchrun, checkpoints, memory plan, the student): runtime/. Others load runs: `load_run`.
 
 Defaults follow B.2 and the official code except where the toy needs its own (`TOY_DEFAULTS`, each with its
 reason; a world may add its own). The one that changes the method: on the toy world the composer encodes the
@@ -24,7 +23,7 @@ reference without the task (`--composer-input reference`; composer.py, deviation
 (bingreeky/LOPD) differs and the paper is silent, the default is ours and a flag gives the official setting
 (scripts/experiments.py absorb runs each): --cold-optim split, --task-order epoch, --retrieval self,
 --qformer-dtype bfloat16; L_distill over the whole batch's tokens is the official code's (--kl-per trajectory: eq.
-10 as written). Controls: --method rft, --retrieval other | none | shop; the dial: --conventions K.
+10 as written). Controls: --method rft, --retrieval other | none | shop; worlds: --conventions K, --shops N.
 
 Real backbones: bf16 weights with the trained ones in fp32 under autocast (`devices.precision`), a memory plan made
 before any weight is read (`plan_before_loading`), --student-lora for θ as a second adapter. User errors end the
