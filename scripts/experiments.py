@@ -268,7 +268,8 @@ def figure4(args: train.Args, seeds: int = 3):
     with open(os.path.join(args.out, "figure4.md"), "w") as f:
         f.write(table)
     print("\n" + table)
-    plot_figure4(rows, os.path.join(args.out, "figure4.png"), f"Figure 4 at toy scale (--env {args.env})")
+    shops = f", --shops {args.shops}" if args.shops else ""
+    plot_figure4(rows, os.path.join(args.out, "figure4.png"), f"Figure 4 at toy scale (--env {args.env}{shops})")
 
 
 def _curves(rows) -> dict:

@@ -493,7 +493,8 @@ def markdown(name: str, rows: list, args: train.Args, backbone) -> str:
     marks, quoted = {c: ranks(summary, c) for c in columns}, quoted_columns(name, backbone)
     who = "the toy backbone" if train.is_toy(args) else os.path.basename(args.model.rstrip("/"))
     seeds = len({r["seed"] for r in rows})
-    lines = [f"{TABLES[name].title}: {who}, --env {args.env}, {seeds} seed{'s' * (seeds > 1)}; 0-100, mean ± sample std "
+    world = f"--env {args.env}" + (f" --shops {args.shops}" if getattr(args, "shops", 0) else "")
+    lines = [f"{TABLES[name].title}: {who}, {world}, {seeds} seed{'s' * (seeds > 1)}; 0-100, mean ± sample std "
              "over seeds; per column **best**, *second best*" +
              (f"; the paper's {backbone} values in brackets" if backbone else ""), "",
              "| method | " + " | ".join(f"{h}: {c}" for h, c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
@@ -556,7 +557,8 @@ def plot_table(name: str, rows: list, backbone, path: str, pyplot: Callable):
     draw = lambda ax, cells, rows_, cols, fill=None: ax.table(   # noqa: E731
         cellText=cells, cellColours=fill, rowLabels=rows_, colLabels=cols, loc="center", cellLoc="center")
     grids = [draw(axes[0][0], text, [LABELS[r] for r in summary], [f"{h}\n{c}" for h, c in columns], fills)]
-    axes[0][0].set_title(f"{TABLES[name].title} (mean ± std over seeds; green: best, light green: second)", fontsize=9)
+    axes[0][0].set_title(f"{TABLES[name].title} (mean ± sample std over seeds; green: best, light green: second)",
+                        fontsize=9)
     if keys:
         grids.append(draw(axes[1][0], [[paper_cell(name, b, r, c) for r in ROWS] for b, c in keys],
                           [f"{b} {h}: {c}" for b, (h, c) in keys], [LABELS[r] for r in ROWS]))
