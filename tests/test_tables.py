@@ -212,6 +212,30 @@ def test_the_paper_backbones_and_their_values():
     assert all(0 < v < 100 and src for v, src in every)
 
 
+# The official README's code table (bingreeky/LOPD, commit 00332bc), copied by hand: LCB Avg, HumanEval+, MBPP+
+README_TABLE2 = {"Qwen3-4B": {"vanilla": (45.61, 85.37, 75.93), "grpo": (48.29, 86.59, 76.19),
+                              "sdft": (47.07, 87.20, 76.98), "lopd": (48.78, 87.80, 78.57)},
+                 "Olmo3-7B": {"vanilla": (46.34, 86.59, 70.37), "grpo": (48.29, 89.02, 72.75),
+                              "sdft": (46.58, 89.02, 73.02), "lopd": (50.98, 90.24, 73.28)}}
+
+
+def test_table2s_paper_values_hold_every_cell_of_the_official_readme():
+    for backbone, by_row in README_TABLE2.items():
+        for row, values in by_row.items():
+            cells = tables.PAPER["table2"][backbone][row]
+            assert tuple(cells[c][0] for c in (tables.LCB, tables.HE, tables.MBPP)) == values, (backbone, row)
+            # a cell the paper's text quotes keeps §4.2 as its source; the others name the README
+            assert all("§4.2" in cells[c][1] or "official README" in cells[c][1] for c in cells), (backbone, row)
+    # §4.2's EvalPlus aggregates are the README's HumanEval+ and MBPP+ pooled over their 164 + 378 problems
+    q4, olmo = tables.PAPER["table2"]["Qwen3-4B"], tables.PAPER["table2"]["Olmo3-7B"]
+    assert (87.80 * 164 + 78.57 * 378) / 542 == pytest.approx(q4["lopd"][tables.EVP][0], abs=0.005)
+    assert (90.24 * 164 + 73.28 * 378) / 542 == pytest.approx(olmo["lopd"][tables.EVP][0], abs=0.005)
+    # "outperforming the strongest alternatives by 2.69 and 0.55 points" (Olmo3-7B): GRPO's LCB, SDFT's EvalPlus
+    assert olmo["grpo"][tables.LCB][0] == pytest.approx(50.98 - 2.69)
+    assert olmo["sdft"][tables.EVP][0] == pytest.approx(78.41 - 0.55)
+    assert (89.02 * 164 + 73.02 * 378) / 542 == pytest.approx(olmo["sdft"][tables.EVP][0], abs=0.005)
+
+
 @pytest.mark.parametrize("spec, said", [("nonsense", "expected heldout, envscaler=DIR"),
                                         ("bfcl-v3:nope", "no BFCL-v3 category 'nope'"),
                                         ("heldout heldout", "a benchmark is named twice"),
@@ -239,7 +263,7 @@ def test_table2_on_the_toy_code_world(tmp_path):
     lines = read_csv(os.path.join(out, "table2.csv"))
     assert {r["tasks"] for r in lines if r["benchmark"] == "mine"} == {"2"}
     assert os.path.isfile(os.path.join(experiments.method_dir(os.path.join(out, "seed0"), "lopd"), "mine_all.json"))
-    assert "| Qwen3-4B LiveCodeBench: overall | 45.61 | – | – | 40.24 | 38.78 | – | 48.78 |" in open(
+    assert "| Qwen3-4B LiveCodeBench: overall | 45.61 | 48.29* | 47.07* | 40.24 | 38.78 | – | 48.78 |" in open(
         os.path.join(out, "table2.md")).read()
 
 
