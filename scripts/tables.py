@@ -537,8 +537,8 @@ def paper_block(name: str, backbone) -> str:
     if backbone:
         return notes + "\n"
     lines = ["The paper's values (another backbone and the paper's benchmarks: not comparable with the rows above; "
-             "our copy of the paper lacks the table's cells, these are what its text quotes, – where it quotes "
-             "none):",
+             "our copy of the paper lacks the table's cells, these are what its text quotes or the official README "
+             "publishes, each source below; – where neither gives one):",
              "", "| paper | " + " | ".join(LABELS[r] for r in ROWS) + " |", "|---" * (len(ROWS) + 1) + "|"]
     lines += [f"| {b} {h}: {c} | " + " | ".join(paper_cell(name, b, r, (h, c)) for r in ROWS) + " |"
               for b, (h, c) in keys]
