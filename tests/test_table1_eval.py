@@ -178,6 +178,24 @@ def test_envscaler_alone_writes_its_files_as_every_benchmark_does(tmp_path, caps
     assert "| reward |" in capsys.readouterr().out and not glob.glob(os.path.join(run, "table1_*"))
 
 
+def test_each_record_is_on_disk_before_the_last_task_ends(tmp_path, monkeypatch):
+    """A benchmark's records are appended as each episode ends, not written at the end: when the second of two
+    EnvScaler tasks ends, the first one's record is in the file already; each says why its episode ended and gives
+    the checklist's reason (the toy backbone as the student, seconds)."""
+    run = toy_run(tmp_path / "run", "--max-new-tokens", "8", "--max-env-steps", "2")
+    on_disk, finish = [], engine._finish
+
+    def finished(ep, env, end):
+        path = os.path.join(run, "envscaler_all.records.jsonl")
+        on_disk.append(len(open(path).readlines()) if os.path.exists(path) else 0)
+        finish(ep, env, end)
+    monkeypatch.setattr(engine, "_finish", finished)
+    ev.main(["--run", run, "--tasks", f"envscaler={write_release(tmp_path / 'envscaler')}"])
+    assert on_disk == [0, 1]
+    records = [json.loads(x) for x in open(os.path.join(run, "envscaler_all.records.jsonl"))]
+    assert all(r["end"] in common.ENDS and r["reason"] for r in records), records
+
+
 def test_b3_sampling_per_benchmark_where_the_command_sets_none(tmp_path):
     """A real model samples each benchmark as B.3 says (0.7, 0.95, 20; 16,384 new tokens a reply on code only) in
     place of its run's; a flag on the command line keeps its value; the toy keeps its run's settings."""
