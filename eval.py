@@ -639,11 +639,12 @@ def evaluate_benchmark(args, bench: Benchmark, a) -> Scored:
 def fit_budgets(args, bench: Benchmark, n_test: int, given=()) -> train.Args:
     """One benchmark's budgets before the model loads (memory.eval_budgets: on a CPU, replies and steps that take
     minutes where the command set none, `given` the names of train.py's flags on it; conversations within the
-    model's context), said in one line with the tasks and the device. The toy's run keeps its own."""
+    model's context), said in one line with the tasks and the device. The toy's run keeps its own (train.py fitted
+    them to its backbone)."""
     from worlds import acebench
-    device = devices.device_type(args.device)
-    n_ctx = getattr(models.check_causal_lm(args.model or train.toy_backbone(args)), "max_position_embeddings", None)
-    args, whence = memory.eval_budgets(args, device == "cpu" and not train.is_toy(args), n_ctx, given)
+    device, real = devices.device_type(args.device), not train.is_toy(args)
+    n_ctx = getattr(models.check_causal_lm(args.model), "max_position_embeddings", None) if real else None
+    args, whence = memory.eval_budgets(args, device == "cpu" and real, n_ctx, given)
     steps = {"code": "one reply a problem", "acebench": f"{acebench.MAX_MESSAGES} messages (ACEBench's)",
              "bfcl-v3": f"{args.max_env_steps} steps a turn", "envscaler": f"{args.max_env_steps} steps"}[bench.kind]
     steps += f" ({whence['max_env_steps']}; --max-env-steps sets it)" if bench.kind in ("bfcl-v3", "envscaler") else ""
