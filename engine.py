@@ -227,6 +227,7 @@ class Episode:
     errors: int = 0
     trace: str = ""            # observation-lite trace (A.3), for the experience bank
     done: bool = False
+    end: str = ""              # why it ended, one of worlds.common.ENDS: the world's reason, or a budget's
     seen_calls: set = field(default_factory=set, repr=False)
 
     def add(self, ids, sampled: bool, logps=None):
@@ -235,7 +236,7 @@ class Episode:
         self.logps += logps if logps is not None else [0.0] * len(ids)
 
     RECORDED = ("ids", "mask", "logps", "prompt_len", "reward", "steps", "tool_calls", "repeated_calls", "first_len",
-                "errors", "trace")
+                "errors", "trace", "end")
 
     def record(self) -> dict:
         """The episode as a JSON line (OUT/base_rollouts.jsonl): its task's id and the RECORDED fields."""
@@ -309,9 +310,17 @@ def _call_key(name, args) -> str | None:
             return None
 
 
-def _finish(ep: Episode, env):
+def _finish(ep: Episode, env, end: str):
     text = env.trace_text()                                       # the bank's experience (A.3)
-    ep.done, ep.reward, ep.trace = True, env.reward(), text
+    ep.done, ep.end, ep.reward, ep.trace = True, end, env.reward(), text
+
+
+def _end(result, finished: bool = True) -> str:
+    """Why a reply ends its episode, or "" where it goes on: cut at the reply budget (whatever the world made of the
+    cut reply), else the world's reason (common.ENDS; "world" where it names none)."""
+    if not finished:
+        return "token budget"
+    return (result.end or "world") if result.done else ""
 
 
 def scripted_episode(chat: Chat, task, replies, prompt_fn=None) -> Episode:
@@ -322,6 +331,7 @@ def scripted_episode(chat: Chat, task, replies, prompt_fn=None) -> Episode:
     msgs = env.reset(task)
     ep.add(prompt_fn(msgs, env.tools) if prompt_fn else chat.prompt(msgs, env.tools), sampled=False)
     ep.prompt_len = len(ep.ids)
+    result = None
     for reply in replies:
         ids = reply_ids(chat.tokenizer, reply)
         ep.add(ids, sampled=True)
@@ -329,7 +339,8 @@ def scripted_episode(chat: Chat, task, replies, prompt_fn=None) -> Episode:
         if ep.done:
             break
         ep.add(chat.observation(result.observations, result.user), sampled=False)
-    _finish(ep, env)
+    # a script that runs out of replies before the world ends the episode stops as a reply without a call would
+    _finish(ep, env, (_end(result) if result is not None else "") or "no call")
     return ep
 
 
@@ -700,12 +711,14 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def rollout(model, chat: Chat, tasks, cfg: SampleConfig, *, prompt_fn=None, embed_fn=None,
-            progress=None) -> list[Episode]:
+            progress=None, watch=None) -> list[Episode]:
     """Roll out one episode per task (eq. 1), batched across tasks, turn by turn.
 
     prompt_fn(messages, tools) -> ids overrides the prompt (the teacher's latent prompt, lopd.teacher_rollout);
     embed_fn(ids, attention_mask, rows) then fills the placeholder span, where rows index `tasks`.
-    cfg.sort_by_length: batches of tasks of similar length (less left padding); episodes come back in task order."""
+    cfg.sort_by_length: batches of tasks of similar length (less left padding); episodes come back in task order.
+    progress: a bar, updated per batch of tasks; watch(ep, n_new): told of each reply as soon as it is stepped (its
+    `n_new` tokens), an episode that ended already scored, with its `end` (eval.py writes its record then)."""
     tokenizer, episodes = chat.tokenizer, [None] * len(tasks)
     order = sorted(range(len(tasks)), key=lambda i: len(tasks[i].text)) if cfg.sort_by_length else range(len(tasks))
     was_training = model.training
@@ -742,12 +755,15 @@ def rollout(model, chat: Chat, tasks, cfg: SampleConfig, *, prompt_fn=None, embe
                 ep, env = eps[i], envs[i]
                 ep.add(new, sampled=True, logps=lp)
                 result = _count_step(ep, env, results[k], n_before[k], len(new))
-                if ep.done or not finished:
-                    _finish(ep, env)
-                    continue
-                ep.add(chat.observation(result.observations, result.user), sampled=False)
-                if len(ep.ids) + cfg.max_new_tokens > cfg.max_len:
-                    _finish(ep, env)
+                end = _end(result, finished)
+                if end:
+                    _finish(ep, env, end)
+                else:
+                    ep.add(chat.observation(result.observations, result.user), sampled=False)
+                    if len(ep.ids) + cfg.max_new_tokens > cfg.max_len:
+                        _finish(ep, env, "context full")
+                if watch is not None:
+                    watch(ep, len(new))
         for j, ep in zip(which, eps):
             episodes[j] = ep
         if progress is not None:

@@ -46,6 +46,7 @@ import functools
 import html
 import json
 import os
+import time
 
 from runtime import preflight    # first: as the script being run, it checks the command line before torch loads
 import torch
@@ -108,12 +109,52 @@ def result_stem(out: str, what: str, n_test: int = 0, temperature=None) -> str:
     return stem if n == 1 else f"{stem}-{n}"
 
 
-def task_records(tok, benchmark: str, episodes, log: dict) -> list[dict]:
-    """One JSON line per task: its id, reward, the checker's verdict (the world's log) and the conversation as
-    text (the prompt, then every reply and observation), so a reader can see why a task scored what it did."""
-    return [{"benchmark": benchmark, "task_id": ep.task.task_id, "reward": ep.reward,
-             "verdict": log.get(ep.task.task_id), "prompt": tok.decode(ep.ids[:ep.prompt_len]),
-             "conversation": tok.decode(ep.ids[ep.prompt_len:])} for ep in episodes]
+def task_record(tok, benchmark: str, ep, verdict: dict | None) -> dict:
+    """One task's JSON line: its id, reward, why its episode ended (`end`: worlds.common.ENDS), the checker's reason
+    in words ("" where it passed or gives none), its verdict (the world's log) and the conversation as text (the
+    prompt, then every reply and observation), so a reader can see why a task scored what it did."""
+    verdict = dict(verdict) if verdict is not None else None
+    reason = verdict.pop("reason", "") if verdict else ""
+    return {"benchmark": benchmark, "task_id": ep.task.task_id, "reward": ep.reward, "end": ep.end, "reason": reason,
+            "verdict": verdict, "prompt": tok.decode(ep.ids[:ep.prompt_len]),
+            "conversation": tok.decode(ep.ids[ep.prompt_len:])}
+
+
+@dataclasses.dataclass
+class Recording:
+    """Where one benchmark's records go as its tasks end (`rollout_recorded`)."""
+    tok: object
+    benchmark: str     # the records' benchmark: bfcl-v3:base, envscaler, acebench:multi_turn, a file's name
+    log: dict          # the world's verdicts by task id, written as each episode is scored
+    stem: str          # the evaluation's files (`result_stem`): STEM.records.jsonl
+
+
+def watcher(rec: Recording, bar):
+    """engine.rollout's `watch`: each reply on the bar (the task, its reply count, the reply's tokens), and each
+    task's record (`task_record`) appended to STEM.records.jsonl the moment its episode ends, with one line saying
+    how it ended. -> (watch, {id of the episode: its record})."""
+    records, started = {}, time.time()
+
+    def watch(ep, n_new: int):
+        bar.set_postfix_str(f"{ep.task.task_id}: reply {ep.steps}, {n_new} tokens", refresh=True)
+        if not ep.done:
+            return
+        record = records[id(ep)] = task_record(rec.tok, rec.benchmark, ep, rec.log.get(ep.task.task_id))
+        checkpoints.append_jsonl(rec.stem + ".records.jsonl", record)
+        bar.update(1)
+        reason = f"; {record['reason']}" if record["reason"] else ""
+        bar.write(f"{rec.benchmark} {ep.task.task_id}: reward {ep.reward:.2f} after {ep.steps} replies, ended by "
+                  f"{ep.end}{reason} ({devices.duration(time.time() - started)} in)")
+    return watch, records
+
+
+def rollout_recorded(model, chat, tasks, cfg, rec: Recording) -> tuple[list, list]:
+    """engine.rollout of one benchmark's `tasks`, each record appended as its task ends (`watcher`).
+    -> (the episodes, their records), in task order."""
+    with devices.precision(model), tqdm(total=len(tasks), desc=f"eval {rec.benchmark}", leave=False) as bar:
+        watch, records = watcher(rec, bar)
+        eps = engine.rollout(model, chat, tasks, cfg, watch=watch)
+    return eps, [records[id(ep)] for ep in eps]
 
 
 @dataclasses.dataclass
@@ -124,7 +165,8 @@ class Scored:
 
 
 def write_result(stem: str, result: dict, records: list[dict]) -> Scored:
-    """STEM.json (the rows) and STEM.records.jsonl (a line per task), each written atomically."""
+    """STEM.json (the rows) and STEM.records.jsonl (a line per task, appended as each ended: now again in task
+    order), each written atomically."""
     checkpoints.write_json(stem + ".json", result)
     with checkpoints.atomic_open(stem + ".records.jsonl") as f:
         f.writelines(json.dumps(r, default=str) + "\n" for r in records)   # a verdict may hold non-JSON values
@@ -401,7 +443,8 @@ def load_eval_student(args):
     ckpt = checkpoints.latest_checkpoint(args.out)
     if ckpt is None:                     # eval.py --model, or a run not trained yet: the backbone as it is
         plain = not os.path.isfile(os.path.join(args.out, "args.json"))
-        return model, tok, f"{args.model} (as released)" if plain else "vanilla (the run has no checkpoint)"
+        return model, tok, f"{args.model} ({models.provenance(args.model)})" if plain else \
+            "vanilla (the run has no checkpoint)"
     saved = models.saved_student(os.path.join(ckpt, "student"), dtype, model if args.student_lora else None)
     return saved.to(device).eval(), tok, f"{train.student_row(args)} ({os.path.basename(ckpt)})"
 
@@ -413,20 +456,18 @@ def eval_benchmarks(args, files, n_test: int = 0, temperature=None) -> Scored:
     model, tok, name = load_eval_student(args)
     cfg, rows, records = train.sample_config(args, temperature), [], []
     thinking = bool(args.thinking) if train.is_toy(args) else B3_THINKING
+    stem = result_stem(args.out, code_what(files), n_test, temperature)
     for path in files:
         problems = code_benchmarks.load_problems(path)
         problems = problems[:n_test] if n_test else problems
         log = {}
         chat = engine.Chat(tok, functools.partial(code_world.CodeWorld, log=log), thinking)   # log: per problem
         devices.seed_everything(args.seed + 1)
-        with devices.precision(model), tqdm(total=len(problems), desc=f"eval {os.path.basename(path)}",
-                                            leave=False) as bar:
-            eps = engine.rollout(model, chat, problems, cfg, progress=bar)
+        _, done = rollout_recorded(model, chat, problems, cfg, Recording(tok, os.path.basename(path), log, stem))
         rows += results.benchmark_rows(problems, log, os.path.basename(path))
-        records += task_records(tok, os.path.basename(path), eps, log)
+        records += done
     print(results.benchmark_table(rows, name))
-    return write_result(result_stem(args.out, code_what(files), n_test, temperature), {"student": name, "rows": rows},
-                        records)
+    return write_result(stem, {"student": name, "rows": rows}, records)
 
 
 def code_what(files) -> str:
@@ -443,17 +484,16 @@ def eval_envscaler(args, where: str, n_test: int = 0, temperature=None) -> Score
     _, test, split = envscaler.load_release(where)                   # a bad folder: one line, before the model
     tasks = test[:n_test] if n_test else test
     model, tok, name = load_eval_student(args)
-    world = functools.partial(envscaler.EnvScalerWorld, max_steps=args.max_env_steps)
+    log, stem = {}, result_stem(args.out, "envscaler", n_test, temperature)
+    world = functools.partial(envscaler.EnvScalerWorld, max_steps=args.max_env_steps, log=log)
     devices.seed_everything(args.seed + 1)
-    with devices.precision(model), tqdm(total=len(tasks), desc="eval envscaler", leave=False) as bar:
-        eps = engine.rollout(model, engine.Chat(tok, world, bool(args.thinking)), tasks,
-                             train.sample_config(args, temperature), progress=bar)
+    eps, records = rollout_recorded(model, engine.Chat(tok, world, bool(args.thinking)), tasks,
+                                    train.sample_config(args, temperature), Recording(tok, "envscaler", log, stem))
     rows = [{"split": "test", "tasks": len(tasks), **engine.summarize(eps)}]
     print(f"EnvScaler, {len(tasks)} held-out tasks ({split['rule']})\n")
     print(results.markdown_table({name: rows[0]}, table="behaviour"))
     result = {"student": name, "release": split["env_metadata"], "split": split["rule"], "rows": rows}
-    return write_result(result_stem(args.out, "envscaler", n_test, temperature), result,
-                        task_records(tok, "envscaler", eps, {}))
+    return write_result(stem, result, records)
 
 
 def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> Scored:
@@ -464,6 +504,7 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> Scored:
     from worlds import bfcl
     model, tok, name = load_eval_student(args)
     cfg, rows, records = train.sample_config(args, temperature), [], []
+    stem = result_stem(args.out, bfcl_what(categories), n_test, temperature)
     for cat in categories:
         single = cat in bfcl.SINGLE_TURN                      # one reply, BFCL's AST checker
         tasks = bfcl.load_single_turn([cat]) if single else bfcl.load_tasks([cat])
@@ -472,16 +513,14 @@ def eval_bfcl(args, categories, n_test: int = 0, temperature=None) -> Scored:
         world = functools.partial(bfcl.BFCLSingleWorld if single else bfcl.BFCLWorld, log=log, **steps)
         chat = engine.Chat(tok, world, bool(args.thinking))
         devices.seed_everything(args.seed + 1)
-        with devices.precision(model), tqdm(total=len(tasks), desc=f"eval bfcl {cat}", leave=False) as bar:
-            eps = engine.rollout(model, chat, tasks, cfg, progress=bar)
-        records += task_records(tok, f"bfcl-v3:{cat}", eps, log)
+        records += rollout_recorded(model, chat, tasks, cfg, Recording(tok, f"bfcl-v3:{cat}", log, stem))[1]
         passed = sum(v["passed"] for v in log.values())                      # BFCL's verdict per task
         turns = sum(v["turns_passed"] / v["turns"] for v in log.values())     # the training reward per task
         rows.append({"category": cat, "tasks": len(tasks), "accuracy": passed / len(tasks),
                      "turns": turns / len(tasks)})
     print(results.bfcl_table(rows, name, single=bfcl.SINGLE_TURN))
     result = {"student": name, "release": bfcl.RELEASE, "rows": rows}
-    return write_result(result_stem(args.out, bfcl_what(categories), n_test, temperature), result, records)
+    return write_result(stem, result, records)
 
 
 def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, user_model: str = "") -> Scored:
@@ -495,13 +534,12 @@ def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, use
     user = acebench.ModelUser(*acebench_user(args, model, tok, user_model),
                               min(acebench.USER_MAX_TOKENS, args.max_new_tokens))
     cfg, rows, records = train.sample_config(args, temperature), [], []
+    stem = result_stem(args.out, acebench_what(regimes), n_test, temperature)
     for regime, part in tasks.items():
         log = {}
         chat = engine.Chat(tok, functools.partial(acebench.AceBenchWorld, user=user, log=log), bool(args.thinking))
         devices.seed_everything(args.seed + 1)
-        with devices.precision(model), tqdm(total=len(part), desc=f"eval acebench {regime}", leave=False) as bar:
-            eps = engine.rollout(model, chat, part, cfg, progress=bar)
-        records += task_records(tok, f"acebench:{regime}", eps, log)
+        records += rollout_recorded(model, chat, part, cfg, Recording(tok, f"acebench:{regime}", log, stem))[1]
         verdict = acebench.score(part, [log[t.task_id]["record"] for t in part])    # ACEBench's, over the regime
         if "error" in verdict:
             print(f"acebench {regime}: ACEBench's checker gave no verdict, scored 0 ({verdict['error']})")
@@ -510,7 +548,7 @@ def eval_acebench(args, path, regimes, n_test: int = 0, temperature=None, *, use
     print(results.acebench_table(rows, name))
     result = {"student": name, "clone": os.path.abspath(path), "user_model": user_model or "the backbone",
               "rows": rows}
-    return write_result(result_stem(args.out, acebench_what(regimes), n_test, temperature), result, records)
+    return write_result(stem, result, records)
 
 
 def acebench_user(args, student, tok, spec: str):
@@ -598,6 +636,27 @@ def evaluate_benchmark(args, bench: Benchmark, a) -> Scored:
     return eval_acebench(args, path, regimes, a.n_test, a.temperature, user_model=a.user_model)
 
 
+def fit_budgets(args, bench: Benchmark, n_test: int, given=()) -> train.Args:
+    """One benchmark's budgets before the model loads (memory.eval_budgets: on a CPU, replies and steps that take
+    minutes where the command set none, `given` the names of train.py's flags on it; conversations within the
+    model's context), said in one line with the tasks and the device. The toy's run keeps its own (train.py fitted
+    them to its backbone)."""
+    from worlds import acebench
+    device, real = devices.device_type(args.device), not train.is_toy(args)
+    n_ctx = getattr(models.check_causal_lm(args.model), "max_position_embeddings", None) if real else None
+    args, whence = memory.eval_budgets(args, device == "cpu" and real, n_ctx, given)
+    steps = {"code": "one reply a problem", "acebench": f"{acebench.MAX_MESSAGES} messages (ACEBench's)",
+             "bfcl-v3": f"{args.max_env_steps} steps a turn", "envscaler": f"{args.max_env_steps} steps"}[bench.kind]
+    steps += f" ({whence['max_env_steps']}; --max-env-steps sets it)" if bench.kind in ("bfcl-v3", "envscaler") else ""
+    parts = bench.value if bench.kind == "bfcl-v3" else bench.value[1] if bench.kind == "acebench" else ()
+    named = f"{bench.kind} ({', '.join(parts)})" if parts else bench.what
+    devices.say(f"evaluation: {named}, {f'the first {n_test}' if n_test else 'all'} tasks"
+                f"{' of each part' if bench.kind in ('code', 'bfcl-v3', 'acebench') else ''}; replies up to "
+                f"{args.max_new_tokens:,} tokens ({whence['max_new_tokens']}; --max-new-tokens sets it); at most "
+                f"{steps}; conversations up to {args.max_len:,} tokens ({whence['max_len']}); on {device}")
+    return args
+
+
 # §4.1, Table 1: the student's row of EnvScaler, BFCL-v3 and ACEBench, each benchmark sampled as B.3 says
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "max_len", "thinking")   # the table records them
 
@@ -609,7 +668,7 @@ def eval_table1(args, benches, a, given=()) -> dict:
     (`result_stem`: never over another's). -> the table's JSON."""
     scored, sampling = {}, {}
     for bench in benches:
-        bargs = b3_args(args, bench.kind, given)
+        bargs = fit_budgets(b3_args(args, bench.kind, given), bench, a.n_test, given)
         scored[bench.kind] = evaluate_benchmark(bargs, bench, a)
         sampling[bench.kind] = {k: getattr(bargs, k) for k in SAMPLING_FIELDS}
         sampling[bench.kind]["temperature"] = bargs.temperature if a.temperature is None else a.temperature
@@ -882,7 +941,9 @@ def main(argv=None):
         with devices.one_line_errors():
             if len(benches) > 1:
                 return eval_table1(args, benches, a, given_flags(rest))
-            return evaluate_benchmark(b3_args(args, benches[0].kind, given_flags(rest)), benches[0], a).result["rows"]
+            given, bench = given_flags(rest), benches[0]
+            bargs = fit_budgets(b3_args(args, bench.kind, given), bench, a.n_test, given)
+            return evaluate_benchmark(bargs, bench, a).result["rows"]
     if a.conventions and (args.env != "code" or args.tasks):
         p.error(f"--conventions: the run {a.run!r} is not on the toy code world, the only one with judges' conventions")
     if a.show:

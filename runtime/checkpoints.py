@@ -70,6 +70,18 @@ def write_jsonl(path: str, rows):
             f.write(json.dumps(r) + "\n")
 
 
+def append_jsonl(path: str, row):
+    """Append one JSON line in a single write to a file opened for appending, then flush it to disk: a kill leaves
+    every earlier line whole (values JSON cannot write are written as text)."""
+    line = (json.dumps(row, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def absolute_paths(args):
     """Every path of a run's settings made absolute (--model where it is a folder, --tasks, --env FILE.py,
     --chat-template, --tensorboard), so that its args.json works from any directory (eval.py --run)."""

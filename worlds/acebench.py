@@ -575,29 +575,37 @@ class AceBenchWorld(Environment):
         self.dialogue.append({"role": "assistant", "content": line})
         return line
 
-    def _ends(self, text: str) -> bool:
-        """ACEBench's stop: "finish conversation" in the third message or later, or the message cap reached."""
-        return (self.messages > 2 and FINISH in text) or self.messages >= self.max_messages
+    def _ends(self, text: str) -> str:
+        """ACEBench's stop, or "": "done" at "finish conversation" in the third message or later, "step cap" at the
+        message cap (common.ENDS)."""
+        if self.messages > 2 and FINISH in text:
+            return "done"
+        return "step cap" if self.messages >= self.max_messages else ""
+
+    def _result(self, text: str, n_calls: int = 0, errors: int = 0, user: str | None = None) -> StepResult:
+        """A step's result with nothing to observe but the next user line, ended where `_ends(text)` says."""
+        end = self._ends(text)
+        return StepResult([], bool(end), n_calls, errors, user=user, end=end)
 
     def step(self, reply: str) -> StepResult:
         text = visible(reply)
         self.messages += 1                                        # the agent's message
         if self._ends(text):
-            return StepResult([], True)
+            return self._result(text)
         calls = decode(text)
         if self.task.variant == "multi_turn" and not (calls is not None and _bracketed(text)):
             return self._to_user(text)
         self.process.append(text)                                 # what the milestone score reads
         if calls is None:                                         # multi-step: ACEBench's answer to prose
             self.messages += 1
-            return StepResult([], self._ends(""), 0, 1, user=EXECUTION["multi_step"] + self.clone.prompts["unparsed"])
+            return self._result("", 0, 1, EXECUTION["multi_step"] + self.clone.prompts["unparsed"])
         ran = self._run(calls)
         if ran is None:                                           # the worker is gone: the episode ends
-            return StepResult([GONE], True, len(calls), len(calls))
+            return StepResult([GONE], True, len(calls), len(calls), end="error")
         message, errors = ran
         self.saved = self.saved or self.task.variant == "multi_step" or errors == 0   # ACEBench keeps the state
         self.messages += 1
-        return StepResult([], self._ends(""), len(calls), errors, user=EXECUTION[self.task.variant] + message)
+        return self._result("", len(calls), errors, EXECUTION[self.task.variant] + message)
 
     def _to_user(self, text: str) -> StepResult:
         """Multi-turn: a message that is no call goes to the user simulator; its line comes back."""
@@ -605,7 +613,7 @@ class AceBenchWorld(Environment):
         line = visible(self.user(list(self.dialogue)))
         self.dialogue.append({"role": "assistant", "content": line})
         self.messages += 1
-        return StepResult([], self._ends(line), user="user:" + line)
+        return self._result(line, user="user:" + line)
 
     def _run(self, calls) -> tuple[str, int] | None:
         """The calls of one reply on the task's instances -> (the execution's message: ACEBench's list of results,
@@ -666,8 +674,12 @@ class AceBenchWorld(Environment):
         record = {"result": self.final_state(), "process": list(self.process)}
         verdict = score([self.task], [record], getattr(self, "worker", None))     # in the episode's, if it runs
         if self.log is not None:
-            self.log[self.task.task_id] = {"passed": verdict["correct"] == 1, "process": verdict["process"],
-                                           "record": record, "error": verdict.get("error")}
+            passed = verdict["correct"] == 1
+            reason = ("" if passed else f"the final state differs from the ground truth's; milestones "
+                      f"{verdict['process']:.2f}")
+            reason = f"ACEBench's checker gave no verdict: {verdict['error']}" if verdict.get("error") else reason
+            self.log[self.task.task_id] = {"passed": passed, "process": verdict["process"], "record": record,
+                                           "error": verdict.get("error"), "reason": reason}
         self.close()
         return float(verdict["process"])
 

@@ -151,14 +151,20 @@ def load_single_turn(categories=SINGLE_TURN) -> list[BFCLTask]:
 
 
 def ast_check(task: BFCLTask, calls: list) -> bool:
-    """BFCL's verdict on one single-turn reply's parsed calls [(name, arguments)]: irrelevance is right when the
-    reply makes no call, live_relevance when it makes one; every other category goes to BFCL's `ast_checker`. Its
-    module imports every vendor SDK through `constants.model_config` for one flag (whether a model's function names
-    had "." turned into "_"); a stub module with that flag off for our name stands in, so nothing else is imported."""
+    """BFCL's verdict on one single-turn reply's parsed calls [(name, arguments)] (`ast_verdict`'s first half)."""
+    return ast_verdict(task, calls)[0]
+
+
+def ast_verdict(task: BFCLTask, calls: list) -> tuple[bool, str]:
+    """BFCL's verdict on one single-turn reply's parsed calls and its reason ("" when it passes): irrelevance is
+    right when the reply makes no call, live_relevance when it makes one; every other category goes to BFCL's
+    `ast_checker`, whose message is the reason. Its module imports every vendor SDK through `constants.model_config`
+    for one flag (whether a model's function names had "." turned into "_"); a stub module with that flag off for
+    our name stands in, so nothing else is imported."""
     if "irrelevance" in task.variant:
-        return not calls
+        return not calls, "" if not calls else "a call where none should be made"
     if task.variant == "live_relevance":
-        return bool(calls)
+        return bool(calls), "" if calls else "no call where one should be made"
     package_dir()
     import sys
     import types
@@ -170,10 +176,12 @@ def ast_check(task: BFCLTask, calls: list) -> bool:
     output = [{name: args} for name, args in calls]
     try:     # the checker compares the parsed values with the possible answers (no eval); a value it cannot
         #      compare (a type it did not expect) is a wrong answer, not the run's end
-        return bool(ast_checker(task.entry["function"], output, task.ground_truth, "Python", task.variant,
-                                "lopd")["valid"])
-    except Exception:
-        return False
+        verdict = ast_checker(task.entry["function"], output, task.ground_truth, "Python", task.variant, "lopd")
+    except Exception as err:
+        return False, f"BFCL's checker could not compare the values ({type(err).__name__})"
+    if verdict["valid"]:
+        return True, ""
+    return False, f"{'; '.join(map(str, verdict.get('error', [])))} ({verdict.get('error_type')})"[:300]
 
 
 def function_docs(class_name: str) -> list[dict]:
@@ -294,8 +302,11 @@ def call(name, args):
 
 def check(prefixes, variant):
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
-    return {"valid": [bool(multi_turn_checker(decoded, truth, entry, variant, "lopd_%d" % i)["valid"])
-                      for i, (entry, truth, decoded) in enumerate(prefixes)]}
+    verdicts = [multi_turn_checker(decoded, truth, entry, variant, "lopd_%d" % i)
+                for i, (entry, truth, decoded) in enumerate(prefixes)]
+    return {"valid": [bool(v["valid"]) for v in verdicts],
+            "reasons": ["%s (%s)" % (v.get("error_message", ""), v.get("error_type", "")) if not v["valid"] else ""
+                        for v in verdicts]}
 
 for line in sys.stdin:
     req = json.loads(line)
@@ -333,7 +344,7 @@ class BFCLWorld(Environment):
 
     def reset(self, task: BFCLTask) -> list[dict]:
         self.close()
-        self.task, self.trace, self.turn, self.steps_in_turn, self.quit = task, [], 0, 0, False
+        self.task, self.trace, self.turn, self.steps_in_turn, self.quit = task, [], 0, 0, ""
         held = {n for names in task.entry.get("missed_function", {}).values() for n in names}
         self.docs = {d["name"]: d for c in task.entry["involved_classes"] for d in function_docs(c)}
         self.listed = [n for n in self.docs if n not in held]     # what the prompt lists so far
@@ -347,8 +358,9 @@ class BFCLWorld(Environment):
             return self._next_turn()
         self.steps_in_turn += 1
         if self.steps_in_turn > self.max_steps:                   # BFCL's forced quit fails the task
-            self.quit = True
-            return StepResult([f"Model has been forced to quit after {self.max_steps} steps."], True, 0, 1)
+            self.quit = f"BFCL's forced quit: more than {self.max_steps} steps in turn {self.turn + 1}"
+            return StepResult([f"Model has been forced to quit after {self.max_steps} steps."], True, 0, 1,
+                              end="step cap")
         observations, errors, executed = [], 0, []
         for name, args in calls:
             problem = self._problem(name, args)
@@ -357,8 +369,8 @@ class BFCLWorld(Environment):
                 continue
             answer = self._execute(name, args)
             if answer is None:                                    # the worker is gone: the episode ends, failed
-                self.quit = True
-                return StepResult(observations + [GONE], True, len(calls), errors + 1)
+                self.quit = GONE.removeprefix("Error: ")
+                return StepResult(observations + [GONE], True, len(calls), errors + 1, end="error")
             observations, errors = observations + [answer["text"]], errors + (not answer["ok"])
             executed.append(call_string(name, args, self.docs[name]))   # BFCL's checker runs it again
         self.decoded[self.turn].append(executed)
@@ -392,7 +404,7 @@ class BFCLWorld(Environment):
     def _next_turn(self) -> StepResult:
         self.turn, self.steps_in_turn = self.turn + 1, 0
         if self.turn >= len(self.task.entry["question"]):
-            return StepResult([], True)
+            return StepResult([], True, end="done")
         arriving = self.task.entry.get("missed_function", {}).get(str(self.turn), [])
         if arriving:                                              # held-out functions arrive in a user message
             self.listed += arriving
@@ -403,17 +415,19 @@ class BFCLWorld(Environment):
 
     def reward(self) -> float:
         """The fraction of turns whose prefix BFCL's checker passes (0 after a forced quit or a worker gone); BFCL's
-        verdict on the whole task goes to `log`."""
+        verdict on the whole task goes to `log`, with the reason of its first failed turn (the checker's message)."""
         turns = len(self.task.ground_truth)
-        passed = [False] * turns if self.quit else self._checked(turns)
+        passed, reason = ([False] * turns, self.quit) if self.quit else self._checked(turns)
         if self.log is not None:
-            self.log[self.task.task_id] = {"passed": bool(passed[-1]), "turns_passed": sum(passed), "turns": turns}
+            self.log[self.task.task_id] = {"passed": bool(passed[-1]), "turns_passed": sum(passed), "turns": turns,
+                                           "reason": reason}
         self.close()
         return sum(passed) / turns
 
-    def _checked(self, turns: int) -> list[bool]:
+    def _checked(self, turns: int) -> tuple[list[bool], str]:
         """BFCL's multi_turn_checker on each prefix of k turns (the task and the decoded calls cut to k turns), in the
-        episode's worker; all False when the worker gives no verdict."""
+        episode's worker; all False when the worker gives no verdict. -> (the verdicts, the first failed turn's
+        message: "turn k: the checker's message (its error type)"; "" when every turn passes)."""
         prefixes = [({**self.task.entry, "question": self.task.entry["question"][:k]}, self.task.ground_truth[:k],
                      self.decoded[:k]) for k in range(1, turns + 1)]
         if getattr(self, "worker", None) is None:
@@ -421,8 +435,11 @@ class BFCLWorld(Environment):
         answer = self.worker.request(op="check", prefixes=prefixes, variant=self.task.variant)
         valid = answer.get("valid") if answer else None
         if not (isinstance(valid, list) and len(valid) == turns and all(isinstance(v, bool) for v in valid)):
-            return [False] * turns
-        return valid
+            return [False] * turns, "BFCL's checker gave no verdict"
+        reasons = answer.get("reasons")
+        reasons = reasons if isinstance(reasons, list) and len(reasons) == turns else [""] * turns
+        first = next((k for k, v in enumerate(valid) if not v), None)
+        return valid, "" if first is None else f"turn {first + 1}: {utf8_text(str(reasons[first]))[:300]}"
 
     def close(self):
         """Stop the episode's worker, if it runs."""
@@ -467,17 +484,18 @@ class BFCLSingleWorld(Environment):
     task: BFCLTask | None = None
 
     def reset(self, task: BFCLTask) -> list[dict]:
-        self.task, self.trace, self.passed = task, [], False
+        self.task, self.trace, self.passed, self.reason = task, [], False, "no reply"
         self.tools = [schema(d) for d in task.entry["function"]]
         return list(task.entry["question"][0])
 
     def step(self, reply: str) -> StepResult:
         calls = [(n, a) for n, a in parse_tool_calls(reply, self.response_template) if n is not None]
         self.trace = [(n, a, "") for n, a in calls]
-        self.passed = ast_check(self.task, calls)
-        return StepResult([], True, len(calls), 0)
+        self.passed, self.reason = ast_verdict(self.task, calls)
+        return StepResult([], True, len(calls), 0, end="done")        # one reply: the task's end
 
     def reward(self) -> float:
         if self.log is not None:
-            self.log[self.task.task_id] = {"passed": self.passed, "turns_passed": int(self.passed), "turns": 1}
+            self.log[self.task.task_id] = {"passed": self.passed, "turns_passed": int(self.passed), "turns": 1,
+                                           "reason": self.reason}
         return float(self.passed)

@@ -96,8 +96,9 @@ class CodeWorld(Environment):
         self.passed, detail, self.parts = verify_detail(self.task, code, self.limits)
         self.trace = [("program", {"code": code}, detail)]
         if self.log is not None:
-            self.log[self.task.task_id] = {"passed": self.passed, "detail": detail, **self.parts}
-        return StepResult([], True, 0, int(not self.passed))
+            self.log[self.task.task_id] = {"passed": self.passed, "detail": detail, **self.parts,
+                                           "reason": "" if self.passed else detail[:300]}
+        return StepResult([], True, 0, int(not self.passed), end="done")     # one program: the task's end
 
     def reward(self) -> float:
         return float(self.passed)

@@ -279,6 +279,23 @@ def format_call(name: str, args: dict) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # The environment: reset / step / reward
 # ----------------------------------------------------------------------------------------------------------------
+# Why an episode ended (engine.Episode.end, in an evaluation's records): a world names its own reason when it ends
+# an episode (`StepResult.end`); the engine names the two budgets it enforces itself.
+ENDS = {"done": "the task's end: 'Task Completed', BFCL's last turn answered, ACEBench's 'finish conversation', "
+                "a code world's one program",
+        "no call": "a reply without a tool call (A.5: it ends the episode, as 'Task Completed' does)",
+        "step cap": "--max-env-steps reached (BFCL: steps in a turn, its forced quit; ACEBench: its message cap)",
+        "error": "the world ended it: a tool raised, its worker is gone, the session was aborted",
+        "world": "the world ended it and named no reason (its StepResult.end is empty)",
+        "token budget": "the engine: the reply was cut at --max-new-tokens",
+        "context full": "the engine: the next reply might not fit --max-len"}
+
+
+def reply_end(reply: str) -> str:
+    """Why a reply without a call ends an episode: "done" where it says DONE_TEXT, else "no call"."""
+    return "done" if DONE_TEXT in reply else "no call"
+
+
 @dataclass
 class StepResult:
     observations: list            # one tool-result string per call (empty when the episode ended)
@@ -286,6 +303,7 @@ class StepResult:
     n_calls: int = 0
     errors: int = 0
     user: str | None = None       # a multi-turn task's next user message, once a reply has ended a turn (BFCL)
+    end: str = ""                 # where done: why, one of ENDS ("" = "world")
 
 
 TASK_FIELDS = ("task_id", "text", "variant", "schema")     # what every task holds (`Environment`'s docstring)

