@@ -355,7 +355,7 @@ class RecordChat:
 
 
 def record_episode(tok, record: dict, task, ends: list[str]) -> engine.Episode:
-    """An episode rebuilt from a .records.jsonl line (`task_records`). The records keep text, not ids: the prompt,
+    """An episode rebuilt from a .records.jsonl line (`task_record`). The records keep text, not ids: the prompt,
     each reply and each observation are tokenized again, a piece at a time as the rollout tokenized them. A reply is
     the text up to its first end of turn (`ends`, its strings), ω = 1; an observation is what follows up to the next
     assistant header (the prompt's text after its last end of turn), ω = 0. A reply whose sampled ids were not the
@@ -378,7 +378,7 @@ def record_episode(tok, record: dict, task, ends: list[str]) -> engine.Episode:
 
 
 def show_record(args: train.Args, path: str, index: int) -> str:
-    """eval.py --show FILE.records.jsonl --index K: record K of an evaluation's records (`task_records`), its reply
+    """eval.py --show FILE.records.jsonl --index K: record K of an evaluation's records (`task_record`), its reply
     tokens scored again by the run's student and its teacher on the token view (`token_page`), written beside FILE
     as <stem>.show<K>.html. -> that page's path."""
     if not os.path.isfile(path):

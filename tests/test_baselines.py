@@ -196,6 +196,18 @@ def test_opsd_pool_prefers_the_bank_then_the_oracle():
 # ------------------------------------------------------------------------------------------------------------
 # SDFT: an EMA teacher at 0.01 reads the task's demonstration in the first user message
 # ------------------------------------------------------------------------------------------------------------
+def _fix_rewards(monkeypatch, rewards):
+    """engine.rollout as it is, but its episodes' rewards set to `rewards`, in order (a step's rows are adjacent)."""
+    real_rollout = engine.rollout
+
+    def rollout(*a, **kw):
+        eps = real_rollout(*a, **kw)
+        for e, r in zip(eps, rewards):
+            e.reward = r
+        return eps
+    monkeypatch.setattr(engine, "rollout", rollout)
+
+
 def _turns(text):
     """The rendered prompt's turns: {role: its content} (the chat template's <|im_start|>role ... <|im_end|>)."""
     return {t.split("\n", 1)[0]: t.split("\n", 1)[1].split("<|im_end|>")[0]
@@ -437,14 +449,8 @@ def test_ppo_clip_gets_group_normalised_advantages_by_hand(world, monkeypatch, m
     (group_advantages' docstring, as TRL; paper B.1: GRPO's and Skill-SD's group-normalised advantages)."""
     tasks = world["train"][8:11]
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.25, 1.0, 0.0, 0.75]   # three groups of 4, rows adjacent
-    real_rollout, seen = engine.rollout, []
-
-    def rollout(*a, **kw):
-        eps = real_rollout(*a, **kw)
-        for e, r in zip(eps, rewards):
-            e.reward = r
-        return eps
-    monkeypatch.setattr(engine, "rollout", rollout)
+    seen = []
+    _fix_rewards(monkeypatch, rewards)
     real_ppo = baselines.ppo_clip_loss
     monkeypatch.setattr(baselines, "ppo_clip_loss",
                         lambda *a, **k: seen.append(a[2].detach().double().tolist()) or real_ppo(*a, **k))
@@ -632,14 +638,8 @@ def test_skillsd_step_values_each_tasks_skill_by_its_teachers_edges_on_the_group
     neither a mean reward nor a sum passes. The teacher reads the skill: its edges are not zero."""
     tasks = world["train"][8:10]
     rewards = [1.0, 0.0, 0.5, 0.0, 0.25, 0.25, 0.25, 0.25]             # two groups of 4; the second orders nothing
-    real_rollout, seen = engine.rollout, []
-
-    def rollout(*a, **kw):
-        eps = real_rollout(*a, **kw)
-        for e, r in zip(eps, rewards):
-            e.reward = r
-        return eps
-    monkeypatch.setattr(engine, "rollout", rollout)
+    seen = []
+    _fix_rewards(monkeypatch, rewards)
     real_loss = baselines.skillsd_loss
     monkeypatch.setattr(baselines, "skillsd_loss", lambda logp, old, logp_t, adv, mask, **k: seen.append(
         (logp.detach().double(), logp_t.double(), mask.double())) or real_loss(logp, old, logp_t, adv, mask, **k))

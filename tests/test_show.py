@@ -102,11 +102,11 @@ def test_tensorboard_scalars_hold_the_values_of_metrics_jsonl(tmp_path):
 
 
 def records_read_back(tok, chat, eps):
-    """Each episode written as an evaluation's record (eval.task_records) and read back (eval.record_episode), with
+    """Each episode written as an evaluation's record (eval.task_record) and read back (eval.record_episode), with
     the RecordChat and the RecordTask the token view reads it through. -> [(chat, task, episode)]."""
     rchat = ev.RecordChat(chat)
     out = []
-    for ep, rec in zip(eps, ev.task_records(tok, "toy", eps, {})):
+    for ep, rec in zip(eps, [ev.task_record(tok, "toy", ep, None) for ep in eps]):
         task = ev.RecordTask(rec["task_id"], rchat.task_text(rec["prompt"]), ep.task.variant, rec["prompt"])
         out.append((rchat, task, ev.record_episode(tok, rec, task, [tok.eos_token])))
     return out

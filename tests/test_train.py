@@ -324,7 +324,7 @@ def test_show_opens_an_evaluations_records(runs, backbone, tmp_path, capsys):
     rollouts = [json.loads(line) for line in read(os.path.join(runs["a"], "base_rollouts.jsonl")).splitlines()[:3]]
     eps = [engine.Episode.from_record(r, types.SimpleNamespace(task_id=r["task_id"])) for r in rollouts]
     path = tmp_path / "toy_all.records.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in ev.task_records(tok, "toy", eps, {})))
+    path.write_text("".join(json.dumps(ev.task_record(tok, "toy", ep, None)) + "\n" for ep in eps))
     ev.main(["--run", runs["a"], "--show", str(path), "--index", "1"])
     page = (tmp_path / "toy_all.show1.html").read_text()
     assert f"wrote {tmp_path / 'toy_all.show1.html'}" in capsys.readouterr().out

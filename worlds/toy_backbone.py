@@ -495,11 +495,13 @@ def check_conventions(path: str, conventions: int, n_shops: int = 0):
         return
     k, n = backbone_conventions(path), backbone_shops(path)
     want = len(shops(conventions, n_shops))
-    if k != conventions or (k and n != want):
-        built = f"the tool world with {k} conventions and {n} shops" if k else "another world"
-        raise UserError(f"--model {path!r} was built for {built}, not --conventions {conventions} --shops {want}; "
-                        f"leave --model out (the shipped backbone of that world is used) or build one: python -m "
-                        f"worlds.toy_backbone --conventions {conventions} --shops {want}")
+    if k == conventions and n == want:
+        return
+    built, asked = ((f"the tool world with {n} shops", f"--shops {want}") if k == conventions else
+                    (f"the tool world with {k} conventions" if k else "another world", f"--conventions {conventions}"))
+    flags = f"--conventions {conventions}" + (f" --shops {n_shops}" if n_shops else "")
+    raise UserError(f"--model {path!r} was built for {built}, not {asked}; leave --model out (the shipped backbone "
+                    f"of that world is used) or build one: python -m worlds.toy_backbone {flags}")
 
 
 def backbone_conventions(folder: str) -> int:
